@@ -1,0 +1,239 @@
+"""How a flat tensor is allreduced: the backend's own collective ("native") or our ring ("ring").
+
+Contract used by the engine: ``start_allreduce(tensor, group=..., algorithm=...)`` begins an
+in-place SUM allreduce and returns a :class:`PendingAllreduce`; ``wait()`` blocks until the
+tensor holds the sum.  Collectives are always *started* from the caller's thread, in the
+same order on every rank (Gloo matches operations by order).
+
+The ring (:func:`ring_allreduce`) is built only on ``P2POp`` + ``batch_isend_irecv``, so it
+runs on any backend that has point-to-point operations (Gloo on CPU, NCCL on GPU).  It is
+synchronous: ``start_allreduce(..., algorithm="ring")`` returns an already-completed handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("native", "ring")
+
+# Size of one pipelined message.  Small enough that a segment of a fused slice (tens of MB)
+# is cut into several pieces, so the transport sends piece k+1 while we add piece k; large
+# enough that per-message overhead (a Python call and a Gloo rendezvous, ~50 us) is < 1%.
+# Chosen with `python -m gradientflow.bench.allreduce_bw --pipeline-kb ...` (benchmarks/).
+DEFAULT_PIPELINE_BYTES = 4 << 20
+
+
+class PendingAllreduce:
+    """An allreduce in flight.  ``completed_at`` is a ``time.perf_counter()`` stamp once done."""
+
+    def __init__(self, work: dist.Work | None, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.completed_at: float | None = None
+        self._work = work
+        if work is None:
+            self.completed_at = time.perf_counter()
+        else:
+            # Only a timestamp is taken in the callback: never a collective (see DESIGN.md).
+            work.get_future().add_done_callback(self._mark_done)
+
+    def _mark_done(self, _fut: torch.futures.Future) -> None:
+        self.completed_at = time.perf_counter()
+
+    def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
+            except RuntimeError as exc:  # Gloo/NCCL timeouts and peer failures surface here
+                raise RuntimeError(
+                    f"gradientflow: allreduce of {self.tensor.numel()} x {self.tensor.dtype} failed: {exc}. "
+                    "A peer may have died or ranks issued different collectives (mismatched models, "
+                    "or a collective outside gradientflow on some ranks only)."
+                ) from exc
+            if self.completed_at is None:
+                self.completed_at = time.perf_counter()
+        return self.tensor
+
+
+def start_allreduce(
+    tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, algorithm: str = "native"
+) -> PendingAllreduce:
+    """Start an in-place SUM allreduce of ``tensor`` over ``group`` with ``algorithm``.
+
+    "native" is asynchronous (the backend's own allreduce).  "ring" runs :func:`ring_allreduce`
+    to completion before returning: progressing it from another thread or a callback would
+    break the one-thread ordering rule of DESIGN.md.
+    """
+    if algorithm == "native":
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return PendingAllreduce(work, tensor)
+    if algorithm == "ring":
+        try:
+            ring_allreduce(tensor, group)
+        except RuntimeError as exc:  # same advice as the native path's wait()
+            raise RuntimeError(
+                f"gradientflow: ring allreduce of {tensor.numel()} x {tensor.dtype} failed: {exc}. "
+                "A peer may have died or ranks issued different collectives."
+            ) from exc
+        return PendingAllreduce(None, tensor)
+    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of ``parts`` near-equal pieces of ``range(n)``, larger ones first."""
+    q, rem = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + q + (i < rem)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def ring_allreduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    accumulate_dtype: torch.dtype | None = None,
+    pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
+) -> None:
+    """In-place SUM allreduce of ``tensor`` over ``group``: a pipelined ring of point-to-point ops.
+
+    Every rank must call it with a tensor of the same numel, dtype and arguments.  Group rank
+    ``r`` sends only to ``r+1`` and receives only from ``r-1`` (mod N).
+
+    1. Cut the flat tensor into N near-equal segments, and every segment into the same
+       number K of pieces of at most ``pipeline_bytes`` (on the wire).
+    2. Reduce-scatter, steps t = 0..N-2: send segment ``r-t``, receive segment ``r-t-1`` into
+       scratch and add it to our own copy.  After N-1 steps rank r holds the full sum of
+       segment ``r+1``.
+    3. All-gather, steps t = N-1..2N-3 (u = t-N+1): send segment ``r+1-u``, receive segment
+       ``r-u`` straight into the tensor.
+    4. Pipelining: each piece moves independently.  As soon as piece k of step t has arrived
+       and been added, piece k of step t+1 (which is exactly that sum, or in the all-gather
+       that copy) is posted, while pieces k+1.. of step t are still on the wire.  Each
+       (send, recv) pair of one piece is one ``batch_isend_irecv`` batch, so NCCL cannot
+       deadlock on it; waiting on the batch also frees its send buffer for reuse.
+    5. Wait for every batch before returning: the tensor and scratch are then free.
+
+    ``accumulate_dtype`` (e.g. ``torch.float32`` on an fp16/bf16 tensor): partial sums are kept
+    *and sent* in that dtype during the reduce-scatter, and rounded to the tensor's dtype once,
+    by the owner of each segment; the all-gather then moves the tensor's dtype.  This costs
+    1.5x the wire bytes of a pure fp16 ring (0.75x of an fp32 one).  Adding in fp32 but
+    forwarding a partial rounded to fp16 at every hop would be no more accurate than a plain
+    fp16 sum: a sum of two fp16 values computed in fp32 then rounded is exactly the correctly
+    rounded fp16 sum that ``half + half`` (and Gloo's/NCCL's fp16 reduction) already computes.
+
+    Memory: one scratch buffer of about ``numel/N`` elements (two in ``accumulate_dtype``),
+    allocated on ``tensor.device``.  A non-contiguous ``tensor`` raises ``ValueError``
+    rather than silently costing two copies: pass ``tensor.contiguous()`` and copy back.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError(
+            "ring_allreduce needs a contiguous tensor (it sends views of its flat storage); "
+            "reduce t.contiguous() and copy the result back"
+        )
+    if pipeline_bytes < 1:
+        raise ValueError(f"pipeline_bytes must be >= 1, got {pipeline_bytes}")
+    if accumulate_dtype == tensor.dtype:
+        accumulate_dtype = None
+    if accumulate_dtype is not None and not (accumulate_dtype.is_floating_point and tensor.is_floating_point()):
+        raise ValueError(f"accumulate_dtype must be a floating dtype for a floating tensor, got {accumulate_dtype}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("ring_allreduce called on a rank that is not a member of the group")
+    n = tensor.numel()
+    if world == 1 or n == 0:
+        return
+
+    flat = tensor.view(-1)
+    # 1. Segments and pieces.  K is the same for all segments (sizes differ by at most one
+    # element) so sender and receiver always agree on a piece's size; piece k of any segment
+    # lives in scratch slot k, so pieces of different segments never overlap in scratch.
+    seg = _split(n, world)
+    seg_len = seg[0][1] - seg[0][0]
+    acc_dtype = accumulate_dtype or tensor.dtype
+    piece_elems = max(1, pipeline_bytes // acc_dtype.itemsize)
+    k_pieces = math.ceil(seg_len / piece_elems)
+    slot = math.ceil(seg_len / k_pieces)
+    pieces = [[(s + a, s + b) for a, b in _split(e - s, k_pieces)] for s, e in seg]
+    bufs = [torch.empty(slot * k_pieces, dtype=acc_dtype, device=tensor.device)]
+    if accumulate_dtype is not None:
+        # Double-buffered: step t receives into bufs[t % 2] while step t+1 sends from it.
+        bufs.append(torch.empty_like(bufs[0]))
+
+    def peer(group_rank: int) -> int:
+        return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+    nxt, prv = peer((rank + 1) % world), peer((rank - 1) % world)
+    last_rs = world - 2  # last reduce-scatter step
+    steps = 2 * (world - 1)
+
+    def send_seg(t: int) -> int:
+        return (rank - t) % world if t <= last_rs else (rank + 1 - (t - world + 1)) % world
+
+    def recv_seg(t: int) -> int:
+        return send_seg(t + 1)  # what arrives at step t is forwarded at step t+1
+
+    def piece(i: int, k: int) -> tuple[torch.Tensor, slice | None]:
+        """(view of segment i's piece k in the tensor, its slice of scratch slot k; None if empty)."""
+        a, b = pieces[i][k]
+        return flat[a:b], None if a == b else slice(k * slot, k * slot + b - a)
+
+    def send_buf(t: int, k: int) -> torch.Tensor:
+        view, sl = piece(send_seg(t), k)
+        if accumulate_dtype is None or t > last_rs:
+            return view
+        if t == 0:  # stage our own fp16 piece in the accumulate dtype (bufs[1] is free at t=0)
+            return bufs[1][sl].copy_(view)
+        return bufs[(t - 1) % 2][sl]  # the partial sum received and added at step t-1
+
+    def recv_buf(t: int, k: int) -> torch.Tensor:
+        view, sl = piece(recv_seg(t), k)
+        if t > last_rs:
+            return view
+        return bufs[t % 2 if accumulate_dtype is not None else 0][sl]
+
+    def post(t: int, k: int) -> list[dist.Work]:
+        ops = []
+        if pieces[recv_seg(t)][k][0] != pieces[recv_seg(t)][k][1]:
+            ops.append(dist.P2POp(dist.irecv, recv_buf(t, k), prv, group))
+        if pieces[send_seg(t)][k][0] != pieces[send_seg(t)][k][1]:
+            ops.append(dist.P2POp(dist.isend, send_buf(t, k), nxt, group))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def reduce(t: int, k: int) -> None:
+        view, sl = piece(recv_seg(t), k)
+        if sl is None or t > last_rs:
+            return  # empty piece, or all-gather: the data landed in place
+        if accumulate_dtype is None:
+            view.add_(bufs[0][sl])
+            return
+        partial = bufs[t % 2][sl]
+        partial.add_(view)  # fp32 += fp16: the add is done in the accumulate dtype
+        if t == last_rs:
+            view.copy_(partial)  # the only rounding to the tensor's dtype
+
+    # 2-4. Post every piece of step 0; then, per piece in order, finish step t and post step t+1.
+    # Posting order (t, k) is lexicographic on every rank, which is how sends and receives
+    # between the same pair of ranks are matched.
+    inflight = {k: post(0, k) for k in range(k_pieces)}
+    for t in range(steps):
+        for k in range(k_pieces):
+            for work in inflight.pop(k):
+                work.wait()
+            reduce(t, k)
+            if t + 1 < steps:
+                inflight[k] = post(t + 1, k)
+    # 5. Every batch has been waited on: all sends and receives are complete.
+    logger.debug("ring allreduce: %d x %s over %d ranks, %d pieces/segment", n, tensor.dtype, world, k_pieces)

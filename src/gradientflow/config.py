@@ -1,0 +1,76 @@
+"""One frozen, validated dataclass holding every option of the wrapper."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import ALGORITHMS
+
+COMM_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class GradientFlowConfig:
+    """Options of :class:`gradientflow.DistributedDataParallel` (see README's options table).
+
+    fusion_threshold_mb: θ of lazy allreduce.  A bucket of the gradient pool is launched once
+        θ MB of it are ready.  0 = one collective per tensor, ``inf`` = one collective after backward.
+    broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 at every forward.
+    comm_dtype: dtype on the wire: "fp32", "fp16" or "bf16".
+    algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
+    density: CSC — fraction of chunks sent each step; ``None`` = dense.
+    chunk_size: CSC — gradients per chunk (32768 in the paper).
+    warmup_steps: CSC — dense steps before sparsification starts.
+    momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
+        apply momentum again.
+    """
+
+    fusion_threshold_mb: float = 25.0
+    broadcast_buffers: bool = True
+    comm_dtype: str = "fp32"
+    algorithm: str = "native"
+    density: float | None = None
+    chunk_size: int = 32768
+    warmup_steps: int = 0
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        theta = self.fusion_threshold_mb
+        if not isinstance(theta, (int, float)) or math.isnan(theta) or theta < 0:
+            raise ValueError(
+                f"fusion_threshold_mb must be a number >= 0 (0 = no fusion, float('inf') = one "
+                f"collective after backward), got {theta!r}"
+            )
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {sorted(COMM_DTYPES)}, got {self.comm_dtype!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
+        d = self.density
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1):
+            raise ValueError(f"density must be None (dense) or a number in (0, 1], got {d!r}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int (gradients per chunk), got {self.chunk_size!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        m = self.momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ValueError(f"momentum must be a number in [0, 1) (0 = no momentum correction), got {m!r}")
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return COMM_DTYPES[self.comm_dtype]
+
+    @property
+    def threshold_bytes(self) -> float:
+        return self.fusion_threshold_mb * 1024 * 1024
+
+    @property
+    def sparse(self) -> bool:
+        return self.density is not None

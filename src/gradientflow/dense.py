@@ -1,0 +1,39 @@
+"""Dense synchronisation of fused gradient slices: cast to the wire dtype, allreduce, cast back.
+
+``launch`` starts one asynchronous allreduce per bucket as the scheduler hands it over;
+``finish`` waits for all of them and leaves the averaged gradient in the pool.  Both run on the
+thread that runs backward, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import PendingAllreduce, start_allreduce
+from .pool import Bucket
+from .precision import from_wire, to_wire
+from .stats import StepStats
+
+
+class DenseSync:
+    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype, algorithm: str):
+        self.group = group
+        self.world_size = world_size
+        self.wire_dtype = wire_dtype
+        self.algorithm = algorithm
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, PendingAllreduce]] = []
+
+    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
+        """1. pre-divide and cast into the wire buffer; 2. start its allreduce."""
+        wire = to_wire(flat, self.wire_dtype, self.world_size)
+        stats.record_collective(wire.numel() * wire.element_size())
+        self._pending.append((flat, wire, start_allreduce(wire, group=self.group, algorithm=self.algorithm)))
+
+    def finish(self, stats: StepStats) -> None:
+        """3. wait for every launched allreduce, in launch order; 4. write results back."""
+        pending, self._pending = self._pending, []
+        for flat, wire, handle in pending:
+            handle.wait()
+            stats.record_done(handle.completed_at)
+            from_wire(flat, wire)

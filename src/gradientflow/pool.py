@@ -1,0 +1,115 @@
+"""The gradient memory pool: where every gradient lives, and how the pool is cut into buckets.
+
+The layout is a pure function of (parameter sizes, dtypes/devices, backward order, θ), so every
+rank computes the same one from the same inputs.  :class:`GradPool` owns the memory: one flat
+buffer per (dtype, device), and each parameter's ``.grad`` is a view into it, so backward writes
+straight into the pool and a bucket is just a slice — no copy into a fusion buffer, ever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PoolKey = tuple[torch.dtype, torch.device]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter ``param`` keeps its gradient: ``pools[pool][offset : offset + numel]``."""
+
+    param: int
+    pool: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous slice of one pool, allreduced by one collective once all its params are ready."""
+
+    index: int
+    pool: int
+    start: int
+    end: int
+    params: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    keys: tuple[PoolKey, ...]          # (dtype, device) of each pool
+    sizes: tuple[int, ...]             # elements in each pool
+    slots: tuple[Slot, ...]            # indexed by parameter index
+    buckets: tuple[Bucket, ...]        # in launch order (= backward order)
+    order: tuple[int, ...]             # parameter indices in backward order
+
+
+def plan_layout(
+    numels: Sequence[int], keys: Sequence[PoolKey], order: Sequence[int], threshold_bytes: float
+) -> Layout:
+    """Lay gradients out in ``order`` (the order backward produces them) and cut buckets.
+
+    1. Each (dtype, device) gets its own pool; within it, parameters are placed back to back
+       in ``order``, so gradients produced one after another are neighbours in memory.
+    2. Walking ``order``, a bucket closes as soon as it holds >= ``threshold_bytes`` (θ), or
+       when the next parameter lives in another pool (a bucket is one contiguous slice).
+       θ = 0 gives one bucket per parameter, θ = inf one bucket per pool.
+    """
+    if sorted(order) != list(range(len(numels))):
+        raise ValueError("order must be a permutation of the parameter indices")
+    pool_keys: list[PoolKey] = []
+    sizes: list[int] = []
+    slots: list[Slot | None] = [None] * len(numels)
+    buckets: list[Bucket] = []
+    open_params: list[int] = []
+    open_pool, open_start, open_bytes = -1, 0, 0
+
+    def close(end: int) -> None:
+        nonlocal open_params, open_bytes
+        if open_params:
+            buckets.append(Bucket(len(buckets), open_pool, open_start, end, tuple(open_params)))
+        open_params, open_bytes = [], 0
+
+    for i in order:
+        key = keys[i]
+        if key not in pool_keys:
+            pool_keys.append(key)
+            sizes.append(0)
+        pool = pool_keys.index(key)
+        if pool != open_pool:
+            close(sizes[open_pool] if open_pool >= 0 else 0)
+            open_pool, open_start = pool, sizes[pool]
+        slots[i] = Slot(i, pool, sizes[pool], numels[i])
+        sizes[pool] += numels[i]
+        open_params.append(i)
+        open_bytes += numels[i] * key[0].itemsize
+        if open_bytes >= threshold_bytes:
+            close(sizes[pool])
+            open_start = sizes[pool]
+    close(sizes[open_pool] if open_pool >= 0 else 0)
+    return Layout(tuple(pool_keys), tuple(sizes), tuple(slots), tuple(buckets), tuple(order))  # type: ignore[arg-type]
+
+
+class GradPool:
+    """Owns the flat gradient buffers of a layout and the per-parameter views into them."""
+
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor]) -> None:
+        self.layout = layout
+        self.buffers = [
+            torch.zeros(size, dtype=dtype, device=device) for (dtype, device), size in zip(layout.keys, layout.sizes)
+        ]
+        self.views = [
+            self.buffers[s.pool][s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(layout.slots, params)
+        ]
+
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers[bucket.pool][bucket.start : bucket.end]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)

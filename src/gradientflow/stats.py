@@ -1,0 +1,47 @@
+"""Per-step communication counters, filled by the engine and read by ``model.comm_stats()``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStats:
+    """What one synchronised backward did.
+
+    collectives: collective calls on gradients (scores and packed chunks included for CSC).
+    payload_bytes: bytes handed to those collectives, in the wire dtype.
+    dense_bytes: bytes one dense fp32 allreduce of every gradient would hand over.
+    comm_seconds: first launch to last completion.
+    exposed_seconds: time the end of backward waited on communication.
+    """
+
+    collectives: int = 0
+    payload_bytes: int = 0
+    dense_bytes: int = 0
+    comm_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    extra: dict[str, float | int] = field(default_factory=dict)
+    _first_launch: float | None = None
+    _last_done: float | None = None
+
+    def record_collective(self, nbytes: int) -> None:
+        if self._first_launch is None:
+            self._first_launch = time.perf_counter()
+        self.collectives += 1
+        self.payload_bytes += nbytes
+
+    def record_done(self, stamp: float | None) -> None:
+        stamp = time.perf_counter() if stamp is None else stamp
+        if self._last_done is None or stamp > self._last_done:
+            self._last_done = stamp
+
+    def close(self) -> None:
+        if self._first_launch is not None and self._last_done is not None:
+            self.comm_seconds = max(0.0, self._last_done - self._first_launch)
+
+    def as_dict(self) -> dict[str, float | int]:
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k != "extra"}
+        d.update(self.extra)
+        return d

@@ -1,0 +1,76 @@
+"""Spawn N Gloo ranks on this machine and run a test function in each, with timeouts everywhere.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn), each joins a
+Gloo process group over a FileStore with a timeout, runs ``fn(rank, world_size, *args)`` and
+sends back its return value (or its traceback).  A rank that hangs fails the test after
+``timeout`` seconds instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+PG_TIMEOUT_S = 60
+
+
+def _worker(fn, rank: int, world_size: int, store_path: str, results, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S)
+        )
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 — the parent re-raises it with the rank attached
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, results, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world_size):
+                try:
+                    rank, status, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"distributed test timed out after {timeout}s; ranks done: {sorted(out)}"
+                    ) from None
+                if status == "ok":
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+                    break  # other ranks are likely stuck in a collective with the failed one
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [out[r] for r in range(world_size)]
