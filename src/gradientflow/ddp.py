@@ -158,9 +158,14 @@ class DistributedDataParallel(nn.Module):
         order = list(reversed(range(len(self._params))))  # backward roughly reverses registration
         self._install(plan_layout(self._numels(), self._keys(), order, self.config.threshold_bytes))
         self._layout_final = False
-        self._sync = DenseSync(
-            group=group, world_size=self.world_size, wire_dtype=self.config.wire_dtype, algorithm=algorithm
-        )
+        wire = self.config.wire_dtype
+        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=wire, algorithm=algorithm)
+        if self.config.sparse:
+            from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
+
+            self._sync = SparseSync(self.pool, dense, group=group, world_size=self.world_size, config=self.config)
+        else:
+            self._sync = dense
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         self._require_sync = True
         self._sync_this_backward = True
@@ -199,7 +204,10 @@ class DistributedDataParallel(nn.Module):
         order = order_t.tolist()
         self._layout_final = True
         if tuple(order) != self.pool.layout.order:
+            old = self.pool
             self._install(plan_layout(self._numels(), self._keys(), order, self.config.threshold_bytes))
+            if hasattr(self._sync, "relayout"):
+                self._sync.relayout(old.layout, self.pool)
             logger.debug("gradientflow: gradient pool re-laid in observed backward order")
 
     def _bind_grads(self) -> None:
@@ -319,6 +327,18 @@ class DistributedDataParallel(nn.Module):
         self._last_stats = bw.stats
         if not self._layout_final:
             self._relayout_from_observed(bw.order)
+
+    # ---- state of the communication (CSC residuals) ---------------------------------------
+    def comm_state_dict(self) -> dict[str, Any]:
+        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model."""
+        return self._sync.state_dict() if hasattr(self._sync, "state_dict") else {}
+
+    def load_comm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`comm_state_dict` returned (same model, density and world size)."""
+        if hasattr(self._sync, "load_state_dict"):
+            self._sync.load_state_dict(state)
+        elif state:
+            raise ValueError("this model communicates densely and has no communication state to load")
 
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self) -> dict[str, float | int]:
