@@ -1,0 +1,1 @@
+"""Benchmark workloads, real data and the emulated cluster."""

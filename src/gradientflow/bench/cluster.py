@@ -1,0 +1,390 @@
+"""An emulated cluster on one machine: network namespaces joined through a shaped star.
+
+Every node gets its own network namespace ``{prefix}-n{i}``; a switch namespace
+``{prefix}-sw`` sits in the middle with one veth pair per node, like a switch with one port
+per node. Both ends of every pair are shaped with ``tc tbf`` so each node has ``rate`` up and
+``rate`` down, the situation of a GPU cluster where the NIC, not the host, is the bottleneck.
+
+Addresses come only from 169.254.0.0/16 (link-local): node i's link is the /30
+``169.254.77.4i`` with ``.4i+1`` on the switch side and ``.4i+2`` on the node side. Nothing is
+done in the root namespace: veths are created directly inside their namespaces, forwarding is
+enabled only inside the switch namespace, and deleting the namespaces removes everything.
+
+Requires root, ``ip`` and ``tc``; :func:`can_emulate` says whether that holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gzip
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SUBNET = "169.254.77"  # third octet fixed: 63 nodes of /30 fit in one /24
+MAX_NODES = 63
+_IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
+_TBF_LATENCY = "20ms"  # queue bound; long enough that TCP is not starved by tail drops
+
+
+def parse_rate(rate: str) -> int | None:
+    """``"1gbit"`` -> 1_000_000_000 bits/s; ``"none"`` -> None. Only tc's SI *bit units."""
+    text = rate.strip().lower()
+    if text == "none":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)", text)
+    if not m:
+        raise ValueError(f"rate must look like '1gbit', '100mbit' or 'none', got {rate!r}")
+    scale = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}[m.group(2)]
+    bps = int(float(m.group(1)) * scale)
+    if bps <= 0:
+        raise ValueError(f"rate must be positive, got {rate!r}")
+    return bps
+
+
+def kernel_hz() -> int:
+    """The kernel's CONFIG_HZ if the config is readable, else 100 (the lowest, so the safest)."""
+    sources = [Path("/proc/config.gz"), Path(f"/boot/config-{platform.release()}")]
+    for src in sources:
+        try:
+            raw = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
+        except OSError:
+            continue
+        m = re.search(rb"^CONFIG_HZ=(\d+)$", raw, re.MULTILINE)
+        if m:
+            return int(m.group(1))
+    return 100
+
+
+def tbf_burst_bytes(rate_bps: int, hz: int | None = None) -> int:
+    """Token-bucket size for ``rate_bps``.
+
+    tc-tbf(8): the bucket must hold at least rate/HZ bytes or the rate cannot be reached,
+    since tokens are refilled at timer granularity. It must also hold one full GSO packet
+    (64 KiB plus headers): veth hands TSO-sized skbs to the qdisc.
+    """
+    hz = hz or kernel_hz()
+    return max(rate_bps // 8 // hz, 65536 + 1514)
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a short administrative command; raise with its stderr on failure."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _netns_names() -> list[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _root_links() -> list[str]:
+    out = _run(["ip", "-o", "link", "show"], check=False).stdout
+    # lines look like "12: name@peer: <FLAGS> ..."
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+
+
+def leftovers(prefix: str = "gf") -> list[str]:
+    """Namespaces and root-namespace links named ``{prefix}-*`` that still exist."""
+    if shutil.which("ip") is None:
+        return []
+    stem = prefix + "-"
+    found = [f"netns:{n}" for n in _netns_names() if n.startswith(stem)]
+    found += [f"link:{n}" for n in _root_links() if n.startswith(stem)]
+    return found
+
+
+def can_emulate() -> tuple[bool, str]:
+    """Whether an :class:`EmulatedCluster` can be built here, with a one-line reason if not."""
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"'{tool}' not found (install iproute2)"
+    probe = f"gfprobe{os.getpid()}"
+    try:
+        made = _run(["ip", "netns", "add", probe], check=False)
+        if made.returncode != 0:
+            return False, f"'ip netns add' failed: {made.stderr.strip()}"
+        _run(["ip", "-n", probe, "link", "set", "lo", "up"], check=False)
+        tbf = _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf",
+                    "rate", "1gbit", "burst", "512kb", "latency", _TBF_LATENCY], check=False)
+        if tbf.returncode != 0:
+            return False, f"'tc qdisc add ... tbf' failed: {tbf.stderr.strip()}"
+        return True, "ok"
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+
+
+class EmulatedCluster:
+    """Context manager: ``nodes`` namespaces behind a switch, each port shaped to ``rate``.
+
+    >>> with EmulatedCluster(nodes=2, rate="1gbit", prefix="gf") as c:   # doctest: +SKIP
+    ...     p = c.popen(1, [sys.executable, "worker.py"], env={"MASTER_ADDR": c.master_addr})
+
+    Attributes: ``namespaces`` (one per node), ``switch`` (the switch namespace),
+    ``addresses`` (node i is reachable from every other node at ``addresses[i]``),
+    ``ifnames`` (node-side interface in each namespace, for ``GLOO_SOCKET_IFNAME``),
+    ``master_addr`` (``addresses[0]``), ``rate_bps`` (None when unshaped).
+
+    Teardown (normal exit, exception, SIGINT, SIGTERM, atexit) kills the processes started
+    with :meth:`popen` that are still running and deletes every namespace, which removes the
+    veths in it. Stale ``{prefix}-*`` namespaces from a crashed run are deleted on entry, so
+    concurrent users must pick different prefixes.
+    """
+
+    def __init__(self, nodes: int = 2, rate: str = "1gbit", prefix: str = "gf") -> None:
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be in 1..{MAX_NODES}, got {nodes}")
+        if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9]*", prefix):
+            raise ValueError(f"prefix must be alphanumeric and start with a letter, got {prefix!r}")
+        longest = f"{prefix}-s{nodes - 1}"
+        if len(longest) > _IFNAME_MAX:
+            raise ValueError(f"prefix {prefix!r} too long: interface {longest!r} exceeds 15 chars")
+        self.nodes = nodes
+        self.rate = rate
+        self.rate_bps = parse_rate(rate)
+        self.prefix = prefix
+        self.switch = f"{prefix}-sw"
+        self.namespaces = [f"{prefix}-n{i}" for i in range(nodes)]
+        self.ifnames = [f"{prefix}-e{i}" for i in range(nodes)]
+        self.switch_ifnames = [f"{prefix}-s{i}" for i in range(nodes)]
+        self.addresses = [f"{SUBNET}.{4 * i + 2}" for i in range(nodes)]
+        self.gateways = [f"{SUBNET}.{4 * i + 1}" for i in range(nodes)]
+        self.master_addr = self.addresses[0]
+        self._children: list[subprocess.Popen] = []
+        self._prev_handlers: dict[int, object] = {}
+        self._active = False
+        self._lock = threading.RLock()  # close() may re-enter from a signal handler
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> EmulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Build the namespaces, links, routes and shaping. Cleans up after itself on failure."""
+        if self._active:
+            raise RuntimeError(f"emulated cluster {self.prefix} is already running")
+        ok, why = can_emulate()
+        if not ok:
+            raise RuntimeError(f"cannot emulate a cluster: {why}")
+        self._delete_stale()
+        self._active = True
+        self._install_handlers()
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        logger.info("emulated cluster %s: %d nodes at %s, addresses %s",
+                    self.prefix, self.nodes, self.rate, self.addresses)
+
+    def close(self) -> None:
+        """Tear everything down. Idempotent; safe from a signal handler or atexit."""
+        with self._lock:
+            if not self._active:
+                return
+            self._active = False
+        # A second Ctrl-C during teardown must not leave half a cluster behind: hold SIGINT and
+        # SIGTERM until the namespaces are gone (well under a second), then deliver them.
+        deferred: list[int] = []
+        if self._prev_handlers and threading.current_thread() is threading.main_thread():
+            for sig in self._prev_handlers:
+                signal.signal(sig, lambda signum, frame: deferred.append(signum))
+        try:
+            self._kill_children()
+            for ns in [*self.namespaces, self.switch]:
+                if ns in _netns_names():
+                    # a namespace outlives its name while a process is inside it; say so
+                    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+                    if pids:
+                        logger.warning("processes %s still run in %s; its veths live until they "
+                                       "exit", pids, ns)
+                    _run(["ip", "netns", "del", ns], check=False)
+        finally:
+            self._restore_handlers()
+            atexit.unregister(self.close)
+            for sig in deferred:
+                os.kill(os.getpid(), sig)  # now handled by the original handlers
+        left = leftovers(self.prefix)
+        if left:
+            logger.warning("emulated cluster %s left behind: %s", self.prefix, left)
+
+    def _delete_stale(self) -> None:
+        stale = leftovers(self.prefix)
+        if stale:
+            logger.warning("deleting stale %s from an earlier run", stale)
+        for item in stale:
+            kind, name = item.split(":", 1)
+            if kind == "netns":
+                _run(["ip", "netns", "del", name], check=False)
+            else:
+                _run(["ip", "link", "del", name], check=False)
+
+    def _build(self) -> None:
+        sw = self.switch
+        _run(["ip", "netns", "add", sw])
+        _run(["ip", "-n", sw, "link", "set", "lo", "up"])
+        # forwarding only inside the switch namespace: the root namespace is never touched
+        _run(["ip", "netns", "exec", sw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        for i, ns in enumerate(self.namespaces):
+            node_if, sw_if = self.ifnames[i], self.switch_ifnames[i]
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # created directly in both namespaces, so the pair never appears in the root one
+            _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth",
+                  "peer", "name", node_if, "netns", ns])
+            _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
+            _run(["ip", "-n", sw, "link", "set", sw_if, "up"])
+            _run(["ip", "-n", ns, "link", "set", node_if, "up"])
+            _run(["ip", "-n", ns, "route", "add", "default", "via", self.gateways[i]])
+            if self.rate_bps is not None:
+                # node side shapes the node's upload, switch side its download
+                self._shape(ns, node_if)
+                self._shape(sw, sw_if)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        burst = tbf_burst_bytes(self.rate_bps or 0)
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_bps}bit",
+              "burst", str(burst), "latency", _TBF_LATENCY])
+
+    # ---- signals ---------------------------------------------------------------------
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal only works in the main thread; atexit still covers us
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, prev in self._prev_handlers.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._prev_handlers = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        logger.warning("signal %d: tearing down emulated cluster %s", signum, self.prefix)
+        self.close()
+        # then behave as if we had never been here: KeyboardInterrupt for SIGINT, death for SIGTERM
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # ---- processes -------------------------------------------------------------------
+    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None,
+              **kw: object) -> subprocess.Popen:
+        """Start ``argv`` inside node ``node``'s namespace.
+
+        ``env`` is added to a copy of this process's environment; ``GLOO_SOCKET_IFNAME`` is
+        set to the node's interface unless ``env`` sets it. The child runs in its own session
+        (so a terminal's Ctrl-C reaches only us, and teardown can stop its whole group).
+        """
+        if not self._active:
+            raise RuntimeError("cluster is not running: use it inside 'with EmulatedCluster(...)'")
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"node must be in 0..{self.nodes - 1}, got {node}")
+        full_env = dict(os.environ)
+        full_env["GLOO_SOCKET_IFNAME"] = self.ifnames[node]
+        full_env.update(env or {})
+        kw.setdefault("start_new_session", True)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv],
+                                env=full_env, **kw)  # type: ignore[arg-type]
+        self._children.append(proc)
+        return proc
+
+    def _kill_children(self) -> None:
+        for proc in self._children:
+            if proc.poll() is not None:
+                continue
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # own session: pgid == pid
+                proc.wait(timeout=3)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=3)
+        self._children = []
+
+    # ---- measurement -----------------------------------------------------------------
+    def measure_throughput(self, src: int, dst: int, nbytes: int = 20_000_000,
+                           timeout: float = 60.0) -> float:
+        """Goodput in bits/s of one TCP stream of ``nbytes`` from node ``src`` to node ``dst``.
+
+        Timed at the receiver from the first to the last byte, so connection setup and
+        process start-up are excluded.
+        """
+        recv = self.popen(dst, [sys.executable, "-c", _RECEIVER, self.addresses[dst]],
+                          stdout=subprocess.PIPE, text=True)
+        procs = [recv]
+        try:
+            assert recv.stdout is not None
+            port = recv.stdout.readline().strip()
+            if not port:
+                raise RuntimeError("throughput receiver did not start")
+            procs.append(self.popen(src, [sys.executable, "-c", _SENDER, self.addresses[dst],
+                                          port, str(nbytes)], stdout=subprocess.DEVNULL))
+            procs[1].wait(timeout=timeout)
+            out, _ = recv.communicate(timeout=timeout)
+        finally:
+            for p in procs:  # only left running on error or timeout
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        result = json.loads(out.strip().splitlines()[-1])
+        if result["bytes"] < nbytes // 2:
+            raise RuntimeError(f"throughput test received only {result['bytes']} of {nbytes} bytes")
+        return result["bytes"] * 8 / result["seconds"]
+
+
+# Receiver/sender for measure_throughput, run in the namespaces with this interpreter.
+_RECEIVER = r"""
+import json, socket, sys, time
+s = socket.socket()
+s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+buf = bytearray(1 << 20); n = 0; t0 = None
+while True:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    if t0 is None:
+        t0 = time.perf_counter()  # bytes of this first read are not counted: they precede t0
+    else:
+        n += k
+print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}), flush=True)
+"""
+
+_SENDER = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+left = int(sys.argv[3]); chunk = bytes(1 << 20)
+while left > 0:
+    c.sendall(chunk[:min(left, len(chunk))]); left -= len(chunk)
+c.close()
+"""
