@@ -179,3 +179,19 @@ def test_without_process_group_raises() -> None:
 def test_bad_options_raise_value_error(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         gf.GradientFlowConfig(**kwargs)
+
+
+def _dead_peer_worker(rank: int, world_size: int) -> str:
+    model = gf.DistributedDataParallel(nn.Linear(64, 64))
+    if rank == 1:
+        return "left"  # leaves the group (the harness destroys it) instead of joining backward
+    try:
+        model(torch.randn(2, 64)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_dead_peer_raises_instead_of_hanging() -> None:
+    message, _ = run_distributed(_dead_peer_worker, 2, timeout=100)
+    assert "peer may have died" in message, message
