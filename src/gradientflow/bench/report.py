@@ -1,0 +1,220 @@
+"""Turn the bench's raw per-step times into statistics, a markdown table, JSON and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPEEDUP_DEF = (
+    "speedup = N x t_1rank / t_Nrank (the paper's metric), where t_1rank is the median step time of the "
+    "'compute' mode measured in the same launch: the same model and batch per rank with no communication "
+    "at all, i.e. what one rank alone takes per step on this machine. Ideal = N."
+)
+MEMORY_DEF = (
+    "+mem = peak resident set (RSS, sampled every 2 ms) while the mode was built and ran its warm-up steps, "
+    "minus the RSS just before; i.e. the memory this mode adds to a rank: parameters, gradients, optimizer "
+    "state, communication buffers and activations. Max over ranks. Add base_rss_mb for a whole-process figure."
+)
+WIRE_DEF = (
+    "wire = bytes one rank hands to allreduce per step (gradientflow: measured, comm_stats()['payload_bytes']; "
+    "DDP modes: computed from the parameter sizes and the hook's dtype/compression rule, marked c). "
+    "A ring allreduce puts 2(N-1)/N times this on each rank's link."
+)
+EXPOSED_DEF = (
+    "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
+    "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
+)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict[str, Any]:
+    steps = v.get("step_s") or []
+    row: dict[str, Any] = {k: v.get(k) for k in ("name", "mode", "theta_mb", "sweep", "status", "error")}
+    row["steps"] = len(steps)
+    row["mem_added_mb"] = v.get("mem_added_mb")
+    if v.get("status") != "ok" or not steps:
+        return row
+    med = _pct(steps, 50)
+    row.update(median_s=med, p10_s=_pct(steps, 10), p90_s=_pct(steps, 90), samples_per_s=world * batch / med)
+    row["ref_compute_s"] = ref_s
+    row["speedup"] = world * ref_s / med if ref_s else None
+    stats = v.get("stats") or {}
+    if stats.get("payload_bytes"):
+        row["wire_bytes"], row["wire_source"] = _pct(stats["payload_bytes"], 50), "measured"
+        row["exposed_s"], row["exposed_source"] = _pct(stats["exposed_seconds"], 50), "measured"
+        row["collectives"] = _pct(stats["collectives"], 50)
+    else:
+        row["wire_bytes"], row["wire_source"] = v.get("computed_wire_bytes"), "computed"
+        if v.get("mode") == "compute":
+            row["exposed_s"], row["exposed_source"] = 0.0, "none"
+        elif ref_s is not None:
+            row["exposed_s"], row["exposed_source"] = max(0.0, med - ref_s), "derived"
+    return row
+
+
+def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict[str, Any]:
+    """Statistics per variant (see the *_DEF strings), the θ sweep pairs, and the raw data."""
+    main = launches[0]
+    world = main["world_size"]
+    rows: list[dict[str, Any]] = []
+    refs: dict[str, float | None] = {}
+    for launch in launches:
+        comp = [v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")]
+        ref = _pct(comp[0]["step_s"], 50) if comp else None
+        refs[launch["name"]] = ref
+        for v in launch["variants"]:
+            if launch["name"] != "main" and v["mode"] == "compute":
+                continue  # the isolated launch's own reference; shown as ref_compute_s of its modes
+            row = _row(v, ref, world, opts.batch_size)
+            row["launch"] = launch["name"]
+            rows.append(row)
+    sweep = []
+    for theta in opts.theta_sweep:
+        pair = {"theta_mb": theta}
+        for kind, base in (("gf", "gf-fp32"), ("ddp", "ddp")):
+            named = [r for r in rows if r["name"] == f"{base} θ={theta:g}"]
+            if not named and base == "gf-fp32" and theta == opts.fusion_mb:
+                named = [r for r in rows if r["name"] == base]
+            if not named and base == "ddp" and theta == 25.0:
+                named = [r for r in rows if r["name"] == base]
+            pair[kind] = named[0]["name"] if named else None
+        sweep.append(pair)
+    return {
+        "command": " ".join(["gradientflow", *sys.argv[1:]]) if sys.argv[0].endswith(("gradientflow", "cli.py"))
+        else None,
+        "options": asdict(opts) if is_dataclass(opts) else dict(vars(opts)),
+        "network": f"emulated {opts.bandwidth} per node (tc tbf, network namespaces)" if emulated else "loopback",
+        "world_size": world,
+        "n_params": main.get("n_params"),
+        "chunk_size": main.get("chunk_size"),
+        "threads_per_rank": main.get("threads_per_rank"),
+        "base_rss_mb": main.get("base_rss_mb"),
+        "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
+        "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF},
+        "rows": rows,
+        "sweep": sweep,
+        "launches": launches,
+    }
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The tables, ready to paste into the README, with what each column means."""
+    o = summary["options"]
+    n = summary["world_size"]
+    lines = [
+        f"`{summary['command']}`" if summary["command"] else "",
+        "",
+        f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks, {summary['network']}, batch "
+        f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
+        f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
+        "(ddp-powersgd: own launch with its own compute reference).",
+        "",
+        f"| mode | θ MB | step ms median (p10–p90) | samples/s | speedup (ideal {n}) | wire MB/step "
+        "| exposed comm ms | +mem MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        if r.get("sweep"):
+            continue
+        theta = "—" if r.get("theta_mb") is None else f"{r['theta_mb']:g}"
+        if r["mode"].startswith("ddp") and r.get("theta_mb") is None:
+            theta = "25"
+        if r["status"] != "ok":
+            err = (r.get("error") or "failed").replace("|", "/")
+            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | |")
+            continue
+        wire = r.get("wire_bytes")
+        wire_s = "—" if wire is None else f"{wire / 2**20:.2f}" + (" c" if r["wire_source"] == "computed" else "")
+        exp = r.get("exposed_s")
+        exp_s = "—" if exp is None else _ms(exp) + (" d" if r.get("exposed_source") == "derived" else "")
+        speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
+        mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
+        lines.append(f"| {r['name']} | {theta} | {_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])}) "
+                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {mem} |")
+    if summary["sweep"]:
+        by_name = {r["name"]: r for r in summary["rows"]}
+        lines += ["", "θ sweep (gradientflow fusion_threshold_mb vs DDP bucket_cap_mb, same run):", "",
+                  "| θ MB | gradientflow fp32 ms (p10–p90) | collectives/step | DDP ms (p10–p90) | gf / DDP |",
+                  "|---|---|---|---|---|"]
+        for pair in summary["sweep"]:
+            g, d = by_name.get(pair["gf"] or ""), by_name.get(pair["ddp"] or "")
+
+            def cell(r: dict[str, Any] | None) -> str:
+                if r is None or r["status"] != "ok":
+                    return "failed" if r else "—"
+                return f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})"
+
+            ratio = (f"{g['median_s'] / d['median_s']:.2f}" if g and d and g.get("median_s") and d.get("median_s")
+                     else "—")
+            coll = f"{g['collectives']:.0f}" if g and g.get("collectives") is not None else "—"
+            lines.append(f"| {pair['theta_mb']:g} | {cell(g)} | {coll} | {cell(d)} | {ratio} |")
+    d = summary["definitions"]
+    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['memory']} "
+              f"Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB."]
+    return "\n".join(lines).strip() + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if not r.get("sweep") and r["status"] == "ok"]
+    has_sweep = bool(summary["sweep"])
+    fig, axes = plt.subplots(1, 2 if has_sweep else 1, figsize=(13 if has_sweep else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
+    med = [r["median_s"] * 1e3 for r in rows]
+    err = [[m - r["p10_s"] * 1e3 for m, r in zip(med, rows)], [r["p90_s"] * 1e3 - m for m, r in zip(med, rows)]]
+    colors = ["tab:gray" if r["mode"] == "compute" else "tab:blue" if r["mode"].startswith("gf") else "tab:orange"
+              for r in rows]
+    ax.bar([r["name"] for r in rows], med, yerr=err, color=colors, capsize=4)
+    ax.set_ylabel("step time, ms (median, p10–p90)")
+    o = summary["options"]
+    ax.set_title(f"{o['workload']}, {summary['world_size']} ranks, {summary['network']}", fontsize=9)
+    ax.tick_params(axis="x", rotation=30)
+    if has_sweep:
+        by_name = {r["name"]: r for r in summary["rows"]}
+        ax2 = axes[0][1]
+        for kind, label, color in (("gf", "gradientflow fp32", "tab:blue"), ("ddp", "torch DDP", "tab:orange")):
+            pts = [(p["theta_mb"], by_name[p[kind]]) for p in summary["sweep"]
+                   if p.get(kind) and by_name.get(p[kind], {}).get("status") == "ok"]
+            if pts:
+                ax2.plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], "o-", label=label, color=color)
+        ax2.set_xscale("symlog", linthresh=1)
+        ax2.set_xlabel("θ = fusion threshold / bucket size, MB")
+        ax2.set_ylabel("median step time, ms")
+        ax2.set_title("what fusion buys (same run)", fontsize=9)
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(summary: dict[str, Any], out: Path) -> None:
+    """``results.json``, ``table.md`` and ``bench.png`` in ``out``; the table is also printed."""
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    table = markdown(summary)
+    (out / "table.md").write_text(table)
+    plot(summary, out / "bench.png")
+    print(table)

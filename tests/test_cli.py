@@ -1,0 +1,153 @@
+"""The ``gradientflow`` command end to end: help, bad options, a 2-step bench, a short demo.
+
+Every subprocess has a timeout; the emulated-cluster bench runs only where ``can_emulate()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradientflow.bench.cluster import can_emulate, leftovers
+from gradientflow.bench.runner import MODES, plan_variants, powersgd_wire_bytes
+from gradientflow.cli import main
+
+CAN, WHY = can_emulate()
+CLI = [sys.executable, "-m", "gradientflow.cli"]
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_console_script_help():
+    script = Path(sys.executable).with_name("gradientflow")  # the installed console script
+    argv = [str(script)] if script.exists() else CLI
+    top = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0
+    assert "demo" in top.stdout and "bench" in top.stdout
+
+
+def test_subcommand_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--nproc", "--steps", "--workload", "--bandwidth", "--theta-sweep", "--modes", "--out"):
+        assert opt in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--density" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "--bandwidth", "fast"],
+    ["bench", "--nproc", "0"],
+    ["bench", "--workload", "vgg"],
+    ["bench", "--modes", "horovod"],
+    ["bench", "--theta-sweep", "-1"],
+    ["demo", "--density", "2"],
+    ["demo", "--no-such-option"],
+    [],
+])
+def test_bad_option_exits_2_with_one_error_line(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr()
+    assert len([ln for ln in err.err.splitlines() if "error:" in ln]) == 1, err.err
+    assert err.out == ""
+
+
+def test_bad_option_from_the_shell():
+    proc = _run(["bench", "--nproc", "-3"], 60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("gradientflow bench: error: argument --nproc")
+
+
+def test_plan_variants_dedupes_sweep_and_adds_compute():
+    vs = plan_variants(["gf-fp32", "ddp"], 25.0, [0, 25, 100])
+    names = [v.name for v in vs]
+    assert names[0] == "compute"
+    assert names.count("gf-fp32") == 1 and "gf-fp32 θ=25" not in names and "ddp θ=25" not in names
+    assert {"gf-fp32 θ=0", "ddp θ=0", "gf-fp32 θ=100", "ddp θ=100"} <= set(names)
+
+
+def test_powersgd_wire_bytes_follows_torchs_rule():
+    import torch
+
+    # 100x100 matrix at rank 1: (100+100)*1 = 200 < 10000/2 -> compressed; a bias is sent as is;
+    # a 2x2 matrix: 2*2 = 4 is not > (2+2)*1*2 = 8 -> sent as is
+    params = [torch.zeros(100, 100), torch.zeros(100), torch.zeros(2, 2)]
+    assert powersgd_wire_bytes(params) == 4 * (200 + 100 + 4)
+
+
+def _check_bench_json(out: Path) -> dict:
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == set(MODES), sorted(rows)
+    for name, r in rows.items():
+        if r["status"] != "ok":  # only PowerSGD may fail (a known Gloo crash), and then it says why
+            assert name == "ddp-powersgd" and r["error"], r
+            continue
+        assert r["steps"] == 2
+        for key in ("median_s", "p10_s", "p90_s", "samples_per_s", "speedup", "exposed_s", "mem_added_mb"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (name, key, r[key])
+        assert r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
+        assert r["wire_bytes"] is not None
+    assert rows["gf-fp32"]["wire_source"] == "measured" and rows["ddp"]["wire_source"] == "computed"
+    # fp16 halves the measured payload; CSC at density 0.1 sends far less again
+    assert rows["gf-fp16"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"] / 2
+    assert rows["gf-fp16-csc"]["wire_bytes"] < 0.2 * rows["gf-fp16"]["wire_bytes"]
+    assert rows["ddp"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"]  # both: 4 bytes per gradient
+    assert (out / "bench.png").stat().st_size > 0
+    assert "| gf-fp16-csc |" in (out / "table.md").read_text()
+    return res
+
+
+BENCH_ARGS = ["bench", "--steps", "2", "--warmup", "1", "--workload", "small_cnn", "--nproc", "2"]
+
+
+def test_bench_loopback_two_steps(tmp_path):
+    proc = _run([*BENCH_ARGS, "--bandwidth", "none", "--out", str(tmp_path)], 150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _check_bench_json(tmp_path)
+    assert res["network"] == "loopback"
+    assert "| mode |" in proc.stdout
+
+
+@pytest.mark.skipif(not CAN, reason=f"cannot emulate a cluster: {WHY}")
+def test_bench_emulated_1gbit_leaves_nothing_behind(tmp_path):
+    prefix = f"gfc{os.getpid() % 100000}"  # our own: never touches a concurrent run's cluster
+    proc = _run([*BENCH_ARGS, "--bandwidth", "1gbit", "--netns-prefix", prefix, "--out", str(tmp_path)], 200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _check_bench_json(tmp_path)
+    assert res["network"].startswith("emulated 1gbit")
+    assert leftovers(prefix) == []
+
+
+@pytest.mark.skipif(CAN, reason="only meaningful where a cluster cannot be emulated")
+def test_bench_without_root_says_so_in_one_line(tmp_path):
+    proc = _run([*BENCH_ARGS, "--modes", "gf-fp32", "--bandwidth", "1gbit", "--out", str(tmp_path)], 150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum("running on loopback" in ln for ln in proc.stderr.splitlines()) == 1
+
+
+def test_demo_runs_and_reports_accuracy(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*CLI, "demo", "--steps", "150", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "test accuracy" in proc.stderr
+    rep = json.loads((tmp_path / "demo.json").read_text())
+    assert rep["steps"] == 150 and rep["ranks"] == 2
+    # 150 steps of 2x32 digits (~7 epochs) beat chance (10%) by far
+    assert rep["test_accuracy"] > 0.5
+    assert "CSC density=0.1" in rep["mode"]
+    assert 0 < rep["payload_bytes"] < rep["ddp_bytes"]
