@@ -331,14 +331,40 @@ class DistributedDataParallel(nn.Module):
     # ---- state of the communication (CSC residuals) ---------------------------------------
     def comm_state_dict(self) -> dict[str, Any]:
         """Communication state (CSC residuals u, v and step counter) to checkpoint with the model."""
-        return self._sync.state_dict() if hasattr(self._sync, "state_dict") else {}
+        if not hasattr(self._sync, "state_dict"):
+            return {}
+        state = dict(self._sync.state_dict())
+        # Residuals and CSC chunks live in the pool layout: a resumed run must use the same one.
+        state["layout_order"] = list(self.pool.layout.order)
+        state["layout_final"] = self._layout_final
+        return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`comm_state_dict` returned (same model, density and world size)."""
         if hasattr(self._sync, "load_state_dict"):
+            order = state.get("layout_order")
+            if order is not None and tuple(order) != self.pool.layout.order:
+                old = self.pool
+                self._install(plan_layout(self._numels(), self._keys(), list(order), self.config.threshold_bytes))
+                self._sync.relayout(old.layout, self.pool)
+            if state.get("layout_final"):
+                self._layout_final = True
             self._sync.load_state_dict(state)
         elif state:
             raise ValueError("this model communicates densely and has no communication state to load")
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
+
+        Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
+        """
+        if hasattr(self._sync, "register_grad_scaler"):
+            self._sync.register_grad_scaler(scaler)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""
+        if hasattr(self._sync, "check_optimizer"):
+            self._sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self) -> dict[str, float | int]:
