@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -24,11 +25,15 @@ logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("native", "ring")
 
-# Size of one pipelined message.  Small enough that a segment of a fused slice (tens of MB)
-# is cut into several pieces, so the transport sends piece k+1 while we add piece k; large
-# enough that per-message overhead (a Python call and a Gloo rendezvous, ~50 us) is < 1%.
-# Chosen with `python -m gradientflow.bench.allreduce_bw --pipeline-kb ...` (benchmarks/).
-DEFAULT_PIPELINE_BYTES = 4 << 20
+# Size of one pipelined message, and how many are in flight (posted receives) at once.
+# Tuned on 2-3 Gloo ranks over loopback on 2 shared cores (benchmarks/allreduce_bw_2r_tuning.md;
+# noisy: the same schedule measured 0.77x and 1.04x of native in one run).  1-4 MB pieces were
+# consistently slower at 64-256 MB (0.6-0.9x): every Gloo point-to-point message is a rendezvous
+# between two processes' transport threads, while the add that pipelining hides is only ~10% of
+# a loopback transfer.  16 MB was best or tied; depth 2 ties depth 4 and keeps the cached receive
+# buffer at 32 MB.  Tensors up to N * 16 MB are therefore sent as one piece per segment.
+DEFAULT_PIPELINE_BYTES = 16 << 20
+DEFAULT_PIPELINE_DEPTH = 2
 
 
 class PendingAllreduce:
@@ -106,6 +111,7 @@ def ring_allreduce(
     *,
     accumulate_dtype: torch.dtype | None = None,
     pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
 ) -> None:
     """In-place SUM allreduce of ``tensor`` over ``group``: a pipelined ring of point-to-point ops.
 
@@ -119,11 +125,12 @@ def ring_allreduce(
        segment ``r+1``.
     3. All-gather, steps t = N-1..2N-3 (u = t-N+1): send segment ``r+1-u``, receive segment
        ``r-u`` straight into the tensor.
-    4. Pipelining: each piece moves independently.  As soon as piece k of step t has arrived
-       and been added, piece k of step t+1 (which is exactly that sum, or in the all-gather
-       that copy) is posted, while pieces k+1.. of step t are still on the wire.  Each
-       (send, recv) pair of one piece is one ``batch_isend_irecv`` batch, so NCCL cannot
-       deadlock on it; waiting on the batch also frees its send buffer for reuse.
+    4. Pipelining: the (step, piece) units are taken in order with ``pipeline_depth`` of them
+       in flight: when a unit has arrived and been added, the unit ``depth`` places later is
+       posted, so the transport moves the next pieces while we add this one, across step
+       boundaries too (piece k of step t+1 is piece k of step t's sum, already done).  Each
+       unit's (send, recv) pair is one ``batch_isend_irecv`` batch, so NCCL cannot deadlock
+       on it; waiting on the batch also frees its send buffer for reuse.
     5. Wait for every batch before returning: the tensor and scratch are then free.
 
     ``accumulate_dtype`` (e.g. ``torch.float32`` on an fp16/bf16 tensor): partial sums are kept
@@ -134,8 +141,9 @@ def ring_allreduce(
     fp16 sum: a sum of two fp16 values computed in fp32 then rounded is exactly the correctly
     rounded fp16 sum that ``half + half`` (and Gloo's/NCCL's fp16 reduction) already computes.
 
-    Memory: one scratch buffer of about ``numel/N`` elements (two in ``accumulate_dtype``),
-    allocated on ``tensor.device``.  A non-contiguous ``tensor`` raises ``ValueError``
+    Memory: a receive buffer of ``pipeline_depth`` pieces on ``tensor.device``, kept between
+    calls (see :func:`_scratch`); with ``accumulate_dtype``, two buffers of ``numel/N``
+    elements of that dtype, allocated per call.  A non-contiguous ``tensor`` raises ``ValueError``
     rather than silently costing two copies: pass ``tensor.contiguous()`` and copy back.
     """
     if not tensor.is_contiguous():
@@ -143,8 +151,8 @@ def ring_allreduce(
             "ring_allreduce needs a contiguous tensor (it sends views of its flat storage); "
             "reduce t.contiguous() and copy the result back"
         )
-    if pipeline_bytes < 1:
-        raise ValueError(f"pipeline_bytes must be >= 1, got {pipeline_bytes}")
+    if pipeline_bytes < 1 or pipeline_depth < 1:
+        raise ValueError(f"pipeline_bytes and pipeline_depth must be >= 1, got {pipeline_bytes}, {pipeline_depth}")
     if accumulate_dtype == tensor.dtype:
         accumulate_dtype = None
     if accumulate_dtype is not None and not (accumulate_dtype.is_floating_point and tensor.is_floating_point()):
@@ -158,26 +166,32 @@ def ring_allreduce(
 
     flat = tensor.view(-1)
     # 1. Segments and pieces.  K is the same for all segments (sizes differ by at most one
-    # element) so sender and receiver always agree on a piece's size; piece k of any segment
-    # lives in scratch slot k, so pieces of different segments never overlap in scratch.
+    # element) so sender and receiver always agree on a piece's size.
     seg = _split(n, world)
     seg_len = seg[0][1] - seg[0][0]
     acc_dtype = accumulate_dtype or tensor.dtype
     piece_elems = max(1, pipeline_bytes // acc_dtype.itemsize)
     k_pieces = math.ceil(seg_len / piece_elems)
-    slot = math.ceil(seg_len / k_pieces)
+    slot = math.ceil(seg_len / k_pieces)  # the largest piece
     pieces = [[(s + a, s + b) for a, b in _split(e - s, k_pieces)] for s, e in seg]
-    bufs = [torch.empty(slot * k_pieces, dtype=acc_dtype, device=tensor.device)]
-    if accumulate_dtype is not None:
-        # Double-buffered: step t receives into bufs[t % 2] while step t+1 sends from it.
-        bufs.append(torch.empty_like(bufs[0]))
+    total = 2 * (world - 1) * k_pieces  # units (t, k), numbered j = t*K + k
+    last_rs = world - 2  # last reduce-scatter step
+    if accumulate_dtype is None:
+        # Unit j receives into slot j % depth of a cached scratch buffer: at most `depth` pieces
+        # in flight, and unit j+depth is posted only after unit j has been added.
+        depth = max(1, min(pipeline_depth, k_pieces))
+        bufs = [_scratch(depth * slot, tensor.dtype, tensor.device)]
+    else:
+        # A partial sum must live until it is forwarded one step (K units) later, so the whole
+        # segment is in flight, double-buffered: step t receives into bufs[t % 2] while step
+        # t+1 sends from bufs[(t-1) % 2].  Not cached: this path is not the engine's.
+        depth = k_pieces
+        bufs = [torch.empty(k_pieces * slot, dtype=acc_dtype, device=tensor.device) for _ in range(2)]
 
     def peer(group_rank: int) -> int:
         return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
     nxt, prv = peer((rank + 1) % world), peer((rank - 1) % world)
-    last_rs = world - 2  # last reduce-scatter step
-    steps = 2 * (world - 1)
 
     def send_seg(t: int) -> int:
         return (rank - t) % world if t <= last_rs else (rank + 1 - (t - world + 1)) % world
@@ -185,55 +199,72 @@ def ring_allreduce(
     def recv_seg(t: int) -> int:
         return send_seg(t + 1)  # what arrives at step t is forwarded at step t+1
 
-    def piece(i: int, k: int) -> tuple[torch.Tensor, slice | None]:
-        """(view of segment i's piece k in the tensor, its slice of scratch slot k; None if empty)."""
-        a, b = pieces[i][k]
-        return flat[a:b], None if a == b else slice(k * slot, k * slot + b - a)
+    def scratch(j: int, length: int) -> torch.Tensor:
+        t = j // k_pieces
+        at = (j % depth) * slot
+        return bufs[t % 2 if accumulate_dtype is not None else 0][at : at + length]
 
-    def send_buf(t: int, k: int) -> torch.Tensor:
-        view, sl = piece(send_seg(t), k)
+    def send_buf(j: int) -> torch.Tensor:
+        t, k = divmod(j, k_pieces)
+        a, b = pieces[send_seg(t)][k]
         if accumulate_dtype is None or t > last_rs:
-            return view
-        if t == 0:  # stage our own fp16 piece in the accumulate dtype (bufs[1] is free at t=0)
-            return bufs[1][sl].copy_(view)
-        return bufs[(t - 1) % 2][sl]  # the partial sum received and added at step t-1
+            return flat[a:b]
+        if t == 0:  # stage our own piece in the accumulate dtype (bufs[1] is free at t=0)
+            return bufs[1][k * slot : k * slot + b - a].copy_(flat[a:b])
+        return scratch(j - k_pieces, b - a)  # the partial sum received and added at step t-1
 
-    def recv_buf(t: int, k: int) -> torch.Tensor:
-        view, sl = piece(recv_seg(t), k)
-        if t > last_rs:
-            return view
-        return bufs[t % 2 if accumulate_dtype is not None else 0][sl]
-
-    def post(t: int, k: int) -> list[dist.Work]:
+    def post(j: int) -> list[dist.Work]:
+        t, k = divmod(j, k_pieces)
         ops = []
-        if pieces[recv_seg(t)][k][0] != pieces[recv_seg(t)][k][1]:
-            ops.append(dist.P2POp(dist.irecv, recv_buf(t, k), prv, group))
-        if pieces[send_seg(t)][k][0] != pieces[send_seg(t)][k][1]:
-            ops.append(dist.P2POp(dist.isend, send_buf(t, k), nxt, group))
+        a, b = pieces[recv_seg(t)][k]
+        if a != b:  # empty pieces (tensors shorter than N * K) are skipped by both ends
+            dst = flat[a:b] if t > last_rs else scratch(j, b - a)
+            ops.append(dist.P2POp(dist.irecv, dst, prv, group))
+        a, b = pieces[send_seg(t)][k]
+        if a != b:
+            ops.append(dist.P2POp(dist.isend, send_buf(j), nxt, group))
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def reduce(t: int, k: int) -> None:
-        view, sl = piece(recv_seg(t), k)
-        if sl is None or t > last_rs:
+    def reduce(j: int) -> None:
+        t, k = divmod(j, k_pieces)
+        a, b = pieces[recv_seg(t)][k]
+        if a == b or t > last_rs:
             return  # empty piece, or all-gather: the data landed in place
         if accumulate_dtype is None:
-            view.add_(bufs[0][sl])
+            flat[a:b].add_(scratch(j, b - a))
             return
-        partial = bufs[t % 2][sl]
-        partial.add_(view)  # fp32 += fp16: the add is done in the accumulate dtype
+        partial = scratch(j, b - a)
+        partial.add_(flat[a:b])  # fp32 += fp16: the add is done in the accumulate dtype
         if t == last_rs:
-            view.copy_(partial)  # the only rounding to the tensor's dtype
+            flat[a:b].copy_(partial)  # the only rounding to the tensor's dtype
 
-    # 2-4. Post every piece of step 0; then, per piece in order, finish step t and post step t+1.
-    # Posting order (t, k) is lexicographic on every rank, which is how sends and receives
-    # between the same pair of ranks are matched.
-    inflight = {k: post(0, k) for k in range(k_pieces)}
-    for t in range(steps):
-        for k in range(k_pieces):
-            for work in inflight.pop(k):
-                work.wait()
-            reduce(t, k)
-            if t + 1 < steps:
-                inflight[k] = post(t + 1, k)
+    # 2-4. Units in order j = 0, 1, ...: wait for unit j, add it, post unit j + depth.  Unit
+    # j+depth needs unit j+depth-K (same piece, previous step), already done as depth <= K.
+    # Every rank posts in this same order, which is how sends and receives between the same
+    # pair of ranks are matched.
+    inflight = deque(post(j) for j in range(min(depth, total)))
+    for j in range(total):
+        for work in inflight.popleft():
+            work.wait()
+        reduce(j)
+        if j + depth < total:
+            inflight.append(post(j + depth))
     # 5. Every batch has been waited on: all sends and receives are complete.
     logger.debug("ring allreduce: %d x %s over %d ranks, %d pieces/segment", n, tensor.dtype, world, k_pieces)
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable receive buffer of at least ``numel`` elements (``pipeline_depth`` pieces).
+
+    Kept between calls because on a CPU rank a fresh buffer costs a page fault per 4 KB on
+    first touch, measured at ~1 ms per MB here, a third of the ring's time at 256 MB.  Only
+    one ring runs at a time per process (they are synchronous, from one thread), so one
+    buffer per (device, dtype) suffices.  Its size is bounded by depth * pipeline_bytes.
+    """
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]

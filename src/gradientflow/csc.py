@@ -125,8 +125,15 @@ class SparseSync:
         self.last_selected = torch.zeros(0, dtype=torch.int64)
         self._scaler: Any = None
         self._set_pool(pool)
-        self.v = self._zeros()
-        self.u = self._zeros() if self.momentum > 0 else None
+        # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
+        # re-layout that usually happens during them) then cost no residual memory at all.
+        self.v: list[torch.Tensor] | None = None
+        self.u: list[torch.Tensor] | None = None
+
+    def _allocate_residuals(self) -> None:
+        if self.v is None:
+            self.v = self._zeros()
+            self.u = self._zeros() if self.momentum > 0 else None
 
     # ---- layout ---------------------------------------------------------------------------
     def _set_pool(self, pool: GradPool) -> None:
@@ -156,12 +163,15 @@ class SparseSync:
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
-        old_v = [v[:s] for v, s in zip(self.v, self.sizes)]
-        old_u = [u[:s] for u, s in zip(self.u, self.sizes)] if self.u is not None else None
+        old_v, old_u = self.v, self.u
         self._set_pool(new_pool)
-        self.v = self._padded(transfer(old_layout, new_pool.layout, old_v))
+        if old_v is None:
+            return
+        # Straight into new padded buffers, one residual at a time: the transient is one buffer.
+        self.v = transfer(old_layout, new_pool.layout, old_v, out=self._zeros())
+        del old_v
         if old_u is not None:
-            self.u = self._padded(transfer(old_layout, new_pool.layout, old_u))
+            self.u = transfer(old_layout, new_pool.layout, old_u, out=self._zeros())
 
     # ---- user hooks -----------------------------------------------------------------------
     def register_grad_scaler(self, scaler: Any) -> None:
@@ -188,6 +198,7 @@ class SparseSync:
         return self.step < self.warmup_steps
 
     def _begin_step(self) -> None:
+        self._allocate_residuals()
         self._in_step = True
         self._ready = [0] * len(self.sizes)
         self._scored = [0] * len(self.sizes)
@@ -342,7 +353,7 @@ class SparseSync:
             "step": self.step,
             "chunk_size": self.chunk_size,
             "sizes": list(self.sizes),
-            "v": [v[:s].clone() for v, s in zip(self.v, self.sizes)],
+            "v": [v[:s].clone() for v, s in zip(self.v, self.sizes)] if self.v is not None else None,
             "u": [u[:s].clone() for u, s in zip(self.u, self.sizes)] if self.u is not None else None,
         }
 
@@ -354,9 +365,8 @@ class SparseSync:
                 f"{state.get('sizes')}, this model has chunk_size={self.chunk_size} and {self.sizes}. "
                 "Load it into the same model with the same chunk_size."
             )
-        if (state.get("u") is None) != (self.u is None):
+        if state.get("v") is not None and (state.get("u") is None) != (self.momentum == 0):
             raise ValueError("gradientflow CSC: checkpoint and model disagree on momentum correction (u)")
-        self.v = self._padded(state["v"])
-        if self.u is not None:
-            self.u = self._padded(state["u"])
+        self.v = self._padded(state["v"]) if state.get("v") is not None else None
+        self.u = self._padded(state["u"]) if state.get("u") is not None else None
         self.step = int(state["step"])

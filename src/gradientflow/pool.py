@@ -115,12 +115,19 @@ class GradPool:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
-def transfer(old: Layout, new: Layout, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Move per-parameter data held in ``old``'s pool layout (e.g. CSC residuals) into ``new``'s."""
-    out = [torch.zeros(size, dtype=buffers[0].dtype if buffers else dtype, device=device)
-           for (dtype, device), size in zip(new.keys, new.sizes)]
+def transfer(
+    old: Layout, new: Layout, buffers: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Move per-parameter data held in ``old``'s pool layout (e.g. CSC residuals) into ``new``'s.
+
+    ``out`` (zeroed buffers at least as long as ``new``'s pools) receives the data when given,
+    so a caller can move straight into its own (e.g. padded) buffers without a second copy.
+    """
+    if out is None:
+        out = [torch.zeros(size, dtype=buffers[0].dtype if buffers else dtype, device=device)
+               for (dtype, device), size in zip(new.keys, new.sizes)]
     for s_old, s_new in zip(old.slots, new.slots):
         out[s_new.pool][s_new.offset : s_new.offset + s_new.numel].copy_(
             buffers[s_old.pool][s_old.offset : s_old.offset + s_old.numel]
         )
-    return out
+    return list(out)
