@@ -37,7 +37,12 @@ DEFAULT_PIPELINE_DEPTH = 2
 
 
 class PendingAllreduce:
-    """An allreduce in flight.  ``completed_at`` is a ``time.perf_counter()`` stamp once done."""
+    """An allreduce in flight.  ``completed_at`` is a ``time.perf_counter()`` stamp once done.
+
+    Completion is *polled* (:meth:`poll`) rather than reported by a future callback: a Python
+    callback would run on the backend's worker thread and has to take the GIL first, stalling
+    the next queued collective behind the training thread.
+    """
 
     def __init__(self, work: dist.Work | None, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -45,12 +50,12 @@ class PendingAllreduce:
         self._work = work
         if work is None:
             self.completed_at = time.perf_counter()
-        else:
-            # Only a timestamp is taken in the callback: never a collective (see DESIGN.md).
-            work.get_future().add_done_callback(self._mark_done)
 
-    def _mark_done(self, _fut: torch.futures.Future) -> None:
-        self.completed_at = time.perf_counter()
+    def poll(self) -> bool:
+        """Stamp ``completed_at`` if the collective has finished; never blocks."""
+        if self.completed_at is None and self._work is not None and self._work.is_completed():
+            self.completed_at = time.perf_counter()
+        return self.completed_at is not None
 
     def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
         if self._work is not None:

@@ -34,6 +34,7 @@ class DenseSync:
         """3. wait for every launched allreduce, in launch order; 4. write results back."""
         pending, self._pending = self._pending, []
         for flat, wire, handle in pending:
+            handle.poll()  # already done: stamp now, so comm_seconds does not include our waiting
             handle.wait()
             stats.record_done(handle.completed_at)
             from_wire(flat, wire)
