@@ -30,6 +30,10 @@ class GradientFlowConfig:
     warmup_steps: CSC — dense steps before sparsification starts.
     momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
         apply momentum again.
+    csc_scope: CSC — where the top chunks are chosen.  "global" (the paper): one top-k over the
+        whole pool after backward, one packed allreduce.  "slice": a top-k per fused slice as
+        backward produces it, so the packed allreduces overlap backward; every slice sends
+        ceil(density * its chunks), so the total can exceed the global count by < 1 chunk/slice.
     """
 
     fusion_threshold_mb: float = 25.0
@@ -40,6 +44,7 @@ class GradientFlowConfig:
     chunk_size: int = 32768
     warmup_steps: int = 0
     momentum: float = 0.0
+    csc_scope: str = "global"
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -62,6 +67,9 @@ class GradientFlowConfig:
         m = self.momentum
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
             raise ValueError(f"momentum must be a number in [0, 1) (0 = no momentum correction), got {m!r}")
+
+        if self.csc_scope not in ("global", "slice"):
+            raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
 
     @property
     def wire_dtype(self) -> torch.dtype:

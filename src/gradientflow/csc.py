@@ -59,12 +59,13 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .collectives import start_allreduce
+from .collectives import PendingAllreduce, start_allreduce
 from .config import GradientFlowConfig
 from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout, transfer
@@ -99,6 +100,19 @@ def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order).values
 
 
+@dataclass
+class _Slice:
+    """Chunks [lo, hi) of pool ``pool`` scored by one launch (scope="slice")."""
+
+    pool: int
+    lo: int
+    hi: int
+    handle: PendingAllreduce
+    idx: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+    send: torch.Tensor | None = None
+
+
 class SparseSync:
     """CSC synchronisation strategy plugged into :class:`gradientflow.DistributedDataParallel`."""
 
@@ -119,6 +133,9 @@ class SparseSync:
         self.chunk_size = config.chunk_size
         self.warmup_steps = config.warmup_steps
         self.momentum = float(config.momentum)
+        self.per_slice = config.csc_scope == "slice"
+        self._slices: list[_Slice] = []
+        self.last_slice_sizes: list[int] = []
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
         self._check_wire = config.wire_dtype == torch.float16
         self.step = 0
@@ -230,19 +247,34 @@ class SparseSync:
         else:
             v.add_(flat) if inv == 1.0 else v.add_(flat, alpha=inv)  # alpha=1 is a slower kernel
         self._ready[k] = bucket.end
-        self._score_ready(k)
+        scored = self._score_ready(k)
+        if self.per_slice:
+            if scored is not None:
+                self._start_slice(k, *scored, stats)
+            # Lag of one slice: the previous slice's scores had a whole bucket of backward to
+            # arrive, so waiting for them here rarely stalls; its chunks then travel while
+            # backward goes on.  The launch points depend on the layout only: same on all ranks.
+            for sl in self._slices[:-1]:
+                if sl.send is None:
+                    self._send_slice(sl, stats)
 
-    def _score_ready(self, k: int) -> None:
+    def _score_ready(self, k: int) -> tuple[int, int] | None:
+        """Score the chunks of pool ``k`` that became complete; return their range, if any."""
         C = self.chunk_size
         upto = self.n_chunks[k] if self._ready[k] == self.sizes[k] else self._ready[k] // C
         lo = self._scored[k]
-        if upto > lo:
-            off = self.offsets[k]
-            chunk_scores(self.v[k][lo * C : upto * C], C, out=self.scores[off + lo : off + upto])
-            self._scored[k] = upto
+        if upto <= lo:
+            return None
+        off = self.offsets[k]
+        chunk_scores(self.v[k][lo * C : upto * C], C, out=self.scores[off + lo : off + upto])
+        self._scored[k] = upto
+        return lo, upto
 
     def finish(self, stats: StepStats) -> None:
         """Steps 2-4 after backward: global scores, selection, one packed allreduce, write-back."""
+        if self.per_slice and not self._warmup():
+            self._finish_slices(stats)
+            return
         if self._warmup():
             self.dense.finish(stats)
             stats.extra["selected_chunks"] = self.total_chunks
@@ -313,6 +345,73 @@ class SparseSync:
                 self.v[k].view(-1, C).index_fill_(0, idx_k, 0.0)
                 if self.u is not None:
                     self.u[k].view(-1, C).index_fill_(0, idx_k, 0.0)
+        if not ok:
+            stats.extra["overflow"] = 1
+        self.step += 1
+
+    # ---- per-slice selection (scope="slice") ----------------------------------------------
+    def _start_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
+        """Start the (async, fp32 SUM) allreduce of the scores of chunks [lo, hi) of pool k."""
+        off = self.offsets[k]
+        scores = self.scores[off + lo : off + hi]
+        stats.record_collective(scores.numel() * scores.element_size())
+        handle = start_allreduce(scores, group=self.group, algorithm="native")
+        self._slices.append(_Slice(k, lo, hi, handle))
+
+    def _send_slice(self, sl: _Slice, stats: StepStats) -> None:
+        """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
+        sl.handle.wait()
+        stats.record_done(sl.handle.completed_at)
+        k, C = sl.pool, self.chunk_size
+        off = self.offsets[k]
+        m = n_selected(self.density, sl.hi - sl.lo)
+        sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo  # pool-local
+        sl.packed = torch.index_select(self.v[k].view(-1, C), 0, sl.idx)
+        if self._scale != 1.0:
+            sl.packed.mul_(self._scale)
+        n_send = m * C
+        if int(sl.idx[-1]) == self.n_chunks[k] - 1:  # the pool's short last chunk: pad not sent
+            n_send -= self.n_chunks[k] * C - self.sizes[k]
+        sl.send = sl.packed.view(-1)[:n_send]
+        self.dense.launch(None, sl.send, stats)
+
+    def _finish_slices(self, stats: StepStats) -> None:
+        """End of backward with per-slice selection: send the last slices, wait, write back."""
+        if not self._in_step:
+            self._begin_step()
+        self._in_step = False
+        for k in range(len(self.sizes)):
+            if self._ready[k] != self.sizes[k]:
+                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
+            scored = self._score_ready(k)
+            if scored is not None:
+                self._start_slice(k, *scored, stats)
+        slices, self._slices = self._slices, []
+        for sl in slices:
+            if sl.send is None:
+                self._send_slice(sl, stats)
+        self.dense.finish(stats)
+        stats.extra["n_chunks"] = self.total_chunks
+        stats.extra["warmup"] = 0
+        stats.extra["overflow"] = 0
+        stats.extra["slices"] = len(slices)
+        if not bool(torch.isfinite(self.scores).all()):
+            self._skip_overflow(stats)
+            return
+        self.last_selected = torch.cat([sl.idx + self.offsets[sl.pool] for sl in slices]) if slices \
+            else torch.zeros(0, dtype=torch.int64)
+        self.last_slice_sizes = [sl.hi - sl.lo for sl in slices]
+        stats.extra["selected_chunks"] = int(self.last_selected.numel())
+        ok = not self._check_wire or all(math.isfinite(float(sl.send.sum())) for sl in slices)
+        for buf in self.pool.buffers:
+            buf.zero_()
+        C = self.chunk_size
+        for sl in slices:
+            self._write_chunks(sl.pool, sl.idx, sl.packed)
+            if ok:
+                self.v[sl.pool].view(-1, C).index_fill_(0, sl.idx, 0.0)
+                if self.u is not None:
+                    self.u[sl.pool].view(-1, C).index_fill_(0, sl.idx, 0.0)
         if not ok:
             stats.extra["overflow"] = 1
         self.step += 1

@@ -109,8 +109,8 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: broadcast buffers from rank 0 at each forward, as DDP [True].
         comm_dtype: "fp32" | "fp16" | "bf16" on the wire ["fp32"].
         algorithm: "native" | "ring" ["native"].
-        density, chunk_size, warmup_steps, momentum: coarse-grained sparse communication
-            [None (dense), 32768, 0, 0.0].
+        density, chunk_size, warmup_steps, momentum, csc_scope: coarse-grained sparse
+            communication [None (dense), 32768, 0, 0.0, "global"].
     """
 
     def __init__(
@@ -126,6 +126,7 @@ class DistributedDataParallel(nn.Module):
         chunk_size: int = 32768,
         warmup_steps: int = 0,
         momentum: float = 0.0,
+        csc_scope: str = "global",
     ) -> None:
         super().__init__()
         self.config = GradientFlowConfig(
@@ -137,6 +138,7 @@ class DistributedDataParallel(nn.Module):
             chunk_size=chunk_size,
             warmup_steps=warmup_steps,
             momentum=momentum,
+            csc_scope=csc_scope,
         )
         group = _require_process_group(process_group)
         self.module = module

@@ -39,7 +39,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-MODES = ("gf-fp32", "gf-fp16", "gf-fp16-csc", "ddp", "ddp-fp16", "ddp-powersgd", "compute")
+MODES = ("gf-fp32", "gf-fp16", "gf-fp16-csc", "gf-fp16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd", "compute")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: PowerSGD's hook can abort the process or hang Gloo."""
 DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
@@ -161,7 +161,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
         wrapped: nn.Module = model
         wire = 0
     elif v.mode.startswith("gf-"):
-        csc = v.mode == "gf-fp16-csc"
+        csc = v.mode.startswith("gf-fp16-csc")
         wrapped = gf.DistributedDataParallel(
             model,
             fusion_threshold_mb=v.theta_mb,
@@ -171,6 +171,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
             chunk_size=chunk_size,
             warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
             momentum=0.9 if csc else 0.0,
+            csc_scope="slice" if v.mode == "gf-fp16-csc-slice" else "global",
         )
         if csc:
             momentum = 0.0  # CSC applies momentum on its residual (momentum correction)
