@@ -195,3 +195,29 @@ def _dead_peer_worker(rank: int, world_size: int) -> str:
 def test_dead_peer_raises_instead_of_hanging() -> None:
     message, _ = run_distributed(_dead_peer_worker, 2, timeout=100)
     assert "peer may have died" in message, message
+
+
+class _SharedUnderCheckpoint(nn.Module):
+    """``lin`` is used inside a reentrant checkpoint and outside it: its gradient is produced twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+        return self.lin(inner)
+
+
+def _twice_worker(rank: int, world_size: int) -> str:
+    model = gf.DistributedDataParallel(_SharedUnderCheckpoint())
+    try:
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_gradient_produced_twice_raises() -> None:
+    for message in run_distributed(_twice_worker, 2):
+        assert "produced a gradient twice" in message and "'lin." in message, message
