@@ -366,3 +366,52 @@ def test_digits_density_0_1_fp16_matches_dense_fp32_accuracy() -> None:
     print(f"digits test accuracy: dense fp32 {acc['dense']:.2f}%, CSC 0.1 + fp16 {acc['csc']:.2f}%")
     assert acc["dense"] > 94, acc  # both runs really learned the task
     assert acc["csc"] >= acc["dense"] - 0.5, acc
+
+
+# ---- 3 ranks, no_sync -----------------------------------------------------------------------------
+def _three_rank_no_sync_worker(rank: int, world_size: int, steps: int) -> list[list[int]]:
+    """CSC on 3 ranks with two no_sync micro-batches per step: nothing is lost, all ranks agree."""
+    gen = torch.Generator().manual_seed(50 + rank)
+    model = _sparse(_mlp())
+    sync = model._sync
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params = list(model.module.parameters())
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    local_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    abs_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    selected = []
+    for _ in range(steps):
+        batches = [_batch(gen, 8) for _ in range(3)]
+        for x, y in batches:  # the local gradient of the whole step, without touching .grad
+            for i, g in enumerate(torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params)):
+                mean, a = g.double().clone(), g.double().abs()
+                dist.all_reduce(mean)
+                dist.all_reduce(a)
+                local_sum[i] += mean / world_size
+                abs_sum[i] += a / world_size
+        opt.zero_grad()
+        with model.no_sync():
+            for x, y in batches[:2]:
+                nn.functional.cross_entropy(model(x), y).backward()
+        x, y = batches[2]
+        nn.functional.cross_entropy(model(x), y).backward()
+        for i, p in enumerate(params):
+            applied[i] += p.grad.double()
+        selected.append(sync.last_selected.tolist())
+        assert len(selected[-1]) == n_selected(0.25, sync.total_chunks)
+        opt.step()
+    # Rounding per element and step: the local sum of 3 micro-batch gradients (2 roundings), v += g
+    # (1), the 3-term allreduce (2) and the division by 3 (1): 6 roundings of at most eps/2 times a
+    # partial sum of |g| (<= A), so |error| <= 3*T*eps*A; bound used: 4*T*eps*A.
+    for i in range(len(params)):
+        v = _param_view(model, sync.v, i).double().view_as(params[i]).clone()
+        dist.all_reduce(v)
+        err = (applied[i] + v / world_size - local_sum[i]).abs()
+        bound = 4 * steps * EPS32 * abs_sum[i]
+        assert bool((err <= bound).all()), f"param {i}: max err {err.max():.3g}, bound {bound.max():.3g}"
+    return selected
+
+
+def test_three_ranks_with_no_sync_lose_nothing_and_agree() -> None:
+    results = run_distributed(_three_rank_no_sync_worker, 3, 6, timeout=120)
+    assert results[0] == results[1] == results[2]
