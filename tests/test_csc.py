@@ -93,6 +93,39 @@ def test_number_selected_is_ceil_of_density_times_n() -> None:
 
 
 # ---- selection, nothing lost, payload, density 1, warm-up ------------------------------------
+class _Ledger:
+    """fp64 books for "nothing lost": gradients applied, mean local gradients, mean |gradients|."""
+
+    def __init__(self, params: list[torch.Tensor], world_size: int) -> None:
+        self.params, self.world_size = params, world_size
+        zeros = lambda: [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        self.applied, self.local_sum, self.abs_sum = zeros(), zeros(), zeros()
+
+    def add_local(self, grads: tuple[torch.Tensor, ...]) -> None:
+        for i, g in enumerate(grads):
+            mean, a = g.double().clone(), g.double().abs()
+            dist.all_reduce(mean)
+            dist.all_reduce(a)
+            self.local_sum[i] += mean / self.world_size
+            self.abs_sum[i] += a / self.world_size
+
+    def add_applied(self) -> None:
+        for i, p in enumerate(self.params):
+            self.applied[i] += p.grad.double()
+
+    def check(self, model: gf.DistributedDataParallel, bound_factor: float) -> float:
+        """Assert sum(applied) + mean_r(v) == sum_t mean_r(g) within bound_factor*eps*A; return |v| held."""
+        held = 0.0
+        for i, p in enumerate(self.params):
+            v = _param_view(model, model._sync.v, i).double().view_as(p).clone()
+            dist.all_reduce(v)
+            err = (self.applied[i] + v / self.world_size - self.local_sum[i]).abs()
+            bound = bound_factor * EPS32 * self.abs_sum[i]
+            assert bool((err <= bound).all()), f"param {i}: max err {err.max():.3g}, bound {bound.max():.3g}"
+            held += float(v.abs().sum())
+        return held
+
+
 def _expected_selected(sync, n: int) -> int:
     """ceil(density * n) for the paper's global top-k; per slice, the sum over slices."""
     if not sync.per_slice:
@@ -111,9 +144,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
     sync = model._sync
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(model.module.parameters())
-    applied = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    local_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    abs_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    ledger = _Ledger(params, world_size)
     selected = []
     relaid_once = False
     for x, y in batches:
@@ -123,14 +154,8 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
         pool_before = model.pool
         nn.functional.cross_entropy(model(x), y).backward()
         relaid = model.pool is not pool_before  # step 1: chunk indices refer to the old layout
-        for i, g in enumerate(local):
-            mean = g.double().clone()
-            dist.all_reduce(mean)
-            local_sum[i] += mean / world_size
-            a = g.double().abs()
-            dist.all_reduce(a)
-            abs_sum[i] += a / world_size
-            applied[i] += params[i].grad.double()
+        ledger.add_local(local)
+        ledger.add_applied()
         stats = model.comm_stats()
         buf = model.pool.buffers[0]
         n = math.ceil(buf.numel() / CHUNK)
@@ -153,15 +178,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
     # per step in v += g and once in the 2-term allreduce sum (division by 2 is exact), each error
     # <= eps/2 * (a partial sum of |g|) <= eps/2 * A, A = sum_t mean_r |g|: total <= T*eps*A.
     # The test's own sums are in fp64.  Bound used: 2*T*eps*A.
-    held = 0.0
-    for i in range(len(params)):
-        v = _param_view(model, sync.v, i).double().view_as(params[i]).clone()
-        dist.all_reduce(v)
-        lhs = applied[i] + v / world_size
-        err = (lhs - local_sum[i]).abs()
-        bound = 2 * steps * EPS32 * abs_sum[i]
-        assert bool((err <= bound).all()), f"param {i}: max err {err.max():.3g}, bound {bound.max():.3g}"
-        held += float(v.abs().sum())
+    held = ledger.check(model, 2 * steps)
     assert held > 0  # something really is held back in the residual
 
     # 2. density 1.0 == dense, bit for bit (2 ranks: a sum of two fp32 values has one rounding).
@@ -376,39 +393,26 @@ def _three_rank_no_sync_worker(rank: int, world_size: int, steps: int) -> list[l
     sync = model._sync
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params = list(model.module.parameters())
-    applied = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    local_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    abs_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    ledger = _Ledger(params, world_size)
     selected = []
     for _ in range(steps):
         batches = [_batch(gen, 8) for _ in range(3)]
         for x, y in batches:  # the local gradient of the whole step, without touching .grad
-            for i, g in enumerate(torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params)):
-                mean, a = g.double().clone(), g.double().abs()
-                dist.all_reduce(mean)
-                dist.all_reduce(a)
-                local_sum[i] += mean / world_size
-                abs_sum[i] += a / world_size
+            ledger.add_local(torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params))
         opt.zero_grad()
         with model.no_sync():
             for x, y in batches[:2]:
                 nn.functional.cross_entropy(model(x), y).backward()
         x, y = batches[2]
         nn.functional.cross_entropy(model(x), y).backward()
-        for i, p in enumerate(params):
-            applied[i] += p.grad.double()
+        ledger.add_applied()
         selected.append(sync.last_selected.tolist())
         assert len(selected[-1]) == n_selected(0.25, sync.total_chunks)
         opt.step()
     # Rounding per element and step: the local sum of 3 micro-batch gradients (2 roundings), v += g
     # (1), the 3-term allreduce (2) and the division by 3 (1): 6 roundings of at most eps/2 times a
     # partial sum of |g| (<= A), so |error| <= 3*T*eps*A; bound used: 4*T*eps*A.
-    for i in range(len(params)):
-        v = _param_view(model, sync.v, i).double().view_as(params[i]).clone()
-        dist.all_reduce(v)
-        err = (applied[i] + v / world_size - local_sum[i]).abs()
-        bound = 4 * steps * EPS32 * abs_sum[i]
-        assert bool((err <= bound).all()), f"param {i}: max err {err.max():.3g}, bound {bound.max():.3g}"
+    ledger.check(model, 4 * steps)
     return selected
 
 

@@ -282,13 +282,7 @@ class SparseSync:
             stats.extra["warmup"] = 1
             self.step += 1
             return
-        if not self._in_step:  # no bucket launched (no parameters): nothing to send
-            self._begin_step()
-        self._in_step = False
-        for k in range(len(self.sizes)):
-            if self._ready[k] != self.sizes[k]:
-                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
-            self._score_ready(k)
+        self._end_of_backward()  # global scope: the score vector is complete; sent in one piece below
         n = self.total_chunks
         stats.extra["n_chunks"] = n
         stats.extra["warmup"] = 0
@@ -336,11 +330,33 @@ class SparseSync:
         # and finite fp16-range values cannot overflow an fp32 sum.
         ok = not self._check_wire or math.isfinite(float(send.sum()))
 
-        # Write back: zero the pool (it holds this step's local g), then the selected chunks.
+        self._write_back([(k, idx_k, packed[r : r + idx_k.numel()]) for k, idx_k, r in per_pool], ok, stats)
+
+    def _end_of_backward(self) -> list[tuple[int, tuple[int, int]]]:
+        """Check every pool was launched; score its last chunks; return (pool, newly scored range)."""
+        if not self._in_step:  # no bucket launched (no parameters): nothing to send
+            self._begin_step()
+        self._in_step = False
+        scored = []
+        for k in range(len(self.sizes)):
+            if self._ready[k] != self.sizes[k]:
+                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
+            rng = self._score_ready(k)
+            if rng is not None:
+                scored.append((k, rng))
+        return scored
+
+    def _write_back(self, parts: list[tuple[int, torch.Tensor, torch.Tensor]], ok: bool, stats: StepStats) -> None:
+        """Step 4's end: the pool gets the reduced chunks and zeros; sent chunks leave u and v.
+
+        ``parts`` holds (pool, chunk indices in that pool, reduced rows).  The pool is zeroed
+        first because it still holds this step's local gradient, which must not reach the optimizer.
+        """
+        C = self.chunk_size
         for buf in self.pool.buffers:
             buf.zero_()
-        for k, idx_k, r in per_pool:
-            self._write_chunks(k, idx_k, packed[r : r + idx_k.numel()])
+        for k, idx_k, rows in parts:
+            self._write_chunks(k, idx_k, rows)
             if ok:  # momentum factor masking: what was sent leaves the residual
                 self.v[k].view(-1, C).index_fill_(0, idx_k, 0.0)
                 if self.u is not None:
@@ -377,15 +393,8 @@ class SparseSync:
 
     def _finish_slices(self, stats: StepStats) -> None:
         """End of backward with per-slice selection: send the last slices, wait, write back."""
-        if not self._in_step:
-            self._begin_step()
-        self._in_step = False
-        for k in range(len(self.sizes)):
-            if self._ready[k] != self.sizes[k]:
-                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
-            scored = self._score_ready(k)
-            if scored is not None:
-                self._start_slice(k, *scored, stats)
+        for k, (lo, hi) in self._end_of_backward():
+            self._start_slice(k, lo, hi, stats)
         slices, self._slices = self._slices, []
         for sl in slices:
             if sl.send is None:
@@ -403,18 +412,7 @@ class SparseSync:
         self.last_slice_sizes = [sl.hi - sl.lo for sl in slices]
         stats.extra["selected_chunks"] = int(self.last_selected.numel())
         ok = not self._check_wire or all(math.isfinite(float(sl.send.sum())) for sl in slices)
-        for buf in self.pool.buffers:
-            buf.zero_()
-        C = self.chunk_size
-        for sl in slices:
-            self._write_chunks(sl.pool, sl.idx, sl.packed)
-            if ok:
-                self.v[sl.pool].view(-1, C).index_fill_(0, sl.idx, 0.0)
-                if self.u is not None:
-                    self.u[sl.pool].view(-1, C).index_fill_(0, sl.idx, 0.0)
-        if not ok:
-            stats.extra["overflow"] = 1
-        self.step += 1
+        self._write_back([(sl.pool, sl.idx, sl.packed) for sl in slices], ok, stats)
 
     def _write_chunks(self, k: int, idx_k: torch.Tensor, rows: torch.Tensor) -> None:
         buf, C = self.pool.buffers[k], self.chunk_size

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from gradientflow.collectives import DEFAULT_PIPELINE_BYTES, DEFAULT_PIPELINE_DEPTH, ring_allreduce
 
 logger = logging.getLogger(__name__)
+WORKER_MODULE = "gradientflow.bench.allreduce_bw"  # not __name__: that is "__main__" under -m
 
 MB = 1 << 20
 
@@ -181,17 +182,19 @@ def _plot(summary: dict, algos: dict[str, dict], path: Path) -> None:
 
 def _run_ranks(args: argparse.Namespace, result_file: Path) -> dict:
     """Step 1: torchrun on loopback, or one torchrun per node of an emulated cluster."""
-    worker = ["-m", "gradientflow.bench.allreduce_bw", "--worker", "--result-file", str(result_file)]
+    from gradientflow.bench.runner import torchrun_argv
+
+    worker = ["--worker", "--result-file", str(result_file)]
     worker += ["--sizes-mb", *map(str, args.sizes_mb), "--repeats", str(args.repeats)]
     worker += ["--pg-timeout", str(args.pg_timeout)]
     if args.pipeline_kb:
         worker += ["--pipeline-kb", *map(str, args.pipeline_kb)]
     if args.pipeline_depth:
         worker += ["--pipeline-depth", *map(str, args.pipeline_depth)]
-    run = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0"]
     env = {"OMP_NUM_THREADS": "1"}
     if not args.bandwidth:
-        cmd = [*run, "--standalone", f"--nproc-per-node={args.nproc}", *worker]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--standalone",
+               f"--nproc-per-node={args.nproc}", "-m", WORKER_MODULE, *worker]
         logger.info("launching: %s", " ".join(cmd))
         try:
             codes = [subprocess.run(cmd, env={**os.environ, **env}, timeout=args.timeout).returncode]
@@ -205,8 +208,8 @@ def _run_ranks(args: argparse.Namespace, result_file: Path) -> dict:
         goodput = cluster.measure_throughput(0, 1)  # one TCP stream: what the link really gives
         procs = []
         for node in range(args.nproc):
-            cmd = [*run, "--nnodes", str(args.nproc), "--node-rank", str(node), "--nproc-per-node", "1"]
-            cmd += ["--master-addr", cluster.master_addr, "--master-port", "29500", *worker]
+            cmd = torchrun_argv(nnodes=args.nproc, node_rank=node, nproc_per_node=1, master_addr=cluster.master_addr,
+                                master_port=29500, args=worker, module=WORKER_MODULE)
             procs.append(cluster.popen(node, cmd, env=env))
         deadline = time.monotonic() + args.timeout
         codes = []

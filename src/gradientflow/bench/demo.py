@@ -118,21 +118,15 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Launch ``opts.nproc`` ranks with torchrun's API, train, log the report and return it."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from gradientflow.bench.runner import free_port
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=f"gf-demo-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.2,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
         start_method="spawn",
     )
     logger.info("gradientflow demo: %d ranks (Gloo, 127.0.0.1), small_cnn on scikit-learn digits, %d steps",

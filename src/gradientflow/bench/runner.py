@@ -309,13 +309,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def torchrun_argv(*, nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
-                  args: list[str]) -> list[str]:
-    """``python -m torch.distributed.run`` (torchrun) of this module, static rendezvous at the master."""
+                  args: list[str], module: str = "gradientflow.bench.runner") -> list[str]:
+    """``python -m torch.distributed.run`` (torchrun) of ``module``, static rendezvous at the master."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc_per_node),
         "--master-addr", master_addr, "--master-port", str(master_port), "--max-restarts", "0",
-        "-m", "gradientflow.bench.runner", *args,
+        "-m", module, *args,
     ]
 
 
