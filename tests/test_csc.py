@@ -117,7 +117,7 @@ class _Ledger:
         """Assert sum(applied) + mean_r(v) == sum_t mean_r(g) within bound_factor*eps*A; return |v| held."""
         held = 0.0
         for i, p in enumerate(self.params):
-            v = _param_view(model, model._sync.v, i).double().view_as(p).clone()
+            v = _param_view(model, model._gf_sync.v, i).double().view_as(p).clone()
             dist.all_reduce(v)
             err = (self.applied[i] + v / self.world_size - self.local_sum[i]).abs()
             bound = bound_factor * EPS32 * self.abs_sum[i]
@@ -141,7 +141,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
 
     # 1. momentum 0, fp32 wire: selection, nonzero chunks, payload, conservation of gradient.
     model = _sparse(_mlp(), csc_scope=scope)
-    sync = model._sync
+    sync = model._gf_sync
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(model.module.parameters())
     ledger = _Ledger(params, world_size)
@@ -209,7 +209,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
             assert same and st["warmup"] == 1 and st["payload_bytes"] == st["dense_bytes"], st
         else:
             n = st["n_chunks"]
-            assert not same and st["warmup"] == 0 and st["selected_chunks"] == _expected_selected(warm._sync, n), st
+            assert not same and st["warmup"] == 0 and st["selected_chunks"] == _expected_selected(warm._gf_sync, n), st
     return out
 
 
@@ -277,7 +277,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
             m.zero_grad()
             loss = nn.functional.cross_entropy(m(x), y)
             (loss if sc is None else sc.scale(loss)).backward()
-        for a, b in zip(plain._sync.v + plain._sync.u, scaled._sync.v + scaled._sync.u):
+        for a, b in zip(plain._gf_sync.v + plain._gf_sync.u, scaled._gf_sync.v + scaled._gf_sync.u):
             assert torch.equal(a, b)
         for a, b in zip(plain.module.parameters(), scaled.module.parameters()):
             assert torch.equal(a.grad * 2.0**10, b.grad)
@@ -288,7 +288,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
     (1e8 * nn.functional.cross_entropy(big(x), y)).backward()
     assert big.comm_stats()["overflow"] == 1
     assert not all(bool(torch.isfinite(p.grad).all()) for p in big.parameters())
-    kept = big._sync.v[0].view(-1, CHUNK)[big._sync.last_selected]
+    kept = big._gf_sync.v[0].view(-1, CHUNK)[big._gf_sync.last_selected]
     assert bool((kept.abs().sum(1) > 0).all()) and bool(torch.isfinite(kept).all())
 
     model = _sparse(_mlp(), momentum=0.9, comm_dtype="fp16", density=0.5)
@@ -300,7 +300,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
     assert len(caught) == 1 and "momentum" in str(caught[0].message)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
     model.register_grad_scaler(scaler)
-    sync = model._sync
+    sync = model._gf_sync
     losses, skipped = [], []
     for step in range(40):
         hook = None
@@ -390,7 +390,7 @@ def _three_rank_no_sync_worker(rank: int, world_size: int, steps: int) -> list[l
     """CSC on 3 ranks with two no_sync micro-batches per step: nothing is lost, all ranks agree."""
     gen = torch.Generator().manual_seed(50 + rank)
     model = _sparse(_mlp())
-    sync = model._sync
+    sync = model._gf_sync
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params = list(model.module.parameters())
     ledger = _Ledger(params, world_size)

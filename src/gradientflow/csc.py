@@ -70,6 +70,7 @@ from .config import GradientFlowConfig
 from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout, transfer
 from .stats import StepStats
+from .strategy import SyncStrategy
 
 
 def n_selected(density: float, n_chunks: int) -> int:
@@ -113,7 +114,7 @@ class _Slice:
     send: torch.Tensor | None = None
 
 
-class SparseSync:
+class SparseSync(SyncStrategy):
     """CSC synchronisation strategy plugged into :class:`gradientflow.DistributedDataParallel`."""
 
     def __init__(
@@ -140,6 +141,7 @@ class SparseSync:
         self._check_wire = config.wire_dtype == torch.float16
         self.step = 0
         self.last_selected = torch.zeros(0, dtype=torch.int64)
+        self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
         self._set_pool(pool)
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
@@ -189,6 +191,23 @@ class SparseSync:
         del old_v
         if old_u is not None:
             self.u = transfer(old_layout, new_pool.layout, old_u, out=self._zeros())
+
+    def has_state(self) -> bool:
+        return self.v is not None
+
+    def untouched(self, params: Sequence[int]) -> list[int]:
+        """Unused parameters none of whose chunks was sent this step (a sent chunk may carry residual)."""
+        if self._last_dense:
+            return list(params)
+        sent = set(self.last_selected.tolist())  # a host read, only when some parameter is unused everywhere
+        C, out = self.chunk_size, []
+        for i in params:
+            s = self.pool.layout.slots[i]
+            base = self.offsets[s.pool]
+            chunks = range(base + s.offset // C, base + (s.offset + s.numel - 1) // C + 1) if s.numel else ()
+            if not any(c in sent for c in chunks):
+                out.append(i)
+        return out
 
     # ---- user hooks -----------------------------------------------------------------------
     def register_grad_scaler(self, scaler: Any) -> None:
@@ -272,6 +291,7 @@ class SparseSync:
 
     def finish(self, stats: StepStats) -> None:
         """Steps 2-4 after backward: global scores, selection, one packed allreduce, write-back."""
+        self._last_dense = self._warmup()
         if self.per_slice and not self._warmup():
             self._finish_slices(stats)
             return
@@ -441,6 +461,7 @@ class SparseSync:
             g.fill_(float("nan"))
         stats.extra["overflow"] = 1
         stats.extra["selected_chunks"] = 0
+        self.last_selected = torch.zeros(0, dtype=torch.int64)
         self.step += 1
 
     # ---- checkpoint -----------------------------------------------------------------------

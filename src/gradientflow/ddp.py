@@ -1,15 +1,18 @@
-"""``gradientflow.DistributedDataParallel``: hooks, the lazy-allreduce scheduler, and finalize.
+"""``gradientflow.DistributedDataParallel``: torch DDP's interface over the gradient pool.
 
 Per synchronised backward:
-  1. At forward (and again when backward starts) every ``.grad`` is bound to its view of the
-     pool, so autograd accumulates straight into the pool.
+  1. When backward starts (a hook on the forward's outputs) every ``.grad`` is bound to its view
+     of the pool, so autograd accumulates straight into the pool.  Before that a ``.grad`` is
+     whatever the user left (``None`` after ``zero_grad()``), as in torch DDP.
   2. A post-accumulate-grad hook marks each gradient ready.  Buckets (pool slices of >= θ
      bytes, cut by :func:`pool.plan_layout`) are launched strictly in bucket order, each as
      soon as it and all earlier buckets are complete.  Launch points are therefore a function
      of the layout alone: every rank issues the same collectives in the same order, even when
      the set of used parameters differs between ranks.
-  3. Autograd's final callback launches the remaining buckets, waits for all, and leaves the
-     averaged gradient in the pool (= in every ``.grad``).
+  3. Autograd's final callback launches the remaining buckets and a one-byte-per-parameter
+     "used" exchange (MAX), waits for all, and leaves the averaged gradient in the pool (= in
+     every ``.grad``).  A parameter no rank used, whose ``.grad`` was ``None``, gets ``None``
+     back, so optimizers skip it as they do under torch DDP.
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
 """
@@ -25,22 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .compat import check_no_sparse_gradients, iter_tensors, move_to_device, resolve_ddp_args
 from .config import GradientFlowConfig
 from .dense import DenseSync
+from .join import GradientFlowJoinHook, common_rank
 from .pool import GradPool, Layout, plan_layout
 from .stats import StepStats
+from .strategy import SyncStrategy
 
 logger = logging.getLogger(__name__)
-
-
-def _require_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "gradientflow.DistributedDataParallel needs an initialised process group: call "
-            "torch.distributed.init_process_group('gloo' or 'nccl') first (e.g. under torchrun)."
-        )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 def _check_same_model(signature: list[tuple[str, tuple[int, ...], str]], group: dist.ProcessGroup) -> None:
@@ -78,17 +76,6 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.Proc
             offset += t.numel()
 
 
-def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _iter_tensors(o)
-
-
 class _Backward:
     """Bookkeeping of one synchronised backward."""
 
@@ -100,26 +87,57 @@ class _Backward:
         self.stats = StepStats(dense_bytes=dense_bytes)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
-    Args (keyword-only, defaults in brackets; see :class:`GradientFlowConfig`):
-        process_group: group to synchronise over [the default group].
-        fusion_threshold_mb: θ of lazy allreduce, MB per fused collective [25.0].
-        broadcast_buffers: broadcast buffers from rank 0 at each forward, as DDP [True].
-        comm_dtype: "fp32" | "fp16" | "bf16" on the wire ["fp32"].
-        algorithm: "native" | "ring" ["native"].
-        density, chunk_size, warmup_steps, momentum, csc_scope: coarse-grained sparse
-            communication [None (dense), 32768, 0, 0.0, "global"].
+    torch DDP's arguments keep their positions, defaults and meaning:
+        device_ids, output_device: ``[local_rank]`` for a module on one GPU (inputs are moved
+            there at forward, as DDP does); ``None`` for CPU modules.  dim: accepted, unused by
+            single-device modules in DDP too.
+        broadcast_buffers (deprecated in torch 2.13) / forward_sync_buffers: broadcast buffers
+            from rank 0 at every synchronised forward [True].
+        init_sync: compare the models and broadcast rank 0's parameters and buffers [True].
+        process_group / device_mesh (1-D): the group to average over [the default group].
+        bucket_cap_mb: θ of lazy allreduce (the same setting as ``fusion_threshold_mb``) [25].
+        find_unused_parameters: accepted, no effect: unused parameters are always handled (a
+            one-byte-per-parameter exchange per step tells which ones no rank used).
+        gradient_as_bucket_view: accepted, no effect: ``.grad`` is always a view of the pool.
+        static_graph: the set of used parameters never changes, so the "used" exchange runs
+            once instead of every step.
+        check_reduction, skip_all_reduce_unused_params, batched_grad_copy: accepted, no effect on
+            results here.
+        mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce,
+            bucket_cap_mb_list, a multi-dimensional device_mesh: ``ValueError`` with the alternative.
+
+    gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
+        fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
+        dense], chunk_size [32768], warmup_steps [0], momentum [0.0], csc_scope ["global"].
     """
 
     def __init__(
         self,
         module: nn.Module,
-        *,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        fusion_threshold_mb: float = 25.0,
-        broadcast_buffers: bool = True,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        fusion_threshold_mb: float | None = None,
         comm_dtype: str = "fp32",
         algorithm: str = "native",
         density: float | None = None,
@@ -129,9 +147,18 @@ class DistributedDataParallel(nn.Module):
         csc_scope: str = "global",
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        settings = resolve_ddp_args(
+            module, device_ids=device_ids, output_device=output_device, broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers, init_sync=init_sync, process_group=process_group,
+            device_mesh=device_mesh, bucket_cap_mb=bucket_cap_mb, fusion_threshold_mb=fusion_threshold_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list, static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+        )
         self.config = GradientFlowConfig(
-            fusion_threshold_mb=fusion_threshold_mb,
-            broadcast_buffers=broadcast_buffers,
+            fusion_threshold_mb=settings.fusion_threshold_mb,
+            broadcast_buffers=settings.forward_sync_buffers,
             comm_dtype=comm_dtype,
             algorithm=algorithm,
             density=density,
@@ -140,235 +167,484 @@ class DistributedDataParallel(nn.Module):
             momentum=momentum,
             csc_scope=csc_scope,
         )
-        group = _require_process_group(process_group)
+        # torch DDP's public attributes, same names and meaning.
         self.module = module
-        self.process_group = group
-        self.world_size = dist.get_world_size(group)
-        self._src = dist.get_global_rank(group, 0)
+        self.process_group = settings.process_group
+        self.device_ids = list(device_ids) if device_ids else None
+        self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
+        self.dim = dim
+        self.forward_sync_buffers = settings.forward_sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = settings.static_graph
+        self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
+        self._gf_device = settings.device
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        check_no_sparse_gradients(module, ignored)
+        self._gf_ignored = ignored
+        group = self.process_group
+        self._gf_world_size = dist.get_world_size(group)
+        self._gf_src = dist.get_global_rank(group, 0)
+        self._gf_collect_tensors()
+        if not self._gf_params:
+            raise ValueError(
+                "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
+                "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
+            )
+        if settings.init_sync:
+            named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+            signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+            signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in ignored]
+            _check_same_model(signature, group)
+            states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
+            with torch.no_grad():
+                _broadcast_coalesced(states, self._gf_src, group)
+        self._gf_build_engine(order=None)
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self._buffers = [b for b in module.buffers()]
-        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-        _check_same_model(signature, group)
-        with torch.no_grad():
-            _broadcast_coalesced([p for _, p in module.named_parameters()] + self._buffers, self._src, group)
+    # ---- construction (also after unpickling or a change of device/dtype) -----------------
+    def _gf_collect_tensors(self) -> None:
+        named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
+        self._gf_names = [n for n, p in named if p.requires_grad]
+        self._gf_params = [p for _, p in named if p.requires_grad]
+        self._gf_frozen = [(n, p) for n, p in named if not p.requires_grad and p.is_floating_point()]
+        self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
 
-        self._dense_bytes = 4 * sum(p.numel() for p in self._params)
-        order = list(reversed(range(len(self._params))))  # backward roughly reverses registration
-        self._install(plan_layout(self._numels(), self._keys(), order, self.config.threshold_bytes))
-        self._layout_final = False
+    def _gf_build_engine(self, order: list[int] | None) -> None:
+        """Pool, strategy and hooks for the current parameters (``order``: a saved layout order)."""
+        n = len(self._gf_params)
+        self._gf_dense_bytes = 4 * sum(p.numel() for p in self._gf_params)
+        order = order if order is not None else list(reversed(range(n)))  # backward ~ reverse registration
+        self._gf_install(plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes))
+        self._gf_layout_final = False
         wire = self.config.wire_dtype
-        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=wire, algorithm=algorithm)
+        group, world = self.process_group, self._gf_world_size
+        dense = DenseSync(group=group, world_size=world, wire_dtype=wire, algorithm=self.config.algorithm)
+        self._gf_sync: SyncStrategy = dense
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
-            self._sync = SparseSync(self.pool, dense, group=group, world_size=self.world_size, config=self.config)
-        else:
-            self._sync = dense
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
-        self._require_sync = True
-        self._sync_this_backward = True
-        self._backward: _Backward | None = None
-        self._last_stats = StepStats(dense_bytes=self._dense_bytes)
+            self._gf_sync = SparseSync(self._gf_pool, dense, group=group, world_size=world, config=self.config)
+        self._gf_hooks = [p.register_post_accumulate_grad_hook(self._gf_make_hook(i))
+                          for i, p in enumerate(self._gf_params)]
+        self._gf_sync_this_backward = True
+        self._gf_bind_pending = False
+        self._gf_backward: _Backward | None = None
+        self._gf_last_stats = StepStats(dense_bytes=self._gf_dense_bytes)
+        self._gf_fresh = bytearray(n)  # 1: .grad was None when bound, and no backward has produced it since
+        self._gf_used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
+        self._gf_static_unused: list[int] | None = None
+        self._gf_result_versions: tuple[int, ...] | None = None
 
     # ---- layout -------------------------------------------------------------------------
-    def _numels(self) -> list[int]:
-        return [p.numel() for p in self._params]
+    def _gf_numels(self) -> list[int]:
+        return [p.numel() for p in self._gf_params]
 
-    def _keys(self) -> list[tuple[torch.dtype, torch.device]]:
-        return [(p.dtype, p.device) for p in self._params]
+    def _gf_keys(self) -> list[tuple[torch.dtype, torch.device]]:
+        return [(p.dtype, p.device) for p in self._gf_params]
 
-    def _install(self, layout: Layout) -> None:
-        """Allocate the pool for ``layout``, carry current gradients over, bind ``.grad`` views."""
-        pool = GradPool(layout, self._params)
+    def _gf_install(self, layout: Layout) -> None:
+        """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
+        pool = GradPool(layout, self._gf_params)
         with torch.no_grad():
-            for p, view in zip(self._params, pool.views):
+            for p, view in zip(self._gf_params, pool.views):
                 if p.grad is not None:
                     view.copy_(p.grad)
-                p.grad = view
-        self.pool = pool
-        self._bucket_of = [0] * len(self._params)
+                    p.grad = view
+        self._gf_pool = pool
+        self._gf_bucket_of = [0] * len(self._gf_params)
         for b in layout.buckets:
             for i in b.params:
-                self._bucket_of[i] = b.index
+                self._gf_bucket_of[i] = b.index
 
-    def _relayout_from_observed(self, observed: list[int]) -> None:
+    def _gf_relayout_from_observed(self, observed: list[int]) -> None:
         """Adopt rank 0's observed backward order (unseen parameters keep their relative order)."""
         seen = set(observed)
-        order = observed + [i for i in self.pool.layout.order if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64)
-        if self._params:
-            order_t = order_t.to(self._params[0].device)
-        dist.broadcast(order_t, src=self._src, group=self.process_group)
+        order = observed + [i for i in self._gf_pool.layout.order if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64, device=self._gf_params[0].device)
+        dist.broadcast(order_t, src=self._gf_src, group=self.process_group)
         order = order_t.tolist()
-        self._layout_final = True
-        if tuple(order) != self.pool.layout.order:
-            old = self.pool
-            self._install(plan_layout(self._numels(), self._keys(), order, self.config.threshold_bytes))
-            if hasattr(self._sync, "relayout"):
-                self._sync.relayout(old.layout, self.pool)
+        self._gf_layout_final = True
+        if tuple(order) != self._gf_pool.layout.order:
+            self._gf_adopt_order(order)
             logger.debug("gradientflow: gradient pool re-laid in observed backward order")
 
-    def _bind_grads(self) -> None:
-        """Point every ``.grad`` at its pool view; a ``None`` grad (zero_grad(set_to_none)) is zero."""
-        views = self.pool.views
+    def _gf_adopt_order(self, order: list[int]) -> None:
+        old = self._gf_pool
+        self._gf_install(plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes))
+        self._gf_sync.relayout(old.layout, self._gf_pool)
+
+    def _gf_bind_grads(self) -> None:
+        """Point every ``.grad`` at its pool view; a ``None`` grad becomes a zero view (marked fresh)."""
+        views, fresh = self._gf_pool.views, self._gf_fresh
+        params = self._gf_params
+        self._gf_bind_pending = False
         with torch.no_grad():
-            if all(p.grad is None for p in self._params):
-                for buf in self.pool.buffers:
+            if all(p.grad is None for p in params):
+                for buf in self._gf_pool.buffers:
                     buf.zero_()
-                for p, view in zip(self._params, views):
+                for p, view in zip(params, views):
                     p.grad = view
+                fresh[:] = b"\x01" * len(params)
                 return
-            for p, view in zip(self._params, views):
+            self._gf_check_result_consumed()
+            for i, (p, view) in enumerate(zip(params, views)):
                 g = p.grad
                 if g is view:
                     continue
                 if g is None:
                     view.zero_()
+                    fresh[i] = 1
                 elif g.data_ptr() != view.data_ptr():
                     view.copy_(g)
                 p.grad = view
 
+    def _gf_check_result_consumed(self) -> None:
+        """CSC: refuse to fold last step's synchronised result into this step's residual.
+
+        After a CSC step ``.grad`` holds what was sent; a second synchronised backward before
+        ``zero_grad()`` would add it to the residual again (sent twice).  The pool's version
+        counter (bumped by any in-place write, e.g. ``zero_grad(set_to_none=False)``) tells
+        whether the user touched ``.grad`` since — no pass over the pool needed.
+        """
+        versions = self._gf_result_versions
+        if versions is not None and versions == self._gf_pool_versions():
+            self._gf_result_versions = None
+            raise RuntimeError(
+                "gradientflow: a second synchronised backward started while .grad still holds the previous "
+                "step's sparse (density) result. Call optimizer.zero_grad() between steps, or accumulate "
+                "micro-batches inside model.no_sync() and synchronise once."
+            )
+
+    def _gf_pool_versions(self) -> tuple[int, ...]:
+        return tuple(b._version for b in self._gf_pool.buffers)
+
     # ---- forward ------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        grad_on = torch.is_grad_enabled()
-        if grad_on:
-            self._bind_grads()
-            self._sync_this_backward = self._require_sync
-        if (
-            grad_on
-            and self._require_sync
-            and self.config.broadcast_buffers
-            and self._buffers
-            and self.world_size > 1
-        ):
-            with torch.no_grad():
-                _broadcast_coalesced(self._buffers, self._src, self.process_group)
-        out = self.module(*args, **kwargs)
-        if grad_on and self._sync_this_backward:
-            # A rank whose loss uses no parameter still has to join the collectives: the hook on
-            # the output starts the synchronised backward even if no parameter hook ever fires.
-            for t in _iter_tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._output_grad_hook)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if sync:
+            self._gf_before_sync_forward()
+        if self._gf_device is not None:
+            inputs, kwargs = move_to_device(inputs, self._gf_device), move_to_device(kwargs, self._gf_device)
+        out = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled():
+            self._gf_after_forward(out, sync)
         return out
+
+    @torch.compiler.disable
+    def _gf_before_sync_forward(self) -> None:
+        for name, p in self._gf_frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"gradientflow: parameter '{name}' had requires_grad=False when the model was wrapped and "
+                    "requires grad now; its gradient would never be synchronised. Set requires_grad before "
+                    "wrapping (toggling it off and on again later is fine), or wrap the model anew."
+                )
+        if self._join_config.enable:
+            Join.notify_join_context(self)
+        if self._gf_syncs_buffers():
+            self._gf_broadcast_buffers(active=True)
+
+    def _gf_syncs_buffers(self) -> bool:
+        return self.forward_sync_buffers and bool(self._gf_module_buffers) and self._gf_world_size > 1
+
+    @torch.compiler.disable
+    def _gf_after_forward(self, out: Any, sync: bool) -> None:
+        # The hook on the outputs starts the backward: it binds .grad to the pool before any
+        # gradient is accumulated and, when synchronising, makes a rank whose loss uses no
+        # parameter still join the collectives.
+        self._gf_sync_this_backward = sync
+        self._gf_bind_pending = True
+        for t in iter_tensors(out):
+            if t.requires_grad:
+                t.register_hook(self._gf_output_grad_hook)
+
+    def _gf_broadcast_buffers(self, active: bool) -> None:
+        """Buffers from rank 0 (under ``Join``: from the highest rank still training)."""
+        src = self._gf_src
+        if self._join_config.enable:
+            src = common_rank(self.process_group, self.join_device, candidate=active)
+        with torch.no_grad():
+            _broadcast_coalesced(self._gf_module_buffers, src, self.process_group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside the context synchronises them."""
-        previous, self._require_sync = self._require_sync, False
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._require_sync = previous
+            self.require_backward_grad_sync = previous
 
     # ---- backward -----------------------------------------------------------------------
-    def _begin_backward(self) -> _Backward:
-        bw = self._backward
+    def _gf_begin_backward(self) -> _Backward:
+        bw = self._gf_backward
         if bw is None:
-            self._bind_grads()
-            bw = self._backward = _Backward(self.pool.layout, len(self._params), self._dense_bytes)
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._gf_bind_grads()
+            bw = self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)
+            torch.autograd.Variable._execution_engine.queue_callback(self._gf_finish_backward)
         return bw
 
-    def _output_grad_hook(self, grad: torch.Tensor) -> None:
-        if self._sync_this_backward:
-            self._begin_backward()
+    def _gf_output_grad_hook(self, grad: torch.Tensor) -> None:
+        if self._gf_sync_this_backward:
+            self._gf_begin_backward()
+        elif self._gf_bind_pending:
+            self._gf_bind_grads()
 
-    def _make_hook(self, i: int):
+    def _gf_make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
-            if self._backward is None and not self._sync_this_backward:
-                return  # no_sync: the gradient just accumulates in the pool
-            self._grad_ready(i, param)
+            self._gf_fresh[i] = 0
+            self._gf_used[i] = 1
+            if self._gf_backward is None and not self._gf_sync_this_backward:
+                self._gf_adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
+                return
+            self._gf_grad_ready(i, param)
 
         return hook
 
-    def _grad_ready(self, i: int, param: torch.Tensor) -> None:
-        bw = self._begin_backward()
+    def _gf_adopt_grad(self, i: int, param: torch.Tensor) -> None:
+        """A gradient autograd created outside the pool (no bind happened first) moves into it."""
+        view = self._gf_pool.views[i]
+        g = param.grad
+        if g is view:
+            return
+        if g.is_sparse:
+            raise RuntimeError(
+                f"gradientflow: parameter '{self._gf_names[i]}' received a sparse gradient, which gradientflow "
+                "does not synchronise; use a dense gradient (e.g. sparse=False in F.embedding)."
+            )
+        with torch.no_grad():
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+        param.grad = view
+
+    def _gf_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        bw = self._gf_begin_backward()
         if bw.seen[i]:
             raise RuntimeError(
-                f"gradientflow: parameter '{self._names[i]}' produced a gradient twice in one backward "
-                "(reentrant backward or a second backward through the same graph inside one step). "
-                "Synchronise once per backward, or use no_sync() for the extra passes."
+                f"gradientflow: parameter '{self._gf_names[i]}' produced a gradient twice in one backward "
+                "(a second backward through the same graph inside one step, or a parameter reused across "
+                "reentrant checkpoints). Synchronise once per backward, or use no_sync() for the extra passes."
             )
         bw.seen[i] = 1
         bw.order.append(i)
-        view = self.pool.views[i]
-        if param.grad is not view:  # grad was created outside the pool (e.g. set_to_none, no forward)
-            with torch.no_grad():
-                if param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)
-            param.grad = view
-        b = self._bucket_of[i]
+        self._gf_adopt_grad(i, param)
+        b = self._gf_bucket_of[i]
         bw.remaining[b] -= 1
-        buckets = self.pool.layout.buckets
+        buckets = self._gf_pool.layout.buckets
         while bw.next_bucket < len(buckets) and bw.remaining[bw.next_bucket] == 0:
-            self._launch(bw, bw.next_bucket)
+            self._gf_launch(bw, bw.next_bucket)
 
-    def _launch(self, bw: _Backward, index: int) -> None:
-        bucket = self.pool.layout.buckets[index]
-        self._sync.launch(bucket, self.pool.bucket_view(bucket), bw.stats)
+    def _gf_launch(self, bw: _Backward, index: int) -> None:
+        bucket = self._gf_pool.layout.buckets[index]
+        self._gf_sync.launch(bucket, self._gf_pool.bucket_view(bucket), bw.stats)
         bw.next_bucket = index + 1
 
-    def _finish_backward(self) -> None:
-        bw = self._backward
+    def _gf_finish_backward(self) -> None:
+        bw = self._gf_backward
         if bw is None:
             return
         try:
             t0 = time.perf_counter()
-            while bw.next_bucket < len(self.pool.layout.buckets):
-                self._launch(bw, bw.next_bucket)
-            self._sync.finish(bw.stats)
+            while bw.next_bucket < len(self._gf_pool.layout.buckets):
+                self._gf_launch(bw, bw.next_bucket)
+            used = self._gf_start_used_exchange(bw.stats)
+            self._gf_sync.finish(bw.stats)
+            self._gf_release_unused(used)
             bw.stats.exposed_seconds = time.perf_counter() - t0
             bw.stats.close()
         finally:
-            self._backward = None
-        self._last_stats = bw.stats
-        if not self._layout_final:
-            self._relayout_from_observed(bw.order)
+            self._gf_backward = None
+            self._gf_used = bytearray(len(self._gf_params))
+            self._gf_fresh = bytearray(len(self._gf_params))
+        self._gf_last_stats = bw.stats
+        if not self._gf_layout_final:
+            self._gf_relayout_from_observed(bw.order)
+        if self.config.sparse:
+            self._gf_result_versions = self._gf_pool_versions()
+
+    def _gf_start_used_exchange(self, stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
+        """Start the MAX allreduce of "this rank produced parameter i's gradient" (1 byte each).
+
+        Skipped under ``static_graph=True`` once the first step has told which parameters are unused.
+        """
+        if self._gf_static_unused is not None:
+            return None
+        flags = torch.frombuffer(bytearray(self._gf_used), dtype=torch.uint8)
+        flags = flags.to(self._gf_params[0].device)
+        stats.control_bytes += flags.numel()
+        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True), flags
+
+    def _gf_release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
+        """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
+        if used is not None:
+            work, flags = used
+            work.wait()
+            fresh = self._gf_fresh
+            if not any(fresh) and not self.static_graph:
+                return  # every gradient was produced (or already existed) here: nothing to read
+            global_used = flags.tolist()
+            unused = [i for i, u in enumerate(global_used) if not u]
+            if self.static_graph:
+                self._gf_static_unused = unused
+        else:
+            unused = self._gf_static_unused or []
+        candidates = [i for i in unused if self._gf_fresh[i]]
+        if candidates:
+            for i in self._gf_sync.untouched(candidates):
+                self._gf_params[i].grad = None
+
+    # ---- uneven inputs (torch Join) ---------------------------------------------------------
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """``with model.join(): ...`` — ranks with fewer batches shadow the others until all are done.
+
+        Gradients are averaged over the initial world size (joined ranks contribute zero), DDP's
+        default; ``divide_by_initial_world_size=False`` is not supported.
+        """
+        if not divide_by_initial_world_size:
+            raise ValueError(
+                "join(divide_by_initial_world_size=False) is not supported: gradientflow divides by the initial "
+                "world size (joined ranks contribute zero). Scale the learning rate if you need the other mean."
+            )
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return GradientFlowJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._gf_params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _gf_shadow_step(self) -> None:
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""
+        with torch.no_grad():
+            for p in self._gf_params:
+                p.grad = None
+            self._gf_bind_grads()
+            self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)
+            self._gf_finish_backward()
+
+    def _gf_sync_final_model(self, is_last_joiner: bool) -> None:
+        src = common_rank(self.process_group, self.join_device, candidate=is_last_joiner)
+        states = [p for n, p in self.module.named_parameters() if n not in self._gf_ignored]
+        with torch.no_grad():
+            _broadcast_coalesced(states + self._gf_module_buffers, src, self.process_group)
+
+    # ---- torch DDP methods we do not implement -------------------------------------------
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Not supported: gradientflow's options replace the common hooks."""
+        raise NotImplementedError(
+            "gradientflow does not run DDP communication hooks; its options cover the common ones: "
+            "fp16_compress_hook -> comm_dtype='fp16', bf16_compress_hook -> comm_dtype='bf16', PowerSGD -> "
+            "density=0.1 (coarse-grained sparse communication), allreduce_hook -> the default."
+        )
+
+    # ---- torch DDP properties -------------------------------------------------------------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13 DDP)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    # ---- nn.Module plumbing: device/dtype changes, copies, pickling ------------------------
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
+        super()._apply(fn, recurse)
+        if "_gf_pool" not in self.__dict__:
+            return self  # during __init__
+        old_keys = list(self._gf_pool.layout.keys)
+        self._gf_collect_tensors()
+        if sorted(set(self._gf_keys()), key=str) != sorted(set(old_keys), key=str):
+            if self._gf_sync.has_state():
+                raise ValueError(
+                    "gradientflow: the model's device or dtype changed after sparse (density) residuals were "
+                    "created. Move the model before the first step, or save comm_state_dict(), rebuild the "
+                    "wrapper on the new device and load it."
+                )
+            for h in self._gf_hooks:
+                h.remove()
+            order = list(self._gf_pool.layout.order)
+            final = self._gf_layout_final
+            self._gf_build_engine(order)
+            self._gf_layout_final = final
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch DDP: the process group and the engine are not pickled (rebuilt on load)."""
+        default = dist.distributed_c10d._get_default_group()
+        if self.process_group is not dist.group.WORLD and self.process_group != default:
+            raise ValueError(
+                "gradientflow: pickling/deepcopy is only supported with the default process group (as torch DDP)"
+            )
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_gf_") or k in _PICKLED}
+        state.pop("process_group", None)
+        state["_gf_comm_state"] = self.comm_state_dict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        comm = state.pop("_gf_comm_state")
+        self.__dict__.update(state)
+        self.process_group = dist.group.WORLD
+        self._gf_world_size = dist.get_world_size(self.process_group)
+        self._gf_src = dist.get_global_rank(self.process_group, 0)
+        self._gf_collect_tensors()
+        self._gf_build_engine(order=comm.get("layout_order"))
+        self.load_comm_state_dict(comm)
 
     # ---- state of the communication (CSC residuals) ---------------------------------------
     def comm_state_dict(self) -> dict[str, Any]:
         """Communication state (CSC residuals u, v and step counter) to checkpoint with the model."""
-        if not hasattr(self._sync, "state_dict"):
-            return {}
-        state = dict(self._sync.state_dict())
+        state = dict(self._gf_sync.state_dict())
         # Residuals and CSC chunks live in the pool layout: a resumed run must use the same one.
-        state["layout_order"] = list(self.pool.layout.order)
-        state["layout_final"] = self._layout_final
+        state["layout_order"] = list(self._gf_pool.layout.order)
+        state["layout_final"] = self._gf_layout_final
         return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`comm_state_dict` returned (same model, density and world size)."""
-        if hasattr(self._sync, "load_state_dict"):
-            order = state.get("layout_order")
-            if order is not None and tuple(order) != self.pool.layout.order:
-                old = self.pool
-                self._install(plan_layout(self._numels(), self._keys(), list(order), self.config.threshold_bytes))
-                self._sync.relayout(old.layout, self.pool)
-            if state.get("layout_final"):
-                self._layout_final = True
-            self._sync.load_state_dict(state)
-        elif state:
-            raise ValueError("this model communicates densely and has no communication state to load")
+        state = dict(state)
+        order = state.pop("layout_order", None)
+        final = state.pop("layout_final", False)
+        if order is not None:
+            if sorted(order) != list(range(len(self._gf_params))):
+                raise ValueError(
+                    f"gradientflow: the communication state's layout covers {len(order)} parameters, this model "
+                    f"has {len(self._gf_params)}: load it into the model it was saved from."
+                )
+            if tuple(order) != self._gf_pool.layout.order:
+                self._gf_adopt_order(list(order))
+        self._gf_sync.load_state_dict(state)
+        if final:
+            self._gf_layout_final = True
 
     def register_grad_scaler(self, scaler: Any) -> None:
         """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
 
         Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
         """
-        if hasattr(self._sync, "register_grad_scaler"):
-            self._sync.register_grad_scaler(scaler)
+        self._gf_sync.register_grad_scaler(scaler)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""
-        if hasattr(self._sync, "check_optimizer"):
-            self._sync.check_optimizer(optimizer)
+        self._gf_sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self) -> dict[str, float | int]:
         """Counters of the last completed synchronised step (see :class:`StepStats`)."""
-        return self._last_stats.as_dict()
+        return self._gf_last_stats.as_dict()
+
+    @property
+    def pool(self) -> GradPool:
+        """The gradient pool (its ``layout`` and flat ``buffers``); read-only."""
+        return self._gf_pool
+
+
+# Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
+_PICKLED = {"_gf_device", "_gf_ignored"}

@@ -14,9 +14,12 @@ from .collectives import PendingAllreduce, start_allreduce
 from .pool import Bucket
 from .precision import from_wire, to_wire
 from .stats import StepStats
+from .strategy import SyncStrategy
 
 
-class DenseSync:
+class DenseSync(SyncStrategy):
+    """Every gradient, every step: one allreduce per bucket in the wire dtype."""
+
     def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype, algorithm: str):
         self.group = group
         self.world_size = world_size

@@ -15,6 +15,8 @@ class StepStats:
     dense_bytes: bytes one dense fp32 allreduce of every gradient would hand over.
     comm_seconds: first launch to last completion.
     exposed_seconds: time the end of backward waited on communication.
+    control_bytes: bytes of bookkeeping collectives beside the gradients (the one-byte-per-parameter
+        "used" flags), not counted in ``collectives`` / ``payload_bytes``.
     """
 
     collectives: int = 0
@@ -22,6 +24,7 @@ class StepStats:
     dense_bytes: int = 0
     comm_seconds: float = 0.0
     exposed_seconds: float = 0.0
+    control_bytes: int = 0
     extra: dict[str, float | int] = field(default_factory=dict)
     _first_launch: float | None = None
     _last_done: float | None = None

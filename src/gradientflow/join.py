@@ -1,0 +1,50 @@
+"""Uneven inputs: torch's ``Join`` protocol for the gradientflow wrapper.
+
+A rank that has run out of batches *joins*: while others still train, ``Join`` calls
+:meth:`GradientFlowJoinHook.main_hook` once per iteration they run, and that hook issues exactly
+the collectives a real synchronised iteration issues (buffer broadcast, every bucket, the
+unused-parameter exchange, CSC's scores and chunks) with a zero gradient, so nobody hangs and
+the average stays a sum over all ranks divided by the initial world size (DDP's default).  When
+every rank has joined, :meth:`post_hook` broadcasts parameters and buffers from a rank that
+joined last, so all ranks end with identical models.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+if TYPE_CHECKING:
+    from .ddp import DistributedDataParallel
+
+
+def common_rank(group: dist.ProcessGroup, device: torch.device, candidate: bool) -> int:
+    """The highest global rank among the ranks passing ``candidate=True`` (one MAX allreduce)."""
+    mine = dist.get_rank() if candidate else -1
+    t = torch.tensor([mine], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    rank = int(t.item())
+    if rank < 0:
+        raise RuntimeError("gradientflow join: no rank qualified as the source of the final model")
+    return rank
+
+
+class GradientFlowJoinHook(JoinHook):
+    """Shadows one synchronised iteration per call; syncs the final model at the end."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        """1. the forward's buffer broadcast (source: an active rank); 2. a zero-gradient sync step."""
+        ddp = self.ddp
+        if ddp._gf_syncs_buffers():
+            ddp._gf_broadcast_buffers(active=False)
+        ddp._gf_shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """3. Everyone has joined: parameters and buffers from a last joiner, to every rank."""
+        self.ddp._gf_sync_final_model(is_last_joiner)

@@ -1,0 +1,62 @@
+"""The one protocol every synchronisation strategy (dense, CSC, ...) implements.
+
+The engine (:mod:`gradientflow.ddp`) decides *when*: it hands each bucket over as soon as it is
+ready and calls ``finish`` at the end of backward.  A strategy decides *what* goes on the wire.
+The engine never probes a strategy with ``hasattr``: everything it may call is declared here,
+with a default for what a strategy without state does not need.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .pool import Bucket, GradPool, Layout
+from .stats import StepStats
+
+
+class SyncStrategy(ABC):
+    """How the gradients of one synchronised backward are averaged across ranks."""
+
+    @abstractmethod
+    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
+        """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread."""
+
+    @abstractmethod
+    def finish(self, stats: StepStats) -> None:
+        """End of backward: complete every launched collective; the pool then holds the result."""
+
+    def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:  # noqa: B027 — stateless default
+        """Follow the engine to a new pool layout (move any per-element state)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint beside the model (empty for a stateless strategy)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(
+                "this model communicates densely and has no communication state to load; the checkpoint "
+                f"holds {sorted(state)} (saved from a model with density set?)"
+            )
+
+    def has_state(self) -> bool:
+        """Whether per-element state exists that a change of device/dtype would lose."""
+        return False
+
+    def register_grad_scaler(self, scaler: Any) -> None:  # noqa: B027 — dense needs no loss scale
+        """Tell the strategy which ``torch.amp.GradScaler`` scales the gradients."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
+        """Warn about an optimizer setting that conflicts with the strategy."""
+
+    def untouched(self, params: Sequence[int]) -> list[int]:
+        """Of these parameters (used by no rank this step), those the step delivered nothing to.
+
+        The engine leaves their ``.grad`` ``None``, as DDP does.  Dense delivers nothing to an
+        unused parameter; CSC may deliver an older residual, which must not be dropped.
+        """
+        return list(params)
