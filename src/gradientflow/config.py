@@ -9,8 +9,10 @@ import torch
 
 from .collectives import ALGORITHMS
 
+# "fp32" is full precision: no cast, the gradient travels in its own dtype (fp32 for fp32
+# parameters, fp64 for a float64 model, as torch DDP sends it).
 COMM_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": torch.float32,
+    "fp32": None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
@@ -23,7 +25,8 @@ class GradientFlowConfig:
     fusion_threshold_mb: θ of lazy allreduce.  A bucket of the gradient pool is launched once
         θ MB of it are ready.  0 = one collective per tensor, ``inf`` = one collective after backward.
     broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 at every forward.
-    comm_dtype: dtype on the wire: "fp32", "fp16" or "bf16".
+    comm_dtype: dtype on the wire: "fp32" (full precision: the gradient's own dtype, no cast),
+        "fp16" or "bf16".
     algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
     density: CSC — fraction of chunks sent each step; ``None`` = dense.
     chunk_size: CSC — gradients per chunk (32768 in the paper).
@@ -72,7 +75,8 @@ class GradientFlowConfig:
             raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
 
     @property
-    def wire_dtype(self) -> torch.dtype:
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are cast to on the wire; ``None`` = their own dtype (no cast)."""
         return COMM_DTYPES[self.comm_dtype]
 
     @property

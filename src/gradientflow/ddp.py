@@ -63,16 +63,23 @@ def _check_same_model(signature: list[tuple[str, tuple[int, ...], str]], group: 
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device)."""
+    """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device).
+
+    Written through ``.data`` (its own version counter) and not at all on ``src``: a forward that
+    re-broadcasts BatchNorm buffers must not invalidate an earlier forward's graph that saved
+    them (two forwards before one backward), as torch DDP's C++ broadcast does not.
+    """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
+    receive = dist.get_rank() != src
     for ts in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for t in ts:
-            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            if receive:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 

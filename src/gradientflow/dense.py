@@ -20,7 +20,7 @@ from .strategy import SyncStrategy
 class DenseSync(SyncStrategy):
     """Every gradient, every step: one allreduce per bucket in the wire dtype."""
 
-    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype, algorithm: str):
+    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype | None, algorithm: str):
         self.group = group
         self.world_size = world_size
         self.wire_dtype = wire_dtype

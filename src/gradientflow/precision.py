@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype, world_size: int) -> torch.Tensor:
-    """Return ``flat / world_size`` in ``wire_dtype``; in place when no cast is needed."""
-    if flat.dtype == wire_dtype:
+def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int) -> torch.Tensor:
+    """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own); in place when no cast is needed."""
+    if wire_dtype is None or flat.dtype == wire_dtype:
         return flat.div_(world_size) if world_size > 1 else flat
     wire = torch.empty(flat.shape, dtype=wire_dtype, device=flat.device)
     torch.mul(flat, 1.0 / world_size, out=wire) if world_size > 1 else wire.copy_(flat)
