@@ -1,0 +1,70 @@
+"""Every method and attribute the README names, called on the wrapper the way a user calls it."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradientflow as gf
+
+from _dist import run_distributed
+from _oracle import batch
+
+
+def _readme_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    model = gf.DistributedDataParallel(net, fusion_threshold_mb=25, comm_dtype="fp16", density=0.5,
+                                       chunk_size=16, warmup_steps=1, momentum=0.0)
+    assert model.module is net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    model.register_grad_scaler(scaler)
+    model.check_optimizer(opt)  # momentum=0 here: no warning expected
+    for step in range(3):
+        opt.zero_grad()
+        with model.no_sync():
+            model(batch(rank, 100 + step)).pow(2).mean().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(batch(rank, step)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    stats = model.comm_stats()
+    for key in ("collectives", "payload_bytes", "dense_bytes", "comm_seconds", "exposed_seconds"):
+        assert key in stats
+    assert 0 < stats["payload_bytes"] < stats["dense_bytes"]
+    # Checkpoint: model state (DDP keys) and communication state, loadable with weights_only=True.
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "comm": model.comm_state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    torch.manual_seed(0)
+    twin = gf.DistributedDataParallel(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                                    nn.Linear(32, 4)), comm_dtype="fp16", density=0.5,
+                                      chunk_size=16, warmup_steps=1)
+    twin.load_state_dict(ckpt["model"])
+    twin.load_comm_state_dict(ckpt["comm"])
+    for a, b in zip(model.comm_state_dict()["v"], twin.comm_state_dict()["v"]):
+        assert torch.equal(a, b)
+    # check_optimizer warns when CSC momentum correction meets optimizer momentum.
+    mc = gf.DistributedDataParallel(nn.Linear(6, 4), density=0.5, momentum=0.9)
+    with pytest.warns(UserWarning, match="momentum"):
+        mc.check_optimizer(torch.optim.SGD(mc.parameters(), lr=0.1, momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mc.check_optimizer(torch.optim.SGD(mc.parameters(), lr=0.1))
+    # join(), as in the README's compatibility table.
+    with model.join():
+        opt.zero_grad()
+        model(batch(rank, 9)).sum().backward()
+    # The config object is public and frozen.
+    assert isinstance(model.config, gf.GradientFlowConfig)
+
+
+def test_readme_methods_on_the_wrapper() -> None:
+    run_distributed(_readme_worker, 2)
