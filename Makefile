@@ -19,7 +19,7 @@ demo: $(BIN)/.installed
 	$(BIN)/gradientflow demo --nproc $(NPROC)
 
 test: $(BIN)/.installed
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples
 	$(BIN)/python -m pytest -q tests
 
 bench: $(BIN)/.installed

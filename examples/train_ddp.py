@@ -56,7 +56,13 @@ def main() -> None:
         from gradientflow import DistributedDataParallel as DDP
 
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # torchrun's store outlives a restart (--max-restarts): the restarted workers would read the dead
+    # ones' addresses from it and fail to connect (seen with Gloo on torch 2.13).  A prefix per attempt
+    # keeps each attempt's keys apart; without restarts this is plain init_process_group().
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")

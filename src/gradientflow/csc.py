@@ -475,16 +475,34 @@ class SparseSync(SyncStrategy):
             "u": [u[:s].clone() for u, s in zip(self.u, self.sizes)] if self.u is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the engine has already adopted the saved pool layout)."""
-        if state.get("chunk_size") != self.chunk_size or list(state.get("sizes", [])) != self.sizes:
+    def validate_state_dict(self, state: dict[str, Any]) -> None:
+        """Everything :meth:`load_state_dict` needs, checked before anything changes."""
+        missing = {"step", "chunk_size", "sizes", "v", "u"} - set(state)
+        if missing:
+            raise ValueError(f"gradientflow CSC: the communication state lacks {sorted(missing)} (truncated?)")
+        if state["chunk_size"] != self.chunk_size or list(state["sizes"]) != self.sizes:
             raise ValueError(
-                f"gradientflow CSC: checkpoint has chunk_size={state.get('chunk_size')} and pool sizes "
-                f"{state.get('sizes')}, this model has chunk_size={self.chunk_size} and {self.sizes}. "
+                f"gradientflow CSC: checkpoint has chunk_size={state['chunk_size']} and pool sizes "
+                f"{state['sizes']}, this model has chunk_size={self.chunk_size} and {self.sizes}. "
                 "Load it into the same model with the same chunk_size."
             )
-        if state.get("v") is not None and (state.get("u") is None) != (self.momentum == 0):
+        if state["v"] is not None and (state["u"] is None) != (self.momentum == 0):
             raise ValueError("gradientflow CSC: checkpoint and model disagree on momentum correction (u)")
+        for name in ("v", "u"):
+            tensors = state[name]
+            if tensors is None:
+                continue
+            if len(tensors) != len(self.sizes) or any(
+                not isinstance(t, torch.Tensor) or t.numel() != n for t, n in zip(tensors, self.sizes)
+            ):
+                raise ValueError(
+                    f"gradientflow CSC: residual {name} in the checkpoint does not have the pool's sizes "
+                    f"{self.sizes} (truncated or from another model)."
+                )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the engine has already adopted the saved pool layout)."""
+        self.validate_state_dict(state)
         self.v = self._padded(state["v"]) if state.get("v") is not None else None
         self.u = self._padded(state["u"]) if state.get("u") is not None else None
         self.step = int(state["step"])

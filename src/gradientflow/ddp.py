@@ -607,26 +607,42 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---- state of the communication (CSC residuals) ---------------------------------------
     def comm_state_dict(self) -> dict[str, Any]:
-        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model."""
+        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model.
+
+        Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
+        values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
+        """
         state = dict(self._gf_sync.state_dict())
         # Residuals and CSC chunks live in the pool layout: a resumed run must use the same one.
         state["layout_order"] = list(self._gf_pool.layout.order)
         state["layout_final"] = self._gf_layout_final
+        state["world_size"] = self._gf_world_size
         return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`comm_state_dict` returned (same model, density and world size)."""
+        """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
+
+        Everything is checked first: a state from another model, world size or chunk size, or a
+        truncated one, raises ``ValueError`` and leaves this model as it was.
+        """
         state = dict(state)
         order = state.pop("layout_order", None)
-        final = state.pop("layout_final", False)
-        if order is not None:
-            if sorted(order) != list(range(len(self._gf_params))):
-                raise ValueError(
-                    f"gradientflow: the communication state's layout covers {len(order)} parameters, this model "
-                    f"has {len(self._gf_params)}: load it into the model it was saved from."
-                )
-            if tuple(order) != self._gf_pool.layout.order:
-                self._gf_adopt_order(list(order))
+        final = bool(state.pop("layout_final", False))
+        world = state.pop("world_size", self._gf_world_size)
+        if world != self._gf_world_size:
+            raise ValueError(
+                f"gradientflow: the communication state was saved with world size {world}, this job has "
+                f"{self._gf_world_size}; residuals are per rank and cannot be re-split. Resume with the same "
+                "world size, or start the communication state afresh (skip load_comm_state_dict)."
+            )
+        if order is not None and sorted(order) != list(range(len(self._gf_params))):
+            raise ValueError(
+                f"gradientflow: the communication state's layout covers {len(order)} parameters, this model "
+                f"has {len(self._gf_params)}: load it into the model it was saved from."
+            )
+        self._gf_sync.validate_state_dict(state)
+        if order is not None and tuple(order) != self._gf_pool.layout.order:
+            self._gf_adopt_order(list(order))
         self._gf_sync.load_state_dict(state)
         if final:
             self._gf_layout_final = True

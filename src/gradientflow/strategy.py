@@ -36,12 +36,17 @@ class SyncStrategy(ABC):
         """State to checkpoint beside the model (empty for a stateless strategy)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def validate_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` cannot be loaded; change nothing either way."""
         if state:
             raise ValueError(
                 "this model communicates densely and has no communication state to load; the checkpoint "
                 f"holds {sorted(state)} (saved from a model with density set?)"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`validate_state_dict` accepted it)."""
+        self.validate_state_dict(state)
 
     def has_state(self) -> bool:
         """Whether per-element state exists that a change of device/dtype would lose."""
