@@ -33,7 +33,8 @@ class Technique:
     wire_bytes: int    # bytes per gradient on the wire: 4 fp32, 2 fp16
     fused: bool        # θ fusion (lazy allreduce) instead of one collective per tensor
     csc: bool          # coarse-grained sparse communication at cfg.density
-    passes: int        # elementwise passes over the fp32 pool per step (see README)
+    passes: int        # elementwise passes over the fp32 pool per dense step (see README)
+    sparse_passes: int = 0  # passes instead of ``passes`` when CSC selects (k < n chunks)
 
 
 TECHNIQUES: dict[str, Technique] = {
@@ -42,7 +43,8 @@ TECHNIQUES: dict[str, Technique] = {
     "overlap": Technique("ring", True, 4, False, False, 1),
     "fp16": Technique("ring", True, 2, False, False, 2),      # cast out, cast back
     "lazy": Technique("ring", True, 2, True, False, 2),
-    "csc": Technique("ring", True, 2, True, True, 4),          # momentum, accumulate, score, zero
+    # CSC: momentum, accumulate, score, zero the pool (the fp16 cast then touches only k chunks)
+    "csc": Technique("ring", True, 2, True, True, 2, sparse_passes=4),
 }
 assert tuple(TECHNIQUES) == CONFIGS
 
@@ -94,7 +96,7 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
        overlap); the link runs one collective at a time, in bucket order.
     4. CSC with k < n chunks selected: after backward, one fp32 score per chunk is allreduced,
        then the k chunks, packed, in fp16.  With k == n there is nothing to choose: every chunk
-       is sent, so CSC is lazy allreduce (same buckets, no scores).
+       is sent, so CSC is lazy allreduce (same buckets, no scores, no residual passes).
     5. Local passes over the pool (casts, CSC's accumulate/score/zero) run after the last
        collective, then the update: t(N) = max(backward end, link free) + passes + update.
     """
@@ -128,7 +130,7 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
             nbytes = b.numel * tech.wire_bytes
             link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
             sent, count = sent + nbytes, count + 1
-    passes_s = tech.passes * 4 * profile.n_params / cfg.pass_bytes_per_s
+    passes_s = (tech.sparse_passes if sparse else tech.passes) * 4 * profile.n_params / cfg.pass_bytes_per_s
     comm_end = max(bwd_end, link_free)
     t_n = comm_end + passes_s + t_upd
     return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, sent, count, comm_end - bwd_end)
