@@ -1,0 +1,117 @@
+"""The cost model against ``gradientflow bench`` on this machine, mode by mode.
+
+    python -m gradientflow.sim.validate --alpha-beta benchmarks/sim_validation/alpha_beta.json \\
+        --bench benchmarks/sim_validation/bench_resnet50_1gbit/results.json --out benchmarks/sim_validation
+
+1. α and B: measured by :mod:`gradientflow.sim.measure` on the same emulated cluster (Gloo's
+   native allreduce, which the bench uses by default).
+2. Compute: the model timed here with ``--profile``'s code (forward, backward with every
+   gradient's ready time, update; one thread, the bench's batch and input), and the speed of one
+   elementwise pass over the pool (the CPU work a GPU cost model would not have).  A second
+   prediction scales those compute times to the bench's own 'compute' mode (same launch, two
+   ranks sharing the cores), since a profile taken alone misses that contention.
+3. Each bench mode as the model sees it: gf-fp32 and ddp are fused fp32 ring allreduce
+   overlapped with backward at the bench's θ; gf-fp16 is ``lazy``; ddp-fp16 the same with DDP's
+   buckets; gf-fp16-csc is ``csc`` at the bench's density and chunk size.
+4. Write ``validation.json`` and ``validation.md``: measured median step vs predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from gradientflow.bench.models import WORKLOADS, build_model
+from gradientflow.bench.runner import CSC_DENSITY
+
+from .config import SimConfig
+from .model_profile import measured_profile
+from .planner import DDP, DDP_FP16
+from .schedule import TECHNIQUES, Iteration, Technique, simulate
+
+MODE_TECHNIQUE: dict[str, Technique] = {
+    "compute": TECHNIQUES["lazy"],  # evaluated at 1 GPU: no communication
+    "gf-fp32": DDP, "ddp": DDP, "gf-fp16": TECHNIQUES["lazy"], "ddp-fp16": DDP_FP16,
+    "gf-fp16-csc": TECHNIQUES["csc"],
+}
+
+
+def predict(bench: dict, fit: dict, steps: int = 5) -> tuple[dict[str, tuple[Iteration, Iteration]], dict]:
+    """Steps 2-3: per bench mode, the prediction from the profile and from the bench's compute time."""
+    opts = bench["options"]
+    workload = opts["workload"]
+    prof = measured_profile(workload, lambda: build_model(workload), WORKLOADS[workload].input_shape,
+                            opts["batch_size"], steps=steps, threads=bench.get("threads_per_rank") or 1)
+    t1 = sum(prof.times or ())
+    cfg = SimConfig(bandwidth=fit["bandwidth_Bps"], latency=fit["alpha_s"], batch=opts["batch_size"],
+                    gpu_images_per_s=opts["batch_size"] / t1, theta_mb=opts["fusion_mb"], density=CSC_DENSITY,
+                    chunk_size=bench["chunk_size"], pass_bytes_per_s=prof.pass_bytes_per_s or float("inf"))
+    n = bench["world_size"]
+    ref = next(r["median_s"] for r in bench["rows"] if r["mode"] == "compute")
+    scaled = dataclasses.replace(prof, times=tuple(t * ref / t1 for t in prof.times or ()))
+    out = {}
+    for row in bench["rows"]:
+        tech = MODE_TECHNIQUE.get(row["mode"])
+        if tech is not None and not row.get("sweep") and row["status"] == "ok":
+            gpus = 1 if row["mode"] == "compute" else n
+            out[row["name"]] = (simulate(prof, cfg, gpus, row["mode"], tech),
+                                simulate(scaled, cfg, gpus, row["mode"], tech))
+    assumptions = {**cfg.as_dict(), "measured_forward_backward_update_s": list(prof.times or ()),
+                   "bench_compute_s": ref, "pass_ms": 4 * prof.n_params / cfg.pass_bytes_per_s * 1e3}
+    return out, assumptions
+
+
+def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration]]) -> tuple[str, list[dict]]:
+    """Step 4's rows: measured vs predicted step time (both compute sources) and speedup, per mode."""
+    rows = []
+    lines = ["| mode | measured step ms (p10–p90) | predicted ms, profiled compute | difference | "
+             "predicted ms, bench's compute | difference | measured speedup | predicted speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in bench["rows"]:
+        if r["name"] not in preds:
+            continue
+        p, q = preds[r["name"]]
+        dp, dq = ((x.iteration_s - r["median_s"]) / r["median_s"] for x in (p, q))
+        rows.append({"mode": r["name"], "measured_s": r["median_s"], "predicted_s": p.iteration_s, "difference": dp,
+                     "predicted_bench_compute_s": q.iteration_s, "difference_bench_compute": dq,
+                     "measured_speedup": r["speedup"], "predicted_speedup": q.speedup})
+        lines.append(f"| {r['name']} | {r['median_s'] * 1e3:.0f} ({r['p10_s'] * 1e3:.0f}–{r['p90_s'] * 1e3:.0f}) | "
+                     f"{p.iteration_s * 1e3:.0f} | {dp:+.0%} | {q.iteration_s * 1e3:.0f} | {dq:+.0%} | "
+                     f"{r['speedup']:.2f} | {'—' if r['mode'] == 'compute' else f'{q.speedup:.2f}'} |")
+    return "\n".join(lines) + "\n", rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--alpha-beta", default="benchmarks/sim_validation/alpha_beta.json")
+    p.add_argument("--bench", default="benchmarks/sim_validation/bench_resnet50_1gbit/results.json")
+    p.add_argument("--algorithm", default="native", help="whose α/B fit to use (the bench's --algorithm)")
+    p.add_argument("--steps", type=int, default=5, help="profiled local steps")
+    p.add_argument("--out", default="benchmarks/sim_validation")
+    args = p.parse_args(argv)
+    bench = json.loads(Path(args.bench).read_text())
+    fit = json.loads(Path(args.alpha_beta).read_text())["fits"][args.algorithm]
+    preds, assumptions = predict(bench, fit, args.steps)
+    md, rows = table(bench, preds)
+    a = assumptions
+    head = (f"`python -m gradientflow.sim.validate {' '.join(argv)}`\n\n"
+            f"Bench: `{bench['command']}`. Model inputs, all measured here: α = {a['latency'] * 1e6:.0f} µs, "
+            f"B = {a['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({args.alpha_beta}); forward/backward/update = "
+            + "/".join(f"{t * 1e3:.0f}" for t in a["measured_forward_backward_update_s"])
+            + f" ms (profiled, 1 thread, alone; the bench's compute mode: {a['bench_compute_s'] * 1e3:.0f} ms); "
+            f"one pass over the pool = {a['pass_ms']:.1f} ms.\n\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "validation.md").write_text(head + md)
+    (Path(args.out) / "validation.json").write_text(json.dumps({"command": "python -m gradientflow.sim.validate "
+                                                                + " ".join(argv), "assumptions": assumptions,
+                                                                "rows": rows}, indent=1))
+    print(head + md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
