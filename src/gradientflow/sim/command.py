@@ -16,7 +16,7 @@ from typing import Any
 from .config import CONFIGS, SimConfig, parse_bandwidth
 from .model_profile import ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown
-from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, paper_values, resolve_model
+from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values, resolve_model
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
 DEFAULTS: dict[str, Any] = {"latency": 50e-6, "intra_latency": 10e-6, "batch": 32, "gpus_per_node": 1,
@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradientflow simulate: {exc}", file=sys.stderr)
         return 2
     if args.plot:
-        plot(name, rows, args.plot)
+        targets = [(n, sp, f"{c} {sp:g}x") for m, n, c, sp, _ in PAPER_TARGETS if m == name and n in args.gpus]
+        plot(name, rows, args.plot, targets if args.preset == "paper" else None)
     if args.json:
         out = to_json(name, assumptions, rows)
         if planned is not None:

@@ -67,6 +67,7 @@ SENSITIVITY: tuple[tuple[str, str, float], ...] = (
     ("latency", "α x10", 10.0), ("latency", "α x0.1", 0.1),
     ("bandwidth", "B x0.5", 0.5), ("bandwidth", "B x2", 2.0),
     ("gpu_images_per_s", "per-GPU img/s x0.8 (the 512-GPU rate)", 0.8), ("gpu_images_per_s", "per-GPU img/s x2", 2.0),
+    ("batch", "batch x0.5", 0.5), ("batch", "batch x2", 2.0),
     ("intra_bandwidth", "intra x8 (NVLink-class)", 8.0),
     ("pass_bytes_per_s", "passes free", float("inf")), ("pass_bytes_per_s", "passes x0.25 speed", 0.25),
     ("theta_mb", "θ x0.25", 0.25), ("theta_mb", "θ x4", 4.0),

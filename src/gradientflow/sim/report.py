@@ -61,14 +61,17 @@ def paper_comparison(model: str, profile: ModelProfile, cfg: SimConfig) -> str:
             if getattr(cfg, field) is None:
                 cells.append("—")
                 continue
-            moved = dataclasses.replace(cfg, **{field: getattr(cfg, field) * factor})
+            value = getattr(cfg, field) * factor
+            moved = dataclasses.replace(cfg, **{field: int(value) if isinstance(getattr(cfg, field), int) else value})
             cells.append(f"{simulate(profile, moved, n, c).speedup:.1f}")
         sens.append(f"| {m} | {n} | {c} | {pred:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\nSensitivity (speedup with one assumption moved):\n\n" + "\n".join(sens) + "\n"
 
 
-def plot(model: str, rows: list[Iteration], path: str | Path) -> bool:
-    """Speedup against GPU count, one line per configuration, ideal dashed; False without matplotlib."""
+def plot(model: str, rows: list[Iteration], path: str | Path,
+         targets: list[tuple[int, float, str]] | None = None) -> bool:
+    """Speedup against GPU count, one line per configuration, ideal dashed, ``targets`` (GPUs,
+    speedup, label) as black stars; False without matplotlib."""
     try:
         import matplotlib
 
@@ -83,8 +86,14 @@ def plot(model: str, rows: list[Iteration], path: str | Path) -> bool:
     for c in dict.fromkeys(r.config for r in rows):
         pts = sorted((r.gpus, r.speedup) for r in rows if r.config == c)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+    for i, (n, sp, label) in enumerate(targets or []):
+        ax.plot([n], [sp], "k*", ms=11, label="paper" if i == 0 else None)
+        ax.annotate(label, (n, sp), textcoords="offset points", xytext=(-8, -14), fontsize=7, ha="right")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
+    ax.set_xticks(gpus, [str(n) for n in gpus])
+    ticks = [2.0**k for k in range(0, 11, 2)]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("speedup  N·t(1)/t(N)")
     ax.set_title(f"{model}: predicted speedup (gradientflow simulate)")
