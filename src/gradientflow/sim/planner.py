@@ -65,4 +65,9 @@ def plan_markdown(rows: list[PlanRow]) -> str:
         it = r.result
         lines.append(f"| {r.gpus} | {r.system} | {r.theta_mb:g} | {it.iteration_s * 1e3:.1f} | {it.speedup:.1f} | "
                      f"{it.efficiency:.1%} | {it.bytes_per_gpu / 1e6:.1f} |")
+    lines.append("")
+    for n in dict.fromkeys(r.gpus for r in rows):
+        best = min((r for r in rows if r.gpus == n), key=lambda r: r.result.iteration_s)
+        lines.append(f"- {n} GPUs: fastest is {best.system} at θ = {best.theta_mb:g} MiB "
+                     f"({best.result.speedup:.1f}x, {best.result.efficiency:.0%} efficiency).")
     return "\n".join(lines) + "\n"
