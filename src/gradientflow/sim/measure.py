@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     raw["records"] = raw["records"][1:]
     n = raw["world_size"]
     out: dict = {"command": "python -m gradientflow.sim.measure " + " ".join(argv), "world_size": n,
-                 "network": f"emulated {args.bandwidth} per node (netns + veth + tc tbf)", **net, "fits": {}}
+                 "network": f"emulated {args.bandwidth} per node (netns + veth + tc tbf)", **net,
+                 "loadavg_1min": os.getloadavg()[0], "fits": {}}
     for algo in raw["records"][0]["times_s"]:
         pts = [(2 * (n - 1) / n * rec["bytes"], statistics.median(rec["times_s"][algo])) for rec in raw["records"]]
         alpha, bw = fit_alpha_beta(pts)
