@@ -9,6 +9,7 @@ planner.py     DDP / DDP + fp16 / gradientflow at several densities, and the bes
 report.py      tables, JSON, plot
 command.py     the CLI subcommand
 measure.py     α and B measured on this machine's emulated cluster (validation)
+validate.py    the model against ``gradientflow bench``, mode by mode
 """
 
 from .config import CONFIGS, SimConfig
