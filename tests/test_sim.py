@@ -74,6 +74,12 @@ def test_schedule_by_hand(config, want):
 def test_local_passes_are_charged_per_config():
     cfg = _cfg(bandwidth=1e4, latency=0.01, pass_bytes_per_s=16000.0)  # one pass over 16 KB = 1 s
     assert simulate(HAND, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 1.0)
+    assert simulate(HAND, cfg, 2, "fp16").iteration_s == pytest.approx(0.75 + 0.61 + 0.21 + 2.0)
+    measured = dataclasses.replace(HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3})
+    assert simulate(measured, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 0.1)
+    assert simulate(measured, dataclasses.replace(cfg, density=0.5, chunk_size=1000), 2, "csc").iteration_s == \
+        pytest.approx(1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3)
+    assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
 
 
 def test_n_chunks_matches_csc_arithmetic():
@@ -173,7 +179,8 @@ def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
 
 def test_cli_profile_measures_here(capsys):
     prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
-    assert prof.times is not None and all(t > 0 for t in prof.times) and prof.pass_bytes_per_s > 0
+    assert prof.times is not None and all(t > 0 for t in prof.times)
+    assert set(prof.local_s) == {"fp32", "fp16", "csc"} and all(t > 0 for t in prof.local_s.values())
     assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--profile",
                  "--bandwidth", "1gbit", "--gpus", "1,2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["profile"] == "profile"

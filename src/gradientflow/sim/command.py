@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=float, help="CSC: fraction of chunks sent (default 0.1)")
     p.add_argument("--chunk-size", type=int, help="CSC: gradients per chunk (default 32768)")
     p.add_argument("--pass-gbps", type=float, help="GB/s of one elementwise pass over the fp32 gradient pool "
-                   "(default: free; --preset paper: 450; --profile: measured here)")
+                   "(default: free; --preset paper: 450; --profile times the engine's own passes here instead)")
     p.add_argument("--input-shape", type=_shape, help="per-sample input shape (default 3,224,224; with "
                    "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)")
     p.add_argument("--profile", action="store_true", help="time forward/backward/update of the model here "
@@ -102,7 +102,6 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
         shape = args.input_shape or (WORKLOADS[name].input_shape if name in WORKLOADS else IMAGENET_SHAPE)
         profile = measured_profile(name, factory, shape, int(values["batch"]))
         values["gpu_images_per_s"] = values["batch"] / sum(profile.times or (1.0,))
-        values.setdefault("pass_bytes_per_s", profile.pass_bytes_per_s)
     else:
         if "gpu_images_per_s" not in values:
             raise ValueError("give --gpu-images-per-s (one GPU's compute-only images/s), --profile, or --preset paper")
@@ -113,6 +112,7 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
     assumptions["n_params"] = profile.n_params
     if profile.times is not None:
         assumptions["measured_forward_backward_update_s"] = list(profile.times)
+        assumptions["measured_local_passes_s"] = profile.local_s
     if args.preset == "paper":
         assumptions["sources"] = {a.name: a.source for a in (*PAPER_COMMON, *PAPER_MODEL[name])}
     return name, profile, cfg, assumptions

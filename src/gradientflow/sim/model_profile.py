@@ -29,7 +29,8 @@ class ModelProfile:
 
     ready[i] is a fraction of the backward time (0 = backward starts, 1 = it ends); ``order``
     is the parameter indices sorted by it (backward order).  ``times`` is (forward, backward,
-    update) seconds when measured here, else None (the cost model then scales FLOP shares).
+    update) seconds when measured here, else None (the cost model then scales FLOP shares);
+    ``local_s`` the engine's local passes timed here, else None (then cfg.pass_bytes_per_s).
     """
 
     name: str
@@ -39,7 +40,7 @@ class ModelProfile:
     source: str
     flops_per_sample: float = 0.0
     times: tuple[float, float, float] | None = None
-    pass_bytes_per_s: float | None = None
+    local_s: dict[str, float] | None = None  # measured local passes per kind, see local_costs()
     batch: int | None = None
 
     @property
@@ -111,28 +112,33 @@ def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple
                         flops_per_sample=total)
 
 
-def _pass_rate(numel: int, repeats: int = 3) -> float:
-    """Bytes of fp32 pool per second of one elementwise pass, as the engine runs them here.
+def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of the engine's own per-step CPU passes over a pool of ``numel`` fp32 gradients.
 
-    The mean of the passes a step makes over the pool: pre-divide, fp16 cast out and back
-    (dense modes); momentum and residual accumulate, per-chunk L1 score, zeroing (CSC).
+    The same torch calls as the engine makes (precision.py, csc.py), timed here:
+    "fp32" pre-divide in place; "fp16" scale-and-cast into the wire buffer, then copy back;
+    "csc" (momentum on) ``u = g + m·u``, ``v += u``, per-chunk L1 score, zero the pool.
     """
     g, u, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
     h = torch.empty(numel, dtype=torch.float16)
     rows = (numel // 32768) * 32768
-    ops = [lambda: g.div_(1.0), lambda: torch.mul(g, 0.5, out=h), lambda: g.copy_(h),
-           lambda: torch.add(g, u, alpha=0.9, out=u), lambda: v.add_(u),
-           lambda: torch.linalg.vector_norm(v[:rows].view(-1, 32768), ord=1, dim=1), lambda: g.zero_()]
-    per_op = []
-    for op in ops:
-        op()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    ops = {"fp32": [lambda: g.div_(1.0)],
+           "fp16": [lambda: torch.mul(g, 0.5, out=h), lambda: g.copy_(h)],
+           "csc": [lambda: torch.add(g, u, alpha=0.9, out=u), lambda: v.add_(u),
+                   lambda: torch.linalg.vector_norm(v[:rows].view(-1, 32768), ord=1, dim=1), lambda: g.zero_()]}
+    out = {}
+    for kind, calls in ops.items():
+        total = 0.0
+        for op in calls:
             op()
-            ts.append(time.perf_counter() - t0)
-        per_op.append(statistics.median(ts))
-    return 4.0 * numel / statistics.mean(per_op)
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                op()
+                ts.append(time.perf_counter() - t0)
+            total += statistics.median(ts)
+        out[kind] = total
+    return out
 
 
 def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], batch: int,
@@ -143,7 +149,7 @@ def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: t
        runs 1 per rank on this 2-core machine).
     2. Per step: forward time, backward time, update time; every parameter's ready time
        (post-accumulate-grad hook) as a fraction of that step's backward.
-    3. Medians over the steps; also the speed of one elementwise pass over the pool.
+    3. Medians over the steps; also the engine's local passes over a pool of this size.
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -177,4 +183,4 @@ def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: t
     times = (statistics.median(fwd), statistics.median(bwd), statistics.median(upd))
     numels = tuple(p.numel() for p in params)
     return ModelProfile(name, numels, _order(ready), tuple(ready), "profile", times=times,
-                        pass_bytes_per_s=_pass_rate(sum(numels)), batch=batch)
+                        local_s=local_costs(sum(numels)), batch=batch)

@@ -16,8 +16,8 @@ from .model_profile import ModelProfile
 from .schedule import TECHNIQUES, Iteration, Technique, simulate
 
 DDP_BUCKET_MB = 25.0
-DDP = Technique("ring", True, 4, True, False, 1)
-DDP_FP16 = Technique("ring", True, 2, True, False, 2)
+DDP = Technique("ring", True, 4, True, False, "fp32")
+DDP_FP16 = Technique("ring", True, 2, True, False, "fp16")
 THETAS_MB = (0.0, 1.0, 4.0, 16.0, 25.0, 64.0, 256.0, math.inf)
 DENSITIES = (0.5, 0.2, 0.1, 0.05, 0.01)
 

@@ -33,18 +33,21 @@ class Technique:
     wire_bytes: int    # bytes per gradient on the wire: 4 fp32, 2 fp16
     fused: bool        # θ fusion (lazy allreduce) instead of one collective per tensor
     csc: bool          # coarse-grained sparse communication at cfg.density
-    passes: int        # elementwise passes over the fp32 pool per dense step (see README)
-    sparse_passes: int = 0  # passes instead of ``passes`` when CSC selects (k < n chunks)
+    local: str         # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
+                       # out and back, 2 passes); CSC selecting k < n chunks: "csc" (4 passes)
 
+
+PASSES = {"fp32": 1, "fp16": 2, "csc": 4}
+"""Elementwise passes over the fp32 pool per kind, when they are costed at cfg.pass_bytes_per_s."""
 
 TECHNIQUES: dict[str, Technique] = {
-    "baseline": Technique("tree", False, 4, False, False, 1),  # pre-divide
-    "ring": Technique("ring", False, 4, False, False, 1),
-    "overlap": Technique("ring", True, 4, False, False, 1),
-    "fp16": Technique("ring", True, 2, False, False, 2),      # cast out, cast back
-    "lazy": Technique("ring", True, 2, True, False, 2),
+    "baseline": Technique("tree", False, 4, False, False, "fp32"),
+    "ring": Technique("ring", False, 4, False, False, "fp32"),
+    "overlap": Technique("ring", True, 4, False, False, "fp32"),
+    "fp16": Technique("ring", True, 2, False, False, "fp16"),
+    "lazy": Technique("ring", True, 2, True, False, "fp16"),
     # CSC: momentum, accumulate, score, zero the pool (the fp16 cast then touches only k chunks)
-    "csc": Technique("ring", True, 2, True, True, 2, sparse_passes=4),
+    "csc": Technique("ring", True, 2, True, True, "fp16"),
 }
 assert tuple(TECHNIQUES) == CONFIGS
 
@@ -130,7 +133,11 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
             nbytes = b.numel * tech.wire_bytes
             link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
             sent, count = sent + nbytes, count + 1
-    passes_s = (tech.sparse_passes if sparse else tech.passes) * 4 * profile.n_params / cfg.pass_bytes_per_s
+    kind = "csc" if sparse else tech.local
+    if profile.local_s is not None:  # measured here (--profile)
+        passes_s = profile.local_s[kind]
+    else:
+        passes_s = PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
     comm_end = max(bwd_end, link_free)
     t_n = comm_end + passes_s + t_upd
     return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, sent, count, comm_end - bwd_end)

@@ -6,8 +6,8 @@
 1. α and B: measured by :mod:`gradientflow.sim.measure` on the same emulated cluster (Gloo's
    native allreduce, which the bench uses by default).
 2. Compute: the model timed here with ``--profile``'s code (forward, backward with every
-   gradient's ready time, update; one thread, the bench's batch and input), and the speed of one
-   elementwise pass over the pool (the CPU work a GPU cost model would not have).  A second
+   gradient's ready time, update; one thread, the bench's batch and input), and the time of the
+   engine's own local passes over the pool (the CPU work a GPU cost model would not have).  A second
    prediction scales those compute times to the bench's own 'compute' mode (same launch, two
    ranks sharing the cores; the passes slowed by the same factor), since a profile taken alone
    misses that contention.
@@ -67,25 +67,25 @@ def predict(bench: dict, fit: dict, steps: int = 5, copies: int = 1) -> tuple[di
     t1 = sum(prof.times or ())
     cfg = SimConfig(bandwidth=fit["bandwidth_Bps"], latency=fit["alpha_s"], batch=opts["batch_size"],
                     gpu_images_per_s=opts["batch_size"] / t1, theta_mb=opts["fusion_mb"], density=CSC_DENSITY,
-                    chunk_size=bench["chunk_size"], pass_bytes_per_s=prof.pass_bytes_per_s or float("inf"))
+                    chunk_size=bench["chunk_size"])
     n = bench["world_size"]
     ref = next(r["median_s"] for r in bench["rows"] if r["mode"] == "compute")
     # The bench's ranks share this machine's cores and memory bandwidth, a lone profile does not:
     # the second prediction slows every local CPU cost (compute and passes) by the one factor the
     # bench itself measured, its compute mode over the profile (no communication in either).
-    scaled = dataclasses.replace(prof, times=tuple(t * ref / t1 for t in prof.times or ()))
-    cfg_scaled = dataclasses.replace(cfg, pass_bytes_per_s=cfg.pass_bytes_per_s * t1 / ref)
+    scaled = dataclasses.replace(prof, times=tuple(t * ref / t1 for t in prof.times or ()),
+                                 local_s={k: v * ref / t1 for k, v in (prof.local_s or {}).items()})
     out = {}
     for row in bench["rows"]:
         tech = MODE_TECHNIQUE.get(row["mode"])
         if tech is not None and not row.get("sweep") and row["status"] == "ok":
             gpus = 1 if row["mode"] == "compute" else n
             out[row["name"]] = (simulate(prof, cfg, gpus, row["mode"], tech),
-                                simulate(scaled, cfg_scaled, gpus, row["mode"], tech))
+                                simulate(scaled, cfg, gpus, row["mode"], tech))
     assumptions = {**cfg.as_dict(), "measured_forward_backward_update_s": list(prof.times or ()), "copies": copies,
                    "loadavg_1min_at_profile": os.getloadavg()[0],
                    "bench_compute_s": ref, "contention_factor": ref / t1,
-                   "pass_ms": 4 * prof.n_params / cfg.pass_bytes_per_s * 1e3}
+                   "local_passes_s": prof.local_s}
     return out, assumptions
 
 
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             + f" ms (profiled, 1 thread, {a['copies']} copies at once, "
             f"load average {a['loadavg_1min_at_profile']:.1f}; "
             f"the bench's compute mode: {a['bench_compute_s'] * 1e3:.0f} ms); "
-            f"one pass over the pool = {a['pass_ms']:.1f} ms.\n\n")
+            "local passes (the engine's own calls, timed here): "
+            + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in a["local_passes_s"].items()) + ".\n\n")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "validation.md").write_text(head + md)
     (Path(args.out) / "validation.json").write_text(json.dumps({"command": "python -m gradientflow.sim.validate "
