@@ -1,4 +1,4 @@
-"""The ``gradientflow`` command: ``demo`` (train a real model on N local ranks), ``bench`` and ``simulate``."""
+"""The ``gradientflow`` command: ``demo`` (train a real model on N local ranks) and ``bench``."""
 
 from __future__ import annotations
 
