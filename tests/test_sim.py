@@ -177,6 +177,14 @@ def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit",
+                 "--gpu-images-per-s", "5000", "--gpus", "1,2"]) == 0
+    assert "plot: simulate_test_sim_tiny_net.png" in capsys.readouterr().out
+    assert (tmp_path / "simulate_test_sim_tiny_net.png").stat().st_size > 0
+
+
 def test_cli_profile_measures_here(capsys):
     prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
     assert prof.times is not None and all(t > 0 for t in prof.times)

@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", action="store_true", help="planner: DDP, DDP + fp16 and gradientflow at several "
                    "densities, with the best θ per GPU count")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", metavar="PATH", help="write the speedup-vs-GPUs plot here")
+    p.add_argument("--plot", metavar="PATH", help="write the speedup-vs-GPUs plot here (default without --json: "
+                   "simulate_<model>.png in the current directory)")
 
 
 def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[str, Any]]:
@@ -127,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gradientflow simulate: {exc}", file=sys.stderr)
         return 2
+    if args.plot is None and not args.json:  # the table comes with its plot
+        args.plot = "simulate_" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".png"
     if args.plot:
         targets = [(n, sp, f"{c} {sp:g}x") for m, n, c, sp, _ in PAPER_TARGETS if m == name and n in args.gpus]
         plot(name, rows, args.plot, targets if args.preset == "paper" else None)
