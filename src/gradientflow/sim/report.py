@@ -36,7 +36,7 @@ def ablation_markdown(rows: list[Iteration]) -> str:
     gpus = sorted({r.gpus for r in rows})
     configs = list(dict.fromkeys(r.config for r in rows))
     cell = {(r.config, r.gpus): r for r in rows}
-    head = "| config | " + " | ".join(f"{n} GPUs: speedup (eff.), ms" for n in gpus) + " | MB/GPU/step |"
+    head = "| config | " + " | ".join(f"{n} GPU{'s' * (n > 1)}: speedup (eff.), ms" for n in gpus) + " | MB/GPU/step |"
     lines = [head, "|---|" + "---|" * len(gpus) + "---|"]
     for c in configs:
         cells = [f"{cell[c, n].speedup:.1f} ({cell[c, n].efficiency:.0%}), {cell[c, n].iteration_s * 1e3:.1f}"
