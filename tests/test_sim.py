@@ -212,3 +212,19 @@ def test_cli_bad_units_exit_2(capsys):
         main(["simulate", "--bandwidth", "fast"])
     assert exc.value.code == 2
     assert "56gbit" in capsys.readouterr().err
+
+
+def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
+    from gradientflow.sim.validate import predict, table
+
+    row = dict(sweep=False, status="ok", p10_s=0.1, p90_s=0.3, speedup=1.0)
+    bench = {"options": {"workload": "small_cnn", "batch_size": 4, "fusion_mb": 25.0}, "world_size": 2,
+             "chunk_size": 1024, "threads_per_rank": 1,
+             "rows": [{**row, "name": m, "mode": m, "median_s": 0.2} for m in ("compute", "gf-fp32", "gf-fp16-csc")]}
+    preds, assumptions = predict(bench, {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}, steps=1)
+    assert set(preds) == {"compute", "gf-fp32", "gf-fp16-csc"}
+    assert preds["compute"][1].iteration_s == pytest.approx(0.2)  # scaled to the bench's compute mode
+    assert preds["gf-fp32"][1].iteration_s > 0.2 and preds["gf-fp32"][1].collectives == 1
+    assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
+    md, rows = table(bench, preds)
+    assert len(rows) == 3 and md.count("\n") == 5
