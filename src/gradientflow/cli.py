@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name prefix of the emulated cluster's namespaces and veths; concurrent runs need "
                    "different ones (default gfb)")
     b.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
+
+    from gradientflow.sim.command import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(sub.add_parser(
+        "simulate", help="cost model: predicted speedup of each technique on 1..512 GPUs, and a planner",
+        description="Model one training iteration on N GPUs (ring allreduce α + 2(N-1)/N·bytes/B on a serialised "
+        "link, two levels for multi-GPU nodes) with the engine's own layout and CSC arithmetic, for the cumulative "
+        "configurations baseline, ring, overlap, fp16, lazy, csc. See README 'Cost model'."))
     return p
 
 
@@ -159,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
+        if args.command == "simulate":
+            from gradientflow.sim.command import run as run_simulate
+
+            return run_simulate(args)
         return _demo(args) if args.command == "demo" else _bench(args)
     except KeyboardInterrupt:
         print("gradientflow: interrupted", file=sys.stderr)

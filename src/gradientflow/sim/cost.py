@@ -1,0 +1,70 @@
+"""Pure cost formulas: seconds for one allreduce of ``nbytes`` on ``n`` GPUs.
+
+Two algorithms, each flat (one GPU per node) or two-level (``g`` GPUs per node, M = n/g nodes):
+
+* ring (Patarasuk & Yuan 2009; Baidu's ring allreduce; DESIGN.md):
+  flat ``α + 2(n-1)/n · S/B``.  Two-level: a reduce-scatter inside the node, then g concurrent
+  inter-node rings on S/g bytes each (together S through the node's one link), then an
+  all-gather inside the node:
+  ``2·[α_i + (g-1)/g · S/B_i] + α + 2(M-1)/M · S/B``.
+* tree, the ``baseline``'s allreduce: a binomial-tree reduce followed by a binomial-tree
+  broadcast, the classic non-pipelined MPI algorithm (Thakur, Rabenseifner & Gropp, "Optimization
+  of collective communication operations in MPICH", IJHPCA 2005: each costs ⌈log2 p⌉(α + S/B)).
+  Every round moves the whole message, so its bandwidth term grows with log2(n) where the
+  ring's stays below 2·S/B.  Two-level: the same inside the node, then across nodes.
+
+``n == 1`` costs nothing: one GPU has nobody to talk to.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .config import SimConfig
+
+
+def ring_flat_s(nbytes: float, n: int, alpha: float, bw: float) -> float:
+    """``α + 2(n-1)/n · nbytes / bw`` (0 for n <= 1 or nothing to send)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return alpha + 2.0 * (n - 1) / n * nbytes / bw
+
+
+def tree_flat_s(nbytes: float, n: int, alpha: float, bw: float) -> float:
+    """Binomial reduce + broadcast: ``2⌈log2 n⌉ · (α + nbytes / bw)``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * (alpha + nbytes / bw)
+
+
+def _levels(n: int, cfg: SimConfig) -> tuple[int, int]:
+    """(GPUs per node actually used, nodes) for ``n`` GPUs; n <= g is one partly filled node."""
+    g = min(cfg.gpus_per_node, n)
+    if n % g:
+        raise ValueError(f"{n} GPUs do not fill whole nodes of {cfg.gpus_per_node}; "
+                         "pick a GPU count that is a multiple of --gpus-per-node")
+    return g, n // g
+
+
+def allreduce_s(nbytes: float, n: int, cfg: SimConfig, algorithm: str = "ring") -> float:
+    """Seconds for one allreduce of ``nbytes`` per GPU on ``n`` GPUs of the cluster ``cfg``.
+
+    1. Split n into g GPUs per node and M nodes.
+    2. Flat cluster (g == 1): the algorithm on the inter-node link.
+    3. One node (M == 1): the algorithm on the intra-node link.
+    4. Otherwise two levels (see the module docstring).
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    g, m = _levels(n, cfg)
+    bi = cfg.intra_bandwidth if cfg.intra_bandwidth is not None else cfg.bandwidth
+    if algorithm == "ring":
+        if g == 1:
+            return ring_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
+        if m == 1:
+            return ring_flat_s(nbytes, g, cfg.intra_latency, bi)
+        intra_half = cfg.intra_latency + (g - 1) / g * nbytes / bi  # reduce-scatter (or all-gather)
+        return 2 * intra_half + ring_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
+    if algorithm == "tree":
+        return tree_flat_s(nbytes, g, cfg.intra_latency, bi) + tree_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
+    raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")

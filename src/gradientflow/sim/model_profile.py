@@ -1,0 +1,186 @@
+"""What the cost model needs to know about a model: gradient sizes, backward order, ready times.
+
+Two sources, one result (:class:`ModelProfile`):
+
+* :func:`flop_profile` — no timing at all.  Forward hooks on every leaf module, run once on the
+  ``meta`` device (no memory, no compute), record each call's FLOPs; backward is assumed to
+  visit the calls in reverse and to spend time in proportion to their FLOPs (a backward pass
+  costs about twice the forward FLOPs of every layer alike, so the shares are the same).
+* :func:`measured_profile` (``--profile``) — run forward/backward/update here and stamp, with
+  ``register_post_accumulate_grad_hook``, the moment each gradient is complete: the same event
+  the engine's own hooks react to.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per parameter (registration order): its size and when in backward its gradient is ready.
+
+    ready[i] is a fraction of the backward time (0 = backward starts, 1 = it ends); ``order``
+    is the parameter indices sorted by it (backward order).  ``times`` is (forward, backward,
+    update) seconds when measured here, else None (the cost model then scales FLOP shares);
+    ``local_s`` the engine's local passes timed here, else None (then cfg.pass_bytes_per_s).
+    """
+
+    name: str
+    numels: tuple[int, ...]
+    order: tuple[int, ...]
+    ready: tuple[float, ...]
+    source: str
+    flops_per_sample: float = 0.0
+    times: tuple[float, float, float] | None = None
+    local_s: dict[str, float] | None = None  # measured local passes per kind, see local_costs()
+    batch: int | None = None
+
+    @property
+    def n_params(self) -> int:
+        return sum(self.numels)
+
+
+def _leaf_flops(mod: nn.Module, inp: tuple, out: object) -> float:
+    """Forward FLOPs of one call: 2·MACs for conv and linear layers, one per output element else."""
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        per_out = mod.in_channels // mod.groups * math.prod(mod.kernel_size)
+        return 2.0 * out.numel() * per_out
+    if isinstance(mod, nn.Linear):
+        return 2.0 * out.numel() * mod.in_features
+    return float(out.numel())
+
+
+def _order(ready: list[float]) -> tuple[int, ...]:
+    # Ties (weight and bias of one layer) go to the higher index first, as the engine's initial
+    # guess "backward roughly reverses registration".
+    return tuple(sorted(range(len(ready)), key=lambda i: (ready[i], -i)))
+
+
+def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...]) -> ModelProfile:
+    """Sizes and FLOP-share ready times of ``factory()``'s parameters, one sample of ``input_shape``.
+
+    1. Build the model on ``meta`` (falls back to CPU for a factory that cannot) and hook every
+       leaf module; one forward records (module, FLOPs) per call, in call order.
+    2. Walk the calls in reverse (backward order), accumulating FLOPs; a parameter is ready when
+       the *earliest* forward call using it has been walked back (its last gradient contribution).
+    3. Parameters never used in forward are ready at the end of backward.
+    """
+    try:
+        with torch.device("meta"):
+            model = factory()
+        x = torch.empty((1, *input_shape), device="meta")
+    except Exception:  # noqa: BLE001 — a factory doing real work at build time; plain CPU then
+        model = factory()
+        x = torch.zeros((1, *input_shape))
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {name!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"model {name!r} has no trainable parameters: nothing to communicate")
+    index = {id(p): i for i, p in enumerate(params)}
+    calls: list[tuple[nn.Module, float]] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, _leaf_flops(m, i, o))))
+             for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:
+        raise ValueError(f"model {name!r} failed on an input of shape {(1, *input_shape)} ({exc}); "
+                         "pass its per-sample shape with --input-shape") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    total = sum(f for _, f in calls) or 1.0
+    ready = [1.0] * len(params)
+    done = 0.0
+    for mod, flops in reversed(calls):
+        done += flops
+        for p in mod.parameters(recurse=False):
+            if id(p) in index:
+                ready[index[id(p)]] = done / total  # a later (earlier-in-forward) call overrides
+    return ModelProfile(name, tuple(p.numel() for p in params), _order(ready), tuple(ready), "flops",
+                        flops_per_sample=total)
+
+
+def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of the engine's own per-step CPU passes over a pool of ``numel`` fp32 gradients.
+
+    The same torch calls as the engine makes (precision.py, csc.py), timed here:
+    "fp32" pre-divide in place; "fp16" scale-and-cast into the wire buffer, then copy back;
+    "csc" (momentum on) ``u = g + m·u``, ``v += u``, per-chunk L1 score, zero the pool.
+    """
+    g, u, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    h = torch.empty(numel, dtype=torch.float16)
+    rows = (numel // 32768) * 32768
+    ops = {"fp32": [lambda: g.div_(1.0)],
+           "fp16": [lambda: torch.mul(g, 0.5, out=h), lambda: g.copy_(h)],
+           "csc": [lambda: torch.add(g, u, alpha=0.9, out=u), lambda: v.add_(u),
+                   lambda: torch.linalg.vector_norm(v[:rows].view(-1, 32768), ord=1, dim=1), lambda: g.zero_()]}
+    out = {}
+    for kind, calls in ops.items():
+        total = 0.0
+        for op in calls:
+            op()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                op()
+                ts.append(time.perf_counter() - t0)
+            total += statistics.median(ts)
+        out[kind] = total
+    return out
+
+
+def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], batch: int,
+                     steps: int = 3, threads: int = 1) -> ModelProfile:
+    """Time ``steps`` local training steps (after one warm-up) of ``factory()`` on this CPU.
+
+    1. SGD with momentum, cross-entropy on random labels, ``threads`` torch threads (the bench
+       runs 1 per rank on this 2-core machine).
+    2. Per step: forward time, backward time, update time; every parameter's ready time
+       (post-accumulate-grad hook) as a fraction of that step's backward.
+    3. Medians over the steps; also the engine's local passes over a pool of this size.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = factory()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    x = torch.randn((batch, *input_shape))
+    stamps: list[float] = [0.0] * len(params)
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+    fwd, bwd, upd, readies = [], [], [], []
+    for step in range(steps + 1):
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = model(x)
+        if out.dim() == 2:  # a classifier, as the bench trains it
+            loss = nn.functional.cross_entropy(out, torch.randint(0, out.shape[-1], out.shape[:1]))
+        else:  # any other output: a loss whose backward touches every output once
+            loss = out.float().square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if step:  # step 0 is the warm-up
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            upd.append(t3 - t2)
+            readies.append([min(max((s - t1) / (t2 - t1), 0.0), 1.0) for s in stamps])
+    ready = [statistics.median(r[i] for r in readies) for i in range(len(params))]
+    times = (statistics.median(fwd), statistics.median(bwd), statistics.median(upd))
+    numels = tuple(p.numel() for p in params)
+    return ModelProfile(name, numels, _order(ready), tuple(ready), "profile", times=times,
+                        local_s=local_costs(sum(numels)), batch=batch)

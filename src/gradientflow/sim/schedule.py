@@ -1,0 +1,143 @@
+"""The event-level model of one training iteration on N GPUs, for one configuration.
+
+Timeline of one GPU (all GPUs are alike, so one stands for all):
+
+  forward ─► backward (gradients become ready one by one) ─► [link busy] ─► local passes ─► update
+
+The fusion schedule is the engine's own: :func:`gradientflow.pool.plan_layout` cuts the pool in
+backward order at θ (θ = 0: one bucket per tensor), and CSC's selection size is
+:func:`gradientflow.csc.n_selected` — the model calls them, it does not re-derive them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradientflow.csc import n_selected
+from gradientflow.pool import plan_layout
+
+from .config import CONFIGS, MIB, SimConfig
+from .cost import allreduce_s
+from .model_profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Technique:
+    """What one configuration does; each row of :data:`TECHNIQUES` adds one thing to the last."""
+
+    algorithm: str     # "tree" (baseline's allreduce) or "ring"
+    overlap: bool      # a bucket may start while backward still runs
+    wire_bytes: int    # bytes per gradient on the wire: 4 fp32, 2 fp16
+    fused: bool        # θ fusion (lazy allreduce) instead of one collective per tensor
+    csc: bool          # coarse-grained sparse communication at cfg.density
+    local: str         # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
+                       # out and back, 2 passes); CSC selecting k < n chunks: "csc" (4 passes)
+
+
+PASSES = {"fp32": 1, "fp16": 2, "csc": 4}
+"""Elementwise passes over the fp32 pool per kind, when they are costed at cfg.pass_bytes_per_s."""
+
+TECHNIQUES: dict[str, Technique] = {
+    "baseline": Technique("tree", False, 4, False, False, "fp32"),
+    "ring": Technique("ring", False, 4, False, False, "fp32"),
+    "overlap": Technique("ring", True, 4, False, False, "fp32"),
+    "fp16": Technique("ring", True, 2, False, False, "fp16"),
+    "lazy": Technique("ring", True, 2, True, False, "fp16"),
+    # CSC: momentum, accumulate, score, zero the pool (the fp16 cast then touches only k chunks)
+    "csc": Technique("ring", True, 2, True, True, "fp16"),
+}
+assert tuple(TECHNIQUES) == CONFIGS
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """The model's answer for one (model, cluster, N, configuration)."""
+
+    gpus: int
+    config: str
+    iteration_s: float
+    compute_s: float       # t(1): one GPU, no communication
+    speedup: float         # N · t(1) / t(N), the paper's metric
+    bytes_per_gpu: int     # payload one GPU hands to allreduce per step
+    collectives: int
+    exposed_s: float       # communication not hidden behind backward
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.gpus
+
+
+def compute_times(profile: ModelProfile, cfg: SimConfig) -> tuple[float, float, float]:
+    """(forward, backward, update) seconds: measured here, or ``cfg``'s throughput split by FLOPs."""
+    if profile.times is not None:
+        return profile.times
+    t1 = cfg.iteration_compute_s
+    return (1 - cfg.backward_fraction) * t1, cfg.backward_fraction * t1, 0.0
+
+
+def n_chunks(pool_sizes: tuple[int, ...], chunk_size: int) -> int:
+    """Chunks of the pool as CSC cuts it: each pool buffer separately, its last chunk short.
+
+    The same arithmetic as ``SparseSync._set_pool`` (csc.py), which keeps it inline in a method;
+    it lives here as a pure function rather than as an edit to csc.py.
+    """
+    return sum(math.ceil(s / chunk_size) for s in pool_sizes)
+
+
+def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
+             technique: Technique | None = None) -> Iteration:
+    """One iteration of ``config`` (or of ``technique``, named ``config``) on ``gpus`` GPUs.
+
+    1. Compute: forward, then backward; parameter i's gradient is ready at
+       ``forward + ready[i] · backward``.
+    2. Layout: ``plan_layout`` in backward order, θ = cfg.theta_mb for fused configurations
+       and 0 (one bucket per tensor) otherwise.
+    3. Dense: each bucket is ready when its last gradient is (or at the end of backward without
+       overlap); the link runs one collective at a time, in bucket order.
+    4. CSC with k < n chunks selected: after backward, one fp32 score per chunk is allreduced,
+       then the k chunks, packed, in fp16.  With k == n there is nothing to choose: every chunk
+       is sent, so CSC is lazy allreduce (same buckets, no scores, no residual passes).
+    5. Local passes over the pool (casts, CSC's accumulate/score/zero) run after the last
+       collective, then the update: t(N) = max(backward end, link free) + passes + update.
+    """
+    if technique is None and config not in TECHNIQUES:
+        raise ValueError(f"unknown configuration {config!r}; choose one of {list(CONFIGS)}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    tech = technique or TECHNIQUES[config]
+    t_fwd, t_bwd, t_upd = compute_times(profile, cfg)
+    t1 = t_fwd + t_bwd + t_upd
+    if gpus == 1:
+        return Iteration(1, config, t1, t1, 1.0, 0, 0, 0.0)
+    bwd_end = t_fwd + t_bwd
+    theta = cfg.theta_mb * MIB if tech.fused else 0.0
+    keys = [(torch.float32, torch.device("cpu"))] * len(profile.numels)
+    layout = plan_layout(profile.numels, keys, profile.order, theta)
+    sparse = False
+    if tech.csc:
+        chunks = n_chunks(layout.sizes, cfg.chunk_size)
+        k = n_selected(cfg.density, chunks)
+        sparse = k < chunks
+    link_free, sent, count = 0.0, 0, 0
+    if sparse:
+        link_free = bwd_end
+        for nbytes in (4 * chunks, tech.wire_bytes * k * cfg.chunk_size):
+            link_free += allreduce_s(nbytes, gpus, cfg, tech.algorithm)
+            sent, count = sent + nbytes, count + 1
+    else:
+        for b in layout.buckets:
+            ready = t_fwd + max(profile.ready[i] for i in b.params) * t_bwd if tech.overlap else bwd_end
+            nbytes = b.numel * tech.wire_bytes
+            link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
+            sent, count = sent + nbytes, count + 1
+    kind = "csc" if sparse else tech.local
+    if profile.local_s is not None:  # measured here (--profile)
+        passes_s = profile.local_s[kind]
+    else:
+        passes_s = PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
+    comm_end = max(bwd_end, link_free)
+    t_n = comm_end + passes_s + t_upd
+    return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, sent, count, comm_end - bwd_end)

@@ -1,0 +1,230 @@
+"""The cost model (``gradientflow simulate``): formulas by hand, invariants, CLI and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from torch import nn
+
+from gradientflow.cli import main
+from gradientflow.sim import CONFIGS, ModelProfile, SimConfig, allreduce_s, ring_flat_s, simulate, tree_flat_s
+from gradientflow.sim.config import parse_bandwidth
+from gradientflow.sim.measure import fit_alpha_beta
+from gradientflow.sim.model_profile import flop_profile, measured_profile
+from gradientflow.sim.planner import THETAS_MB, best_theta, plan
+from gradientflow.sim.presets import paper_values, resolve_model
+from gradientflow.sim.schedule import n_chunks
+
+
+def tiny_net() -> nn.Module:
+    """A user's model for the module:factory path (imported as ``test_sim:tiny_net``)."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+
+
+# ---- cost formulas, by hand -----------------------------------------------------------------
+def test_ring_flat_by_hand():
+    assert ring_flat_s(1e6, 4, 1e-5, 1e9) == pytest.approx(1e-5 + 1.5e-3)  # 2*3/4 * 1 ms
+    assert ring_flat_s(1e6, 2, 0.0, 1e9) == pytest.approx(1e-3)
+    assert ring_flat_s(1e6, 1, 1e-5, 1e9) == 0.0
+
+
+def test_tree_flat_by_hand():
+    assert tree_flat_s(1e6, 8, 1e-5, 1e9) == pytest.approx(6 * (1e-5 + 1e-3))
+    assert tree_flat_s(1e6, 5, 0.0, 1e9) == pytest.approx(6e-3)  # ceil(log2 5) = 3 rounds each way
+
+
+def _cfg(**kw) -> SimConfig:
+    base = dict(bandwidth=1e9, latency=1e-5, batch=1, gpu_images_per_s=1.0, backward_fraction=0.5)
+    return SimConfig(**{**base, **kw})
+
+
+def test_two_level_ring_by_hand():
+    cfg = _cfg(gpus_per_node=4, intra_bandwidth=4e9, intra_latency=1e-6)
+    # 16 GPUs = 4 nodes x 4: reduce-scatter and all-gather in the node, a 4-node ring between
+    want = 2 * (1e-6 + 3 / 4 * 8e6 / 4e9) + 1e-5 + 2 * 3 / 4 * 8e6 / 1e9
+    assert allreduce_s(8e6, 16, cfg) == pytest.approx(want)
+    assert allreduce_s(8e6, 4, cfg) == pytest.approx(1e-6 + 2 * 3 / 4 * 8e6 / 4e9)  # one node
+    assert allreduce_s(8e6, 16, cfg, "tree") == pytest.approx(2 * 2 * (1e-6 + 2e-3) + 2 * 2 * (1e-5 + 8e-3))
+    with pytest.raises(ValueError, match="multiple of --gpus-per-node"):
+        allreduce_s(8e6, 10, cfg)
+
+
+# ---- the schedule, by hand: 2 tensors, t(1) = 1 s (forward 0.5, backward 0.5) ----------------
+HAND = ModelProfile("hand", numels=(1000, 3000), order=(1, 0), ready=(1.0, 0.5), source="hand")
+
+
+@pytest.mark.parametrize("config,want", [
+    ("baseline", 1.0 + 2 * (0.01 + 1.2) + 2 * (0.01 + 0.4)),  # tree at N=2: 2 rounds of the whole tensor
+    ("ring", 1.0 + (0.01 + 1.2) + (0.01 + 0.4)),               # after backward, one per tensor
+    ("overlap", 0.75 + 1.21 + 0.41),                            # tensor 1 ready halfway through backward
+    ("fp16", 0.75 + 0.61 + 0.21),
+    ("lazy", 1.0 + 0.01 + 0.8),                                 # θ = inf: one bucket at the end
+    ("csc", 1.0 + (0.01 + 16 / 1e4) + (0.01 + 2 * 1000 * 2 / 1e4)),  # 4 chunks, 2 sent, + 4 fp32 scores
+])
+def test_schedule_by_hand(config, want):
+    cfg = _cfg(bandwidth=1e4, latency=0.01, theta_mb=math.inf, density=0.5, chunk_size=1000)
+    it = simulate(HAND, cfg, 2, config)
+    assert it.iteration_s == pytest.approx(want)
+    assert it.speedup == pytest.approx(2 * 1.0 / want)
+
+
+def test_local_passes_are_charged_per_config():
+    cfg = _cfg(bandwidth=1e4, latency=0.01, pass_bytes_per_s=16000.0)  # one pass over 16 KB = 1 s
+    assert simulate(HAND, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 1.0)
+    assert simulate(HAND, cfg, 2, "fp16").iteration_s == pytest.approx(0.75 + 0.61 + 0.21 + 2.0)
+    measured = dataclasses.replace(HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3})
+    assert simulate(measured, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 0.1)
+    assert simulate(measured, dataclasses.replace(cfg, density=0.5, chunk_size=1000), 2, "csc").iteration_s == \
+        pytest.approx(1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3)
+    assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
+
+
+def test_n_chunks_matches_csc_arithmetic():
+    assert n_chunks((4000,), 1000) == 4
+    assert n_chunks((4001, 10), 1000) == 5 + 1
+
+
+# ---- invariants on the real models ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def resnet():
+    name, factory = resolve_model("resnet50")
+    return flop_profile(name, factory, (3, 224, 224)), SimConfig(**paper_values("resnet50"))
+
+
+def test_flop_profile_is_backward_ordered(resnet):
+    prof, _ = resnet
+    assert prof.n_params == 25_557_032
+    assert sorted(prof.order) == list(range(len(prof.numels)))
+    assert prof.numels[prof.order[0]] == 1000  # fc bias: the first gradient backward produces
+    assert [prof.ready[i] for i in prof.order] == sorted(prof.ready)
+
+
+@pytest.mark.parametrize("gpus", [8, 64, 512])
+def test_csc_at_density_one_is_lazy(resnet, gpus):
+    prof, cfg = resnet
+    lazy = simulate(prof, cfg, gpus, "lazy")
+    dense_csc = simulate(prof, dataclasses.replace(cfg, density=1.0), gpus, "csc")
+    assert dense_csc.iteration_s == pytest.approx(lazy.iteration_s)
+    assert dense_csc.bytes_per_gpu == lazy.bytes_per_gpu
+    assert simulate(prof, cfg, gpus, "csc").bytes_per_gpu < lazy.bytes_per_gpu / 9  # 10% of chunks + scores
+
+
+def test_one_gpu_speedup_is_one(resnet):
+    prof, cfg = resnet
+    for c in CONFIGS:
+        assert simulate(prof, cfg, 1, c).speedup == 1.0
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 8])
+def test_speedup_never_drops_when_bandwidth_grows(resnet, gpus_per_node):
+    prof, cfg = resnet
+    cfg = dataclasses.replace(cfg, gpus_per_node=gpus_per_node)
+    for c in CONFIGS:
+        for n in (8, 64, 512):
+            s = [simulate(prof, dataclasses.replace(cfg, bandwidth=parse_bandwidth(f"{g}gbit")), n, c).speedup
+                 for g in (1, 5, 10, 25, 56, 100, 400)]
+            assert s == sorted(s), (c, n, s)
+
+
+def test_planner_picks_a_theta_and_lists_every_system(resnet):
+    prof, cfg = resnet
+    assert best_theta(prof, cfg, 64) in THETAS_MB
+    rows = plan(prof, cfg, [8, 64], densities=(0.1, 0.01))
+    assert [r.system for r in rows[:5]] == ["DDP (fp32)", "DDP + fp16 hook", "gradientflow fp16 (lazy)",
+                                            "gradientflow CSC density 0.1", "gradientflow CSC density 0.01"]
+    assert rows[3].result.bytes_per_gpu < rows[2].result.bytes_per_gpu
+
+
+def test_fit_alpha_beta_by_hand():
+    alpha, bw = fit_alpha_beta([(1e3, 1e-3 + 1e3 / 1e8), (1e7, 1e-3 + 1e7 / 1e8), (1e5, 0.5)])
+    assert alpha == pytest.approx(1e-3) and bw == pytest.approx(1e8)
+
+
+# ---- config validation and the CLI ---------------------------------------------------------
+@pytest.mark.parametrize("kw,msg", [
+    (dict(density=0.0), "density must be in"), (dict(bandwidth=0.0), "bandwidth must be"),
+    (dict(gpus_per_node=8), "needs intra_bandwidth"), (dict(latency=-1.0), "latency must be"),
+    (dict(batch=0), "batch must be"), (dict(theta_mb=-1), "theta_mb must be"),
+])
+def test_config_rejects_with_a_hint(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _cfg(**kw)
+
+
+def test_cli_json_schema(capsys):
+    assert main(["simulate", "--preset", "paper", "--model", "alexnet", "--gpus", "1,8,64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"model", "assumptions", "rows"} and out["model"] == "alexnet"
+    assert out["assumptions"]["bandwidth"] == 7e9 and "sources" in out["assumptions"]
+    assert len(out["rows"]) == 3 * len(CONFIGS)
+    types = {"gpus": int, "config": str, "iteration_s": float, "speedup": float, "efficiency": float,
+             "bytes_per_gpu": int}
+    for row in out["rows"]:
+        assert {k: type(v) for k, v in row.items()} == types
+    assert [r["config"] for r in out["rows"][:6]] == list(CONFIGS)
+
+
+def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
+    png = tmp_path / "s.png"
+    argv = ["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit",
+            "--gpu-images-per-s", "5000", "--gpus", "1,2,4", "--plan", "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| csc |" in out and "gradientflow CSC density 0.1" in out
+    assert png.stat().st_size > 0
+
+
+def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit",
+                 "--gpu-images-per-s", "5000", "--gpus", "1,2"]) == 0
+    assert "plot: simulate_test_sim_tiny_net.png" in capsys.readouterr().out
+    assert (tmp_path / "simulate_test_sim_tiny_net.png").stat().st_size > 0
+
+
+def test_cli_profile_measures_here(capsys):
+    prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
+    assert prof.times is not None and all(t > 0 for t in prof.times)
+    assert set(prof.local_s) == {"fp32", "fp16", "csc"} and all(t > 0 for t in prof.local_s.values())
+    assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--profile",
+                 "--bandwidth", "1gbit", "--gpus", "1,2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumptions"]["profile"] == "profile"
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--model", "nosuchmodule:f", "--bandwidth", "1gbit", "--gpu-images-per-s", "1"], "cannot load --model"),
+    (["--model", "vgg"], "module:factory"),
+    (["--model", "alexnet", "--gpu-images-per-s", "100"], "give --bandwidth"),
+    (["--model", "alexnet", "--bandwidth", "1gbit"], "give --gpu-images-per-s"),
+    (["--preset", "paper", "--model", "alexnet", "--gpus", "12"], "multiple of --gpus-per-node"),
+    (["--preset", "paper", "--model", "alexnet", "--density", "1.5"], "density must be in"),
+])
+def test_cli_invalid_options_say_what_to_do(argv, msg, capsys):
+    assert main(["simulate", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_cli_bad_units_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--bandwidth", "fast"])
+    assert exc.value.code == 2
+    assert "56gbit" in capsys.readouterr().err
+
+
+def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
+    from gradientflow.sim.validate import predict, table
+
+    row = dict(sweep=False, status="ok", p10_s=0.1, p90_s=0.3, speedup=1.0)
+    bench = {"options": {"workload": "small_cnn", "batch_size": 4, "fusion_mb": 25.0}, "world_size": 2,
+             "chunk_size": 1024, "threads_per_rank": 1,
+             "rows": [{**row, "name": m, "mode": m, "median_s": 0.2} for m in ("compute", "gf-fp32", "gf-fp16-csc")]}
+    preds, assumptions = predict(bench, {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}, steps=1)
+    assert set(preds) == {"compute", "gf-fp32", "gf-fp16-csc"}
+    assert preds["compute"][1].iteration_s == pytest.approx(0.2)  # scaled to the bench's compute mode
+    assert preds["gf-fp32"][1].iteration_s > 0.2 and preds["gf-fp32"][1].collectives == 1
+    assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
+    md, rows = table(bench, preds)
+    assert len(rows) == 3 and md.count("\n") == 5
