@@ -1,8 +1,7 @@
 """Casts between the fp32 gradient pool and the wire dtype, with pre-division by world size.
 
 Dividing *before* the sum keeps an fp16 wire from overflowing when N ranks add up large
-gradients; it is one fused pass (scale and cast together), and no pass at all is spent on a
-cast when the wire dtype is the pool's dtype.
+gradients; no pass at all is spent on a cast when the wire dtype is the pool's dtype.
 """
 
 from __future__ import annotations
@@ -11,11 +10,19 @@ import torch
 
 
 def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int) -> torch.Tensor:
-    """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own); in place when no cast is needed."""
+    """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own dtype).
+
+    ``flat`` itself is divided in place (its content is replaced by the reduced result anyway),
+    then cast by a plain copy: on CPU ``torch.mul(fp32, s, out=fp16)`` takes a slow
+    mixed-dtype path (113 ms on ResNet-50's 25.6M-float pool, one thread) where ``mul_`` +
+    ``copy_`` take 16 ms, with the same rounding (the fp32 product is rounded once to fp16).
+    """
     if wire_dtype is None or flat.dtype == wire_dtype:
         return flat.div_(world_size) if world_size > 1 else flat
+    if world_size > 1:
+        flat.mul_(1.0 / world_size)  # as the fused op did: the fp32 product, rounded once below
     wire = torch.empty(flat.shape, dtype=wire_dtype, device=flat.device)
-    torch.mul(flat, 1.0 / world_size, out=wire) if world_size > 1 else wire.copy_(flat)
+    wire.copy_(flat)
     return wire
 
 

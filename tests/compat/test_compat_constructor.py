@@ -132,3 +132,26 @@ def _ignore_worker(rank: int, world_size: int) -> None:
 
 def test_params_to_ignore() -> None:
     run_distributed(_ignore_worker, 2)
+
+
+def test_inputs_move_to_the_module_device_as_ddp() -> None:
+    """With ``device_ids`` DDP moves inputs (nested, kwargs too) to the device; here on "meta" (no GPU)."""
+    from collections import namedtuple
+    from dataclasses import dataclass
+
+    from gradientflow.compat import iter_tensors, move_to_device
+
+    Pair = namedtuple("Pair", "a b")
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        name: str
+
+    inputs = ({"img": torch.ones(2), "ids": [torch.zeros(1), "text", 3]}, Pair(torch.ones(1), None),
+              Batch(torch.ones(3), "b"))
+    moved = move_to_device(inputs, torch.device("meta"))
+    tensors = list(iter_tensors(moved))
+    assert len(tensors) == 4 and all(t.device.type == "meta" for t in tensors)
+    assert moved[0]["ids"][1:] == ["text", 3] and isinstance(moved[1], Pair) and moved[2].name == "b"
+    assert all(t.device.type == "cpu" for t in iter_tensors(inputs))  # the caller's objects are untouched
