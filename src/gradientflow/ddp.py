@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,9 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import GradientFlowConfig
+from .consistency import FiniteCheck, StepCheck, check_same_setup
 from .dense import DenseSync
 from .pool import GradPool, Layout, plan_layout
 from .stats import StepStats
+from .trace import TraceRecorder
+from .watchdog import Watchdog, resolve_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -43,35 +47,17 @@ def _require_process_group(process_group: dist.ProcessGroup | None) -> dist.Proc
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def _check_same_model(signature: list[tuple[str, tuple[int, ...], str]], group: dist.ProcessGroup) -> None:
-    """Raise on every rank, naming the first difference, if ranks wrapped different models."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, signature, group=group)
-    reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        if other == reference:
-            continue
-        for k, (a, b) in enumerate(zip(reference, other)):
-            if a != b:
-                raise ValueError(
-                    f"gradientflow: ranks wrap different models. Entry {k}: rank 0 has {a[0]} "
-                    f"{list(a[1])} {a[2]}, rank {rank} has {b[0]} {list(b[1])} {b[2]}. "
-                    "Build the same model (same parameters, shapes and dtypes) on every rank."
-                )
-        raise ValueError(
-            f"gradientflow: ranks wrap different models: rank 0 has {len(reference)} parameters and "
-            f"buffers, rank {rank} has {len(other)}. Build the same model on every rank."
-        )
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+def _broadcast_coalesced(
+    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, watchdog: Watchdog, what: str
+) -> None:
     """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device)."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for ts in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        dist.broadcast(flat, src=src, group=group)
+        work = dist.broadcast(flat, src=src, group=group, async_op=True)
+        watchdog.wait(work, what, flat.numel() * flat.element_size())
         offset = 0
         for t in ts:
             t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -98,6 +84,7 @@ class _Backward:
         self.seen = bytearray(n_params)
         self.order: list[int] = []
         self.stats = StepStats(dense_bytes=dense_bytes)
+        self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
 
 
 class DistributedDataParallel(nn.Module):
@@ -111,6 +98,8 @@ class DistributedDataParallel(nn.Module):
         algorithm: "native" | "ring" ["native"].
         density, chunk_size, warmup_steps, momentum, csc_scope: coarse-grained sparse
             communication [None (dense), 32768, 0, 0.0, "global"].
+        timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
+            hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
 
     def __init__(
@@ -127,6 +116,11 @@ class DistributedDataParallel(nn.Module):
         warmup_steps: int = 0,
         momentum: float = 0.0,
         csc_scope: str = "global",
+        timeout: float | timedelta | None = None,
+        check_consistency: bool = False,
+        check_finite: bool = False,
+        trace_path: str | None = None,
+        trace_steps: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.config = GradientFlowConfig(
@@ -139,8 +133,14 @@ class DistributedDataParallel(nn.Module):
             warmup_steps=warmup_steps,
             momentum=momentum,
             csc_scope=csc_scope,
+            timeout=timeout,
+            check_consistency=check_consistency,
+            check_finite=check_finite,
+            trace_path=trace_path,
+            trace_steps=trace_steps,
         )
         group = _require_process_group(process_group)
+        self._watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
         self.module = module
         self.process_group = group
         self.world_size = dist.get_world_size(group)
@@ -152,16 +152,19 @@ class DistributedDataParallel(nn.Module):
         self._buffers = [b for b in module.buffers()]
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
         signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-        _check_same_model(signature, group)
+        device = next(module.parameters(), torch.empty(0)).device
+        check_same_setup(self.config, signature, group, self._watchdog, device)
         with torch.no_grad():
-            _broadcast_coalesced([p for _, p in module.named_parameters()] + self._buffers, self._src, group)
+            _broadcast_coalesced([p for _, p in module.named_parameters()] + self._buffers, self._src, group,
+                                 self._watchdog, "parameter broadcast")
 
         self._dense_bytes = 4 * sum(p.numel() for p in self._params)
         order = list(reversed(range(len(self._params))))  # backward roughly reverses registration
         self._install(plan_layout(self._numels(), self._keys(), order, self.config.threshold_bytes))
         self._layout_final = False
         wire = self.config.wire_dtype
-        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=wire, algorithm=algorithm)
+        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=wire, algorithm=algorithm,
+                          watchdog=self._watchdog)
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
@@ -173,6 +176,12 @@ class DistributedDataParallel(nn.Module):
         self._sync_this_backward = True
         self._backward: _Backward | None = None
         self._last_stats = StepStats(dense_bytes=self._dense_bytes)
+        cfg = self.config
+        self._step_check = StepCheck(self._watchdog, device) if cfg.check_consistency else None
+        self._finite_check = FiniteCheck(self._watchdog, self._names, device) if cfg.check_finite else None
+        self._trace = (TraceRecorder(cfg.trace_path, cfg.trace_window, dist.get_rank(group), self.world_size)
+                       if cfg.trace_path is not None else None)
+        self._watchdog.trace = self._trace
 
     # ---- layout -------------------------------------------------------------------------
     def _numels(self) -> list[int]:
@@ -202,7 +211,8 @@ class DistributedDataParallel(nn.Module):
         order_t = torch.tensor(order, dtype=torch.int64)
         if self._params:
             order_t = order_t.to(self._params[0].device)
-        dist.broadcast(order_t, src=self._src, group=self.process_group)
+        work = dist.broadcast(order_t, src=self._src, group=self.process_group, async_op=True)
+        self._watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
         order = order_t.tolist()
         self._layout_final = True
         if tuple(order) != self.pool.layout.order:
@@ -235,7 +245,11 @@ class DistributedDataParallel(nn.Module):
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad_on = torch.is_grad_enabled()
+        tr = self._trace
+        t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if grad_on:
+            if self._step_check is not None:
+                self._step_check.passes += 1
             self._bind_grads()
             self._sync_this_backward = self._require_sync
         if (
@@ -246,7 +260,7 @@ class DistributedDataParallel(nn.Module):
             and self.world_size > 1
         ):
             with torch.no_grad():
-                _broadcast_coalesced(self._buffers, self._src, self.process_group)
+                _broadcast_coalesced(self._buffers, self._src, self.process_group, self._watchdog, "buffer broadcast")
         out = self.module(*args, **kwargs)
         if grad_on and self._sync_this_backward:
             # A rank whose loss uses no parameter still has to join the collectives: the hook on
@@ -254,6 +268,8 @@ class DistributedDataParallel(nn.Module):
             for t in _iter_tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
+        if t_fwd is not None:
+            tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
 
     @contextlib.contextmanager
@@ -269,8 +285,13 @@ class DistributedDataParallel(nn.Module):
     def _begin_backward(self) -> _Backward:
         bw = self._backward
         if bw is None:
+            tr = self._trace
+            t_start = time.perf_counter() if tr is not None and tr.active else 0.0
+            if self._step_check is not None:  # before any bucket: matched with the others' check
+                self._step_check.check(self.pool.layout)
             self._bind_grads()
             bw = self._backward = _Backward(self.pool.layout, len(self._params), self._dense_bytes)
+            bw.t_start = t_start
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         return bw
 
@@ -310,13 +331,25 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bw: _Backward, index: int) -> None:
         bucket = self.pool.layout.buckets[index]
-        self._sync.launch(bucket, self.pool.bucket_view(bucket), bw.stats)
+        flat = self.pool.bucket_view(bucket)
+        if self._finite_check is not None:  # before the wire overwrites the local gradient
+            self._finite_check.screen(bucket, flat, self.pool.views)
+        tr = self._trace
+        if tr is not None and tr.active:
+            with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
+                self._sync.launch(bucket, flat, bw.stats)
+        else:
+            self._sync.launch(bucket, flat, bw.stats)
         bw.next_bucket = index + 1
 
     def _finish_backward(self) -> None:
         bw = self._backward
         if bw is None:
             return
+        tr = self._trace
+        t_final = time.perf_counter() if tr is not None and tr.active else None
+        if t_final is not None:
+            tr.complete("backward", "backward", bw.t_start, t_final)
         try:
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
@@ -329,6 +362,19 @@ class DistributedDataParallel(nn.Module):
         self._last_stats = bw.stats
         if not self._layout_final:
             self._relayout_from_observed(bw.order)
+        if t_final is not None:
+            tr.complete("final wait", "final", t_final, time.perf_counter())
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """The check_finite verdict on this step, then count it (messages, trace window)."""
+        try:
+            if self._finite_check is not None:
+                self._finite_check.decide()
+        finally:
+            self._watchdog.step += 1
+            if self._trace is not None:
+                self._trace.set_step(self._watchdog.step)  # writes the file after a traced step
 
     # ---- state of the communication (CSC residuals) ---------------------------------------
     def comm_state_dict(self) -> dict[str, Any]:
@@ -362,6 +408,8 @@ class DistributedDataParallel(nn.Module):
         """
         if hasattr(self._sync, "register_grad_scaler"):
             self._sync.register_grad_scaler(scaler)
+        if self._finite_check is not None:  # overflow is now the scaler's to skip, not an error
+            self._finite_check.scaler_registered = True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""
