@@ -126,12 +126,13 @@ class Watchdog:
             f"of {self.world_size}."
         ]
         if missing is None:
-            parts.append("Which ranks were missing is unknown (the rendezvous store did not answer).")
+            parts.append("Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
+                         "have died or stalled, or ranks issued different collectives.")
         elif missing:
             parts.append(
-                f"Rank(s) {missing} never reached a failing wait within {self.grace_s:g} s: stalled (stopped, "
-                "deadlocked, slow data loading), dead, or not synchronising this step (e.g. inside no_sync() "
-                "while the others synchronise)."
+                f"Rank(s) {missing} never reached a failing wait within {self.grace_s:g} s: a peer may have died, "
+                "or it is stalled (stopped, deadlocked, slow data loading) or not synchronising this step (e.g. "
+                "inside no_sync() while the others synchronise)."
             )
         else:
             parts.append("Every rank reached a failing wait: the network or the backend failed, not one rank.")
