@@ -127,7 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name prefix of the emulated cluster's namespaces and veths; concurrent runs need "
                    "different ones (default gfb)")
     b.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
+
+    t = sub.add_parser(
+        "trace-summary", help="where the time went in a trace written with trace_path=",
+        description="Summarise Chrome traces written by gradientflow.DistributedDataParallel(trace_path=..., "
+        "trace_steps=...): per rank file, ms per step in forward, backward, bucket hand-over, the final wait and "
+        "CSC phases; collectives by kind with their bytes; blocking waits.",
+    )
+    t.add_argument("files", nargs="+", metavar="FILE", help="trace file(s), e.g. trace.rank0.json")
     return p
+
+
+def _trace_summary(args: argparse.Namespace) -> int:
+    from gradientflow.trace_summary import summarize
+
+    try:
+        print("\n\n".join(summarize(path) for path in args.files))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"gradientflow trace-summary: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -159,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
+        if args.command == "trace-summary":
+            return _trace_summary(args)
         return _demo(args) if args.command == "demo" else _bench(args)
     except KeyboardInterrupt:
         print("gradientflow: interrupted", file=sys.stderr)
