@@ -143,7 +143,7 @@ class StepCheck:
         x = [self.passes, self.watchdog.step, len(layout.buckets), self._hash]
         t = torch.tensor(x + [-v for v in x], dtype=torch.int64, device=self._device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.watchdog.group, async_op=True)
-        self.watchdog.wait(work, "step check (check_consistency)", t.numel() * 8)
+        self.watchdog.wait(work, "step check", t.numel() * 8)
         k = len(x)
         high, low = t[:k].tolist(), [-v for v in t[k:].tolist()]
         trace = self.watchdog.trace
@@ -209,7 +209,7 @@ class FiniteCheck:
         flags[wd.rank] = self._bad + 1
         bad_count, self._bad, self._bad_count = self._bad_count, -1, 0
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=wd.group, async_op=True)
-        wd.wait(work, "finite check (check_finite)", flags.numel() * 8)
+        wd.wait(work, "finite check", flags.numel() * 8)
         if wd.trace is not None and wd.trace.active:
             wd.trace.complete("finite check", "check", t0, time.perf_counter())
         if self.scaler_registered:

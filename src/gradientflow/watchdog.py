@@ -144,7 +144,7 @@ class Watchdog:
             " ".join(parts), step=self.step, collective=what, nbytes=nbytes, missing_ranks=missing
         )
         self.failed = err
-        logger.error("%s", err)
+        logger.debug("gradientflow: %s", err)  # raised, not logged: the caller decides what to print
         return err
 
     # ---- 2-3. store check-in --------------------------------------------------------------
