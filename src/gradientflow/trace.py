@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class TraceRecorder:
         self._origin_wall = time.time()
         self._origin_pc = time.perf_counter()
         self._written = False
+        self._file: IO[str] | None = None
         self.set_step(0)
 
     # ---- clock ----------------------------------------------------------------------------
@@ -120,41 +121,53 @@ class TraceRecorder:
 
     # ---- output ---------------------------------------------------------------------------
     def _flush(self) -> None:
-        """Close this step's collectives onto comm tracks and (re)write the whole file."""
+        """Close this step's collectives onto comm tracks and append the step's events to the file.
+
+        The file is written incrementally and left valid JSON after every step: the events are
+        appended, followed by the closing ``]}``, and the next step writes over that closing.  So
+        a run that dies mid-window still leaves the steps it finished, at a cost per step of that
+        step's events only.
+        """
         now = time.perf_counter()
         for handle, kind, nbytes, t0, args in self._pending:
             end = handle.completed_at if handle.poll() else now
             self._done.append((t0, end, kind, nbytes, args))
         self._pending = []
+        events, self._events = self._events, []
         for t0, t1, kind, _nbytes, args in sorted(self._done, key=lambda d: d[0]):
             lane = next((i for i, end in enumerate(self._lane_end) if end <= t0), len(self._lane_end))
             if lane == len(self._lane_end):
                 self._lane_end.append(t1)
+                events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1 + lane,
+                               "args": {"name": f"comm {lane}"}})
             self._lane_end[lane] = t1
-            self._events.append({"name": kind, "cat": "collective", "ph": "X", "ts": self._us(t0),
-                                 "dur": round(max(0.0, t1 - t0) * 1e6, 3), "pid": self.rank, "tid": 1 + lane,
-                                 "args": args})
+            events.append({"name": kind, "cat": "collective", "ph": "X", "ts": self._us(t0),
+                           "dur": round(max(0.0, t1 - t0) * 1e6, 3), "pid": self.rank, "tid": 1 + lane,
+                           "args": args})
         self._done = []
-        meta: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
-            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "engine"}},
-        ]
-        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1 + i, "args": {"name": f"comm {i}"}}
-                 for i in range(len(self._lane_end))]
-        doc = {"traceEvents": meta + self._events, "displayTimeUnit": "ms",
-               "otherData": {"producer": "gradientflow", "rank": self.rank, "world_size": self.world_size,
-                             "trace_steps": [self.start, self.stop]}}
-        directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)  # readers never see half a file
-        if not self._written:
+        if self._file is None:
+            directory = os.path.dirname(self.path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self._file = open(self.path, "w")  # kept open across the traced steps
+            other = {"producer": "gradientflow", "rank": self.rank, "world_size": self.world_size,
+                     "trace_steps": [self.start, self.stop]}
+            self._file.write(f'{{"displayTimeUnit": "ms", "otherData": {json.dumps(other)}, "traceEvents": [')
+            events = [
+                {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
+                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "engine"}},
+            ] + events
             logger.info("gradientflow: writing trace of steps [%d, %d) to %s", self.start, self.stop, self.path)
-            self._written = True
-
+        f = self._file
+        f.write(("," if self._written else "") + ",".join(json.dumps(e) for e in events))
+        self._written = self._written or bool(events)
+        end = f.tell()
+        f.write("]}")
+        f.flush()
+        f.seek(end)  # the next step writes over the closing "]}"
+        if self.step + 1 >= self.stop:
+            f.close()
+            self._file = None
 
 def phase_start(watchdog: Any) -> float | None:
     """A ``perf_counter`` stamp when ``watchdog``'s trace is recording, else ``None`` (no clock read)."""

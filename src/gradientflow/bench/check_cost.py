@@ -1,7 +1,8 @@
 """What the fault options cost per step: ``python -m gradientflow.bench.check_cost``.
 
 Builds one wrapped model per variant on every rank (same seed, default options otherwise):
-baseline (everything off), ``check_consistency=True``, ``check_finite=True``, ``trace_path`` set
+baseline (everything off), the baseline again (its difference to the first is the noise floor),
+``check_consistency=True``, ``check_finite=True``, ``trace_path`` set
 but outside ``trace_steps`` (tracing "off"), and tracing every timed step.  Then:
 
 1. ``--warmup`` untimed steps of every variant (the pool re-layout of step 0 among them);
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline (all off)": {},
+    "baseline again (noise control)": {},
     "check_consistency=True": {"check_consistency": True},
     "check_finite=True": {"check_finite": True},
     "trace_path set, step outside trace_steps": {"trace_steps": (10**9, 10**9 + 1)},
