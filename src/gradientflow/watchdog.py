@@ -31,12 +31,15 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import RESTART_ADVICE, CommunicationError
+
+if TYPE_CHECKING:
+    from .trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class Watchdog:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.step = 0
-        self.trace: Any = None
+        self.trace: TraceRecorder | None = None
         self.failed: CommunicationError | None = None
         # One key space per wrapper: wrappers are built collectively, in the same order on every
         # rank, so the n-th wrapper on a group has the same prefix everywhere.
