@@ -217,9 +217,13 @@ class FiniteCheck:
         culprits = [(r, int(v) - 1) for r, v in enumerate(flags.tolist()) if v > 0]
         if not culprits:
             return
-        named = "; ".join(f"rank {r}: parameter '{self.names[i]}'" + (" (this rank" + (
-            f", {bad_count} parameters affected)" if bad_count > 1 else ")") if r == wd.rank else "")
-            for r, i in culprits)
+        parts = []
+        for r, i in culprits:
+            part = f"rank {r}: parameter '{self.names[i]}'"
+            if r == wd.rank:  # only the producing rank knows how many parameters are affected
+                part += f" (this rank, {bad_count} parameters affected)" if bad_count > 1 else " (this rank)"
+            parts.append(part)
+        named = "; ".join(parts)
         raise ConsistencyError(
             f"gradientflow: step {wd.step} (check_finite=True): non-finite gradient (inf or nan) produced on "
             f"{named}. Every rank raises here; the gradients now in .grad are not usable, so skip "
