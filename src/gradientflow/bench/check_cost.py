@@ -10,7 +10,8 @@ but outside ``trace_steps`` (tracing "off"), and tracing every timed step.  Then
    at a different variant each round, so noise and order effects on a shared machine hit all
    variants alike;
 3. per step the slowest rank's time counts; the table gives the median, p10-p90, and the median
-   of the per-round *paired* difference to the baseline (the robust figure on a noisy machine).
+   of the per-round *paired* difference to the baseline (the robust figure on a noisy machine);
+4. the step check of ``check_consistency`` timed alone, back to back.
 
 Ranks are spawned here on one machine (Gloo over loopback, one torch thread each); every
 collective and the whole run carry timeouts.
@@ -79,12 +80,37 @@ def _worker(rank: int, world: int, store_path: str, args: dict[str, Any], result
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]  # 2. rotate the order every round
                 times[name].append(step(name))
+        times["_check_us"] = _check_latency_us(models[names[0]][0])
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, times)
         results.put((rank, "ok", gathered))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 — reported by the parent
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _check_latency_us(model: Any, repeats: int = 5, n: int = 200) -> float:
+    """4. The step check alone: µs per ``StepCheck.check`` back to back (median of ``repeats`` means).
+
+    The step-time differences above drown in a shared machine's noise; this is the figure the
+    check adds to a step at most (when ranks arrive together; skew it absorbs is waited for later anyway).
+    """
+    from gradientflow.consistency import StepCheck
+    from gradientflow.pool import plan_layout
+    from gradientflow.watchdog import Watchdog
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    layout = plan_layout([p.numel() for p in params], [(p.dtype, p.device) for p in params],
+                         list(reversed(range(len(params)))), 25 * 2**20)
+    check = StepCheck(Watchdog(dist.group.WORLD, timedelta(seconds=60)), torch.device("cpu"))
+    means = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            check.check(layout)
+        means.append(1e6 * (time.perf_counter() - t0) / n)
+    return statistics.median(means)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -117,7 +143,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     # 3. the slowest rank of each step counts
     per_step = {n: [max(r[n][i] for r in value) for i in range(len(value[0][n]))] for n in names}
     base = per_step[names[0]]
-    table = {}
+    table: dict[str, Any] = {"_check_us": max(r["_check_us"] for r in value)}
     for n in names:
         t = per_step[n]
         paired = [100 * (a - b) / b for a, b in zip(t, base)]
@@ -144,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| variant | step ms, median (p10–p90) | vs baseline, median of paired differences |")
     print("|---|---|---|")
     for name, row in table.items():
+        if name.startswith("_"):
+            continue
         print(f"| {name} | {row['median_ms']:.0f} ({row['p10_ms']:.0f}–{row['p90_ms']:.0f}) | "
               f"{row['paired_median_pct']:+.1f}% |")
+    base_ms = table["baseline (all off)"]["median_ms"]
+    print(f"\ncheck_consistency's step check alone: {table['_check_us']:.0f} µs per step back to back "
+          f"(slowest rank) = {100 * table['_check_us'] / 1e3 / base_ms:.2f}% of the baseline's median step")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(table, f, indent=1)
