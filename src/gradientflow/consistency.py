@@ -6,9 +6,10 @@ Three checks, each ending in the same error on every rank (so nobody is left wai
   option that must agree (:data:`~gradientflow.config.LOCAL_OPTIONS` are the exceptions) and of
   the model's signature (names, shapes, dtypes of parameters and buffers).  Only when the hashes
   differ are the details gathered, to name the option (or tensor), the rank and both values.
-* :class:`StepCheck` (``check_consistency=True``): at the start of every synchronised backward,
-  one int64 MAX-allreduce of ``[x, -x]`` for x = (forward passes so far, synchronised steps so far,
-  buckets, layout hash): MAX of x and MAX of -x give max and min of every field at once.
+* :class:`StepCheck` (``check_consistency=True``): launched at the start of every synchronised
+  backward, verified at its end, one int64 MAX-allreduce of ``[x, -x]`` for x = (forward passes so
+  far, synchronised steps so far, buckets, layout hash): MAX of x and MAX of -x give max and min of
+  every field at once.
 * :class:`FiniteCheck` (``check_finite=True``): every bucket is screened before it is handed to
   the wire; after the step, one int64 MAX-allreduce of a per-rank slot (first bad parameter + 1)
   tells every rank which rank produced a non-finite gradient, and in which parameter.
@@ -120,12 +121,22 @@ _FIELDS = (
 class StepCheck:
     """``check_consistency=True``: every rank synchronises the same step with the same buckets.
 
-    The engine counts forward passes with gradients (``passes``, no_sync passes included) and
-    calls :meth:`check` at the start of each synchronised backward, before any bucket is launched,
-    so the check is always matched with the other ranks' check.  A rank alone in ``no_sync()``
-    does not call it that step; its next synchronised backward meets the others' check with one
-    pass more, and every rank raises.  Were it never to synchronise again, the others' check
-    times out and the watchdog names it.
+    The engine counts forward passes with gradients (``passes``, no_sync passes included).
+
+    1. :meth:`start`, at the start of each synchronised backward (before any bucket), launches
+       the MAX-allreduce of ``[x, -x]``.  It is the first collective of the backward on every
+       rank, so it always meets the other ranks' check.
+    2. :meth:`verify`, once backward has launched every bucket and before the strategy's
+       ``finish``, waits for it: by then the exchange has long completed, so the check never
+       holds backward up, and a rank that is late (skew) costs nothing extra.  The buckets were
+       launched before the verdict, but they pair up correctly (ranks share one layout: the
+       model, θ and the re-layout are agreed), so the engine still finishes the step on every
+       rank (same verdict everywhere) and then raises: nothing hangs and the group stays usable.
+    3. On a difference, every rank allgathers x to name who differs.
+
+    A rank alone in ``no_sync()`` does not start a check that step; its next synchronised
+    backward meets the others' check with one pass more, and every rank raises.  Were it never
+    to synchronise again, the others' wait times out and the watchdog names it.
     """
 
     def __init__(self, watchdog: Watchdog, device: torch.device) -> None:
@@ -134,15 +145,26 @@ class StepCheck:
         self._device = device
         self._layout: Layout | None = None
         self._hash = 0
+        self._pending: tuple[Any, torch.Tensor, list[int], float] | None = None
 
-    def check(self, layout: Layout) -> None:
-        """1. Allreduce(MAX) of [x, -x]; 2. on a difference, allgather x and raise on every rank."""
+    def start(self, layout: Layout) -> None:
+        """Step 1: launch the exchange of (passes, step, buckets, layout hash)."""
         if layout is not self._layout:
             self._layout, self._hash = layout, layout_hash(layout)
-        t0 = time.perf_counter()
         x = [self.passes, self.watchdog.step, len(layout.buckets), self._hash]
         t = torch.tensor(x + [-v for v in x], dtype=torch.int64, device=self._device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.watchdog.group, async_op=True)
+        self._pending = (work, t, x, time.perf_counter())
+
+    def verify(self) -> ConsistencyError | None:
+        """Steps 2-3: the verdict of the last :meth:`start` (``None``: all ranks agree).
+
+        Raises :class:`CommunicationError` when the exchange does not complete in time.
+        """
+        if self._pending is None:
+            return None
+        work, t, x, t0 = self._pending
+        self._pending = None
         self.watchdog.wait(work, "step check", t.numel() * 8)
         k = len(x)
         high, low = t[:k].tolist(), [-v for v in t[k:].tolist()]
@@ -150,8 +172,8 @@ class StepCheck:
         if trace is not None and trace.active:
             trace.complete("step check", "check", t0, time.perf_counter())
         if high == low:
-            return
-        # 2. Every rank saw the same difference, so every rank joins this gather.
+            return None
+        # 3. Every rank saw the same difference, so every rank joins this gather.
         mine = torch.tensor(x, dtype=torch.int64, device=self._device)
         world = self.watchdog.world_size
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -163,11 +185,19 @@ class StepCheck:
             if high[f] != low[f]:
                 values = ", ".join(f"rank {r}: {v[f]}" for r, v in enumerate(per_rank))
                 lines.append(f"{label} differ ({values}): {why}.")
-        raise ConsistencyError(
+        return ConsistencyError(
             f"gradientflow: step {self.watchdog.step} (check_consistency=True): ranks are not synchronising "
-            f"the same step. " + " ".join(lines) + " The process group is still usable; fix the training "
-            "loop so every rank synchronises every step."
+            f"the same step. " + " ".join(lines) + " This step's gradients are not usable (skip "
+            "optimizer.step()); the process group is still usable. Fix the training loop so every rank "
+            "synchronises every step."
         )
+
+    def check(self, layout: Layout) -> None:
+        """:meth:`start` and :meth:`verify` back to back; raise on a difference."""
+        self.start(layout)
+        err = self.verify()
+        if err is not None:
+            raise err
 
 
 # ---- per step: finite gradients ---------------------------------------------------------------

@@ -288,7 +288,7 @@ class DistributedDataParallel(nn.Module):
             tr = self._trace
             t_start = time.perf_counter() if tr is not None and tr.active else 0.0
             if self._step_check is not None:  # before any bucket: matched with the others' check
-                self._step_check.check(self.pool.layout)
+                self._step_check.start(self.pool.layout)
             self._bind_grads()
             bw = self._backward = _Backward(self.pool.layout, len(self._params), self._dense_bytes)
             bw.t_start = t_start
@@ -354,7 +354,10 @@ class DistributedDataParallel(nn.Module):
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
                 self._launch(bw, bw.next_bucket)
-            self._sync.finish(bw.stats)
+            mismatch = self._step_check.verify() if self._step_check is not None else None
+            self._sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
+            if mismatch is not None:
+                raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
             bw.stats.close()
         finally:
