@@ -274,3 +274,14 @@ def test_nan_gradient_raises_on_every_rank_naming_the_parameter(density: float |
 def test_bad_fault_options_raise_value_error(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         gf.GradientFlowConfig(**kwargs)
+
+
+def _timeout_worker(rank: int, world_size: int) -> list[float]:
+    from gradientflow.watchdog import resolve_timeout
+
+    group = dist.group.WORLD
+    return [resolve_timeout(t, group).total_seconds() for t in (None, 5, timedelta(seconds=7))]
+
+
+def test_default_timeout_is_the_process_groups() -> None:
+    assert run_distributed(_timeout_worker, 1) == [[60.0, 5.0, 7.0]]  # _dist's groups time out after 60 s
