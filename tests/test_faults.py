@@ -183,8 +183,8 @@ def _mismatch_worker(rank: int, world_size: int) -> list[str]:
             messages.append("no error")
         except ValueError as exc:
             messages.append(str(exc))
-    # Local options may differ: a different timeout is fine.
-    gf.DistributedDataParallel(Net(), timeout=5 + rank)
+    # Local options may differ (a different timeout is fine), and equal values may be spelled differently.
+    gf.DistributedDataParallel(Net(), timeout=5 + rank, fusion_threshold_mb=25 if rank else 25.0)
     return messages
 
 

@@ -39,6 +39,17 @@ Signature = list[tuple[str, tuple[int, ...], str]]
 
 
 # ---- construction: options and model, one exchange ---------------------------------------------
+def _canonical(value: Any) -> Any:
+    """Equal values get equal reprs: ``25`` and ``25.0`` are the same θ on two ranks."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(v) for v in value)
+    return repr(value)
+
+
 def agreed_options(config: GradientFlowConfig) -> dict[str, Any]:
     """Every option that must be equal on all ranks, by name (new options are included by default)."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in LOCAL_OPTIONS}
@@ -64,7 +75,8 @@ def check_same_setup(
     """
     world = dist.get_world_size(group)
     options = agreed_options(config)
-    mine = torch.tensor([_digest(("gradientflow setup v1", options, signature))], dtype=torch.int64, device=device)
+    canonical = {name: _canonical(value) for name, value in options.items()}
+    mine = torch.tensor([_digest(("gradientflow setup v1", canonical, signature))], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     watchdog.wait(work, "option and model fingerprint exchange", 8)
@@ -75,7 +87,7 @@ def check_same_setup(
     ref_options, ref_signature = details[0]
     for rank, (opts, _) in enumerate(details[1:], start=1):
         for name in ref_options:
-            if opts.get(name) != ref_options[name]:
+            if _canonical(opts.get(name)) != _canonical(ref_options[name]):
                 raise ValueError(
                     f"gradientflow: ranks were built with different options: {name}={ref_options[name]!r} on "
                     f"rank 0 but {name}={opts.get(name)!r} on rank {rank}. Pass the same {name} on every rank "
