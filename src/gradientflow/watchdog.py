@@ -105,7 +105,9 @@ class Watchdog:
         """``work.wait(timeout)``; on failure raise :class:`CommunicationError` (steps 2-4)."""
         if self.failed is not None:  # the group is broken: do not add another full timeout
             raise CommunicationError(
-                f"gradientflow: {what} not attempted: an earlier collective failed ({self.failed}).",
+                f"gradientflow: step {self.step}: {what} not attempted: an earlier collective failed (step "
+                f"{self.failed.step}: {self.failed.collective}, missing ranks {self.failed.missing_ranks}). "
+                + RESTART_ADVICE,
                 step=self.step, collective=what, nbytes=nbytes, missing_ranks=self.failed.missing_ranks,
             )
         t0 = time.perf_counter()
@@ -137,8 +139,12 @@ class Watchdog:
                 "or it is stalled (stopped, deadlocked, slow data loading) or not synchronising this step (e.g. "
                 "inside no_sync() while the others synchronise)."
             )
+        elif elsewhere:
+            parts.append("Every rank checked in, but not all at this collective: ranks issued collectives in a "
+                         "different order (a collective outside gradientflow on some ranks only?).")
         else:
-            parts.append("Every rank reached a failing wait: the network or the backend failed, not one rank.")
+            parts.append("Every rank reached a failing wait at this collective: the network or the backend "
+                         "failed, not one rank.")
         for r, w in sorted(elsewhere.items()):
             step, _, coll = w.partition("|")
             parts.append(f"Rank {r} was waiting on {coll} of step {step} instead.")
