@@ -140,7 +140,7 @@ class DistributedDataParallel(nn.Module):
             trace_steps=trace_steps,
         )
         group = _require_process_group(process_group)
-        self._watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
+        self._gf_watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
         self.module = module
         self.process_group = group
         self.world_size = dist.get_world_size(group)
@@ -153,10 +153,10 @@ class DistributedDataParallel(nn.Module):
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
         signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
         device = next(module.parameters(), torch.empty(0)).device
-        check_same_setup(self.config, signature, group, self._watchdog, device)
+        check_same_setup(self.config, signature, group, self._gf_watchdog, device)
         with torch.no_grad():
             _broadcast_coalesced([p for _, p in module.named_parameters()] + self._buffers, self._src, group,
-                                 self._watchdog, "parameter broadcast")
+                                 self._gf_watchdog, "parameter broadcast")
 
         self._dense_bytes = 4 * sum(p.numel() for p in self._params)
         order = list(reversed(range(len(self._params))))  # backward roughly reverses registration
@@ -164,7 +164,7 @@ class DistributedDataParallel(nn.Module):
         self._layout_final = False
         wire = self.config.wire_dtype
         dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=wire, algorithm=algorithm,
-                          watchdog=self._watchdog)
+                          watchdog=self._gf_watchdog)
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
@@ -177,11 +177,11 @@ class DistributedDataParallel(nn.Module):
         self._backward: _Backward | None = None
         self._last_stats = StepStats(dense_bytes=self._dense_bytes)
         cfg = self.config
-        self._step_check = StepCheck(self._watchdog, device) if cfg.check_consistency else None
-        self._finite_check = FiniteCheck(self._watchdog, self._names, device) if cfg.check_finite else None
-        self._trace = (TraceRecorder(cfg.trace_path, cfg.trace_window, dist.get_rank(group), self.world_size)
+        self._gf_step_check = StepCheck(self._gf_watchdog, device) if cfg.check_consistency else None
+        self._gf_finite_check = FiniteCheck(self._gf_watchdog, self._names, device) if cfg.check_finite else None
+        self._gf_trace = (TraceRecorder(cfg.trace_path, cfg.trace_window, dist.get_rank(group), self.world_size)
                        if cfg.trace_path is not None else None)
-        self._watchdog.trace = self._trace
+        self._gf_watchdog.trace = self._gf_trace
 
     # ---- layout -------------------------------------------------------------------------
     def _numels(self) -> list[int]:
@@ -212,7 +212,7 @@ class DistributedDataParallel(nn.Module):
         if self._params:
             order_t = order_t.to(self._params[0].device)
         work = dist.broadcast(order_t, src=self._src, group=self.process_group, async_op=True)
-        self._watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
+        self._gf_watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
         order = order_t.tolist()
         self._layout_final = True
         if tuple(order) != self.pool.layout.order:
@@ -245,11 +245,11 @@ class DistributedDataParallel(nn.Module):
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad_on = torch.is_grad_enabled()
-        tr = self._trace
+        tr = self._gf_trace
         t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if grad_on:
-            if self._step_check is not None:
-                self._step_check.passes += 1
+            if self._gf_step_check is not None:
+                self._gf_step_check.passes += 1
             self._bind_grads()
             self._sync_this_backward = self._require_sync
         if (
@@ -260,7 +260,8 @@ class DistributedDataParallel(nn.Module):
             and self.world_size > 1
         ):
             with torch.no_grad():
-                _broadcast_coalesced(self._buffers, self._src, self.process_group, self._watchdog, "buffer broadcast")
+                _broadcast_coalesced(self._buffers, self._src, self.process_group, self._gf_watchdog,
+                                     "buffer broadcast")
         out = self.module(*args, **kwargs)
         if grad_on and self._sync_this_backward:
             # A rank whose loss uses no parameter still has to join the collectives: the hook on
@@ -285,10 +286,10 @@ class DistributedDataParallel(nn.Module):
     def _begin_backward(self) -> _Backward:
         bw = self._backward
         if bw is None:
-            tr = self._trace
+            tr = self._gf_trace
             t_start = time.perf_counter() if tr is not None and tr.active else 0.0
-            if self._step_check is not None:  # before any bucket: matched with the others' check
-                self._step_check.start(self.pool.layout)
+            if self._gf_step_check is not None:  # before any bucket: matched with the others' check
+                self._gf_step_check.start(self.pool.layout)
             self._bind_grads()
             bw = self._backward = _Backward(self.pool.layout, len(self._params), self._dense_bytes)
             bw.t_start = t_start
@@ -332,9 +333,9 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bw: _Backward, index: int) -> None:
         bucket = self.pool.layout.buckets[index]
         flat = self.pool.bucket_view(bucket)
-        if self._finite_check is not None:  # before the wire overwrites the local gradient
-            self._finite_check.screen(bucket, flat, self.pool.views)
-        tr = self._trace
+        if self._gf_finite_check is not None:  # before the wire overwrites the local gradient
+            self._gf_finite_check.screen(bucket, flat, self.pool.views)
+        tr = self._gf_trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
                 self._sync.launch(bucket, flat, bw.stats)
@@ -346,7 +347,7 @@ class DistributedDataParallel(nn.Module):
         bw = self._backward
         if bw is None:
             return
-        tr = self._trace
+        tr = self._gf_trace
         t_final = time.perf_counter() if tr is not None and tr.active else None
         if t_final is not None:
             tr.complete("backward", "backward", bw.t_start, t_final)
@@ -354,7 +355,7 @@ class DistributedDataParallel(nn.Module):
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
                 self._launch(bw, bw.next_bucket)
-            mismatch = self._step_check.verify() if self._step_check is not None else None
+            mismatch = self._gf_step_check.verify() if self._gf_step_check is not None else None
             self._sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
             if mismatch is not None:
                 raise mismatch
@@ -372,12 +373,12 @@ class DistributedDataParallel(nn.Module):
     def _end_step(self) -> None:
         """The check_finite verdict on this step, then count it (messages, trace window)."""
         try:
-            if self._finite_check is not None:
-                self._finite_check.decide()
+            if self._gf_finite_check is not None:
+                self._gf_finite_check.decide()
         finally:
-            self._watchdog.step += 1
-            if self._trace is not None:
-                self._trace.set_step(self._watchdog.step)  # writes the file after a traced step
+            self._gf_watchdog.step += 1
+            if self._gf_trace is not None:
+                self._gf_trace.set_step(self._gf_watchdog.step)  # writes the file after a traced step
 
     # ---- state of the communication (CSC residuals) ---------------------------------------
     def comm_state_dict(self) -> dict[str, Any]:
@@ -411,8 +412,8 @@ class DistributedDataParallel(nn.Module):
         """
         if hasattr(self._sync, "register_grad_scaler"):
             self._sync.register_grad_scaler(scaler)
-        if self._finite_check is not None:  # overflow is now the scaler's to skip, not an error
-            self._finite_check.scaler_registered = True
+        if self._gf_finite_check is not None:  # overflow is now the scaler's to skip, not an error
+            self._gf_finite_check.scaler_registered = True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""
