@@ -13,10 +13,11 @@ Protocol (nothing on the hot path: a wait that succeeds costs exactly the backen
   2. On failure, this rank *checks in*: it writes ``"<step>|<collective>"`` under its rank in the
      process group's rendezvous store (works on every backend: it is the store that
      ``init_process_group`` already used).
-  3. It then polls the store for the other ranks' check-ins for up to ``grace_s`` seconds (the
-     survivors of one failure time out within moments of each other).  Ranks that never check in
-     are named as not having arrived (stalled, dead, or not synchronising this step); ranks that
-     checked in somewhere else are named with where they were.
+  3. It then polls one counter in the store until every rank has checked in, for up to
+     ``grace_s`` seconds (the survivors of one failure time out within moments of each other),
+     and reads the check-ins once.  Ranks that never check in are named as not having arrived
+     (stalled, dead, or not synchronising this step); ranks that checked in somewhere else are
+     named with where they were.
   4. It raises :class:`CommunicationError` naming the step, the collective, its bytes, the
      missing ranks, and that the process group must be torn down.
 
@@ -167,15 +168,15 @@ class Watchdog:
 
             store = _get_process_group_store(self.group)
             store.set(f"{self._prefix}{self.rank}", where)
-            others = [r for r in range(self.world_size) if r != self.rank]
+            # One counter to poll (not one key per rank): at scale, every survivor polls the store.
+            arrived = store.add(f"{self._prefix}count", 1)
             deadline = time.monotonic() + self.grace_s
-            while True:
-                for r in others:
-                    if r not in found and store.check([f"{self._prefix}{r}"]):
-                        found[r] = store.get(f"{self._prefix}{r}").decode()
-                if len(found) == len(others) or time.monotonic() >= deadline:
-                    break
+            while arrived < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
+                arrived = store.add(f"{self._prefix}count", 0)
+            for r in range(self.world_size):  # once, at the end: who checked in, and where
+                if r != self.rank and store.check([f"{self._prefix}{r}"]):
+                    found[r] = store.get(f"{self._prefix}{r}").decode()
             done.set()
 
         def guarded() -> None:
