@@ -2,6 +2,7 @@
 
 from .config import GradientFlowConfig
 from .ddp import DistributedDataParallel
+from .errors import CommunicationError, ConsistencyError
 
-__all__ = ["DistributedDataParallel", "GradientFlowConfig"]
+__all__ = ["CommunicationError", "ConsistencyError", "DistributedDataParallel", "GradientFlowConfig"]
 __version__ = "0.1.0"

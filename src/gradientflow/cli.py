@@ -135,7 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Model one training iteration on N GPUs (ring allreduce α + 2(N-1)/N·bytes/B on a serialised "
         "link, two levels for multi-GPU nodes) with the engine's own layout and CSC arithmetic, for the cumulative "
         "configurations baseline, ring, overlap, fp16, lazy, csc. See README 'Cost model'."))
+
+    t = sub.add_parser(
+        "trace-summary", help="where the time went in a trace written with trace_path=",
+        description="Summarise Chrome traces written by gradientflow.DistributedDataParallel(trace_path=..., "
+        "trace_steps=...): per rank file, ms per step in forward, backward, bucket hand-over, the final wait and "
+        "CSC phases; collectives by kind with their bytes; blocking waits.",
+    )
+    t.add_argument("files", nargs="+", metavar="FILE", help="trace file(s), e.g. trace.rank0.json")
     return p
+
+
+def _trace_summary(args: argparse.Namespace) -> int:
+    from gradientflow.trace_summary import summarize
+
+    try:
+        print("\n\n".join(summarize(path) for path in args.files))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"gradientflow trace-summary: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -171,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             from gradientflow.sim.command import run as run_simulate
 
             return run_simulate(args)
+        if args.command == "trace-summary":
+            return _trace_summary(args)
         return _demo(args) if args.command == "demo" else _bench(args)
     except KeyboardInterrupt:
         print("gradientflow: interrupted", file=sys.stderr)

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .watchdog import Watchdog
+
 logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("native", "ring")
@@ -44,10 +46,14 @@ class PendingAllreduce:
     the next queued collective behind the training thread.
     """
 
-    def __init__(self, work: dist.Work | None, tensor: torch.Tensor) -> None:
+    def __init__(
+        self, work: dist.Work | None, tensor: torch.Tensor, watchdog: Watchdog | None = None, what: str = "allreduce"
+    ) -> None:
         self.tensor = tensor
         self.completed_at: float | None = None
         self._work = work
+        self._watchdog = watchdog
+        self.what = what
         if work is None:
             self.completed_at = time.perf_counter()
 
@@ -58,7 +64,12 @@ class PendingAllreduce:
         return self.completed_at is not None
 
     def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
-        if self._work is not None:
+        """Block until done; with a watchdog, bounded by its timeout (``CommunicationError``)."""
+        if self._work is not None and self._watchdog is not None:
+            self._watchdog.wait(self._work, self.what, self.tensor.numel() * self.tensor.element_size())
+            if self.completed_at is None:
+                self.completed_at = time.perf_counter()
+        elif self._work is not None:
             try:
                 if timeout is None:
                     self._work.wait()
@@ -76,27 +87,46 @@ class PendingAllreduce:
 
 
 def start_allreduce(
-    tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, algorithm: str = "native"
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "native",
+    watchdog: Watchdog | None = None,
+    what: str = "allreduce",
 ) -> PendingAllreduce:
     """Start an in-place SUM allreduce of ``tensor`` over ``group`` with ``algorithm``.
 
     "native" is asynchronous (the backend's own allreduce).  "ring" runs :func:`ring_allreduce`
     to completion before returning: progressing it from another thread or a callback would
-    break the one-thread ordering rule of DESIGN.md.
+    break the one-thread ordering rule of DESIGN.md.  With a ``watchdog`` every wait is bounded
+    by its timeout and a failure names ``what`` (e.g. "bucket 3"); the watchdog's trace, when
+    recording, gets the collective from launch to completion.
     """
+    trace = watchdog.trace if watchdog is not None else None
+    if trace is not None and not trace.active:
+        trace = None
+    t0 = time.perf_counter() if trace is not None else 0.0
     if algorithm == "native":
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return PendingAllreduce(work, tensor)
-    if algorithm == "ring":
+        handle = PendingAllreduce(work, tensor, watchdog, what)
+    elif algorithm == "ring":
+        t_wait = time.monotonic()
         try:
-            ring_allreduce(tensor, group)
+            ring_allreduce(tensor, group, timeout=watchdog.timeout if watchdog is not None else None)
         except RuntimeError as exc:  # same advice as the native path's wait()
+            if watchdog is not None:
+                nbytes = tensor.numel() * tensor.element_size()
+                raise watchdog.failure(f"{what} (ring)", nbytes, exc, time.monotonic() - t_wait) from exc
             raise RuntimeError(
                 f"gradientflow: ring allreduce of {tensor.numel()} x {tensor.dtype} failed: {exc}. "
                 "A peer may have died or ranks issued different collectives."
             ) from exc
-        return PendingAllreduce(None, tensor)
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        handle = PendingAllreduce(None, tensor, watchdog, what)
+    else:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if trace is not None:
+        trace.collective(handle, what, tensor.numel() * tensor.element_size(), t0, algorithm=algorithm)
+    return handle
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -117,6 +147,7 @@ def ring_allreduce(
     accumulate_dtype: torch.dtype | None = None,
     pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
+    timeout: timedelta | None = None,
 ) -> None:
     """In-place SUM allreduce of ``tensor`` over ``group``: a pipelined ring of point-to-point ops.
 
@@ -150,6 +181,9 @@ def ring_allreduce(
     calls (see :func:`_scratch`); with ``accumulate_dtype``, two buffers of ``numel/N``
     elements of that dtype, allocated per call.  A non-contiguous ``tensor`` raises ``ValueError``
     rather than silently costing two copies: pass ``tensor.contiguous()`` and copy back.
+
+    ``timeout``: every point-to-point wait is bounded by it (``RuntimeError`` when it passes);
+    ``None`` = the process group's.
     """
     if not tensor.is_contiguous():
         raise ValueError(
@@ -250,7 +284,7 @@ def ring_allreduce(
     inflight = deque(post(j) for j in range(min(depth, total)))
     for j in range(total):
         for work in inflight.popleft():
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout)
         reduce(j)
         if j + depth < total:
             inflight.append(post(j + depth))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -37,6 +38,16 @@ class GradientFlowConfig:
         whole pool after backward, one packed allreduce.  "slice": a top-k per fused slice as
         backward produces it, so the packed allreduces overlap backward; every slice sends
         ceil(density * its chunks), so the total can exceed the global count by < 1 chunk/slice.
+    timeout: seconds (or a ``timedelta``) any wait of gradientflow may take before it raises
+        ``gradientflow.CommunicationError`` naming the step, the collective and the missing ranks;
+        ``None`` = the process group's timeout.
+    check_consistency: per synchronised step, one tiny allreduce checks that every rank is
+        synchronising the same step with the same buckets (e.g. no rank alone inside ``no_sync()``).
+    check_finite: raise on every rank when a local gradient is non-finite (skipped while a GradScaler
+        is registered: overflow is then the scaler's to handle).
+    trace_path: write a Chrome trace (Perfetto) per rank; ``{rank}`` in the path is replaced by the
+        rank, otherwise ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing.
+    trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4)].
     """
 
     fusion_threshold_mb: float = 25.0
@@ -48,6 +59,11 @@ class GradientFlowConfig:
     warmup_steps: int = 0
     momentum: float = 0.0
     csc_scope: str = "global"
+    timeout: float | timedelta | None = None
+    check_consistency: bool = False
+    check_finite: bool = False
+    trace_path: str | None = None
+    trace_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -73,6 +89,33 @@ class GradientFlowConfig:
 
         if self.csc_scope not in ("global", "slice"):
             raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
+        self._validate_fault_options()
+
+    def _validate_fault_options(self) -> None:
+        t = self.timeout
+        seconds = t.total_seconds() if isinstance(t, timedelta) else t
+        if t is not None and (isinstance(t, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+                              or math.isinf(seconds)):
+            raise ValueError(
+                f"timeout must be None (the process group's), a number of seconds > 0 or a timedelta, got {t!r}"
+            )
+        for name in ("check_consistency", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.trace_path is not None and not isinstance(self.trace_path, str):
+            raise ValueError(f"trace_path must be None or a str (a path), got {self.trace_path!r}")
+        steps = self.trace_steps
+        if steps is not None:
+            if self.trace_path is None:
+                raise ValueError("trace_steps has no effect without trace_path: pass trace_path='trace.json' too")
+            if (not isinstance(steps, (tuple, list)) or len(steps) != 2
+                    or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                    or not 0 <= steps[0] < steps[1]):
+                raise ValueError(
+                    f"trace_steps must be (start, stop) with 0 <= start < stop (synchronised steps, stop "
+                    f"excluded), got {steps!r}"
+                )
+            object.__setattr__(self, "trace_steps", (int(steps[0]), int(steps[1])))
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -86,3 +129,14 @@ class GradientFlowConfig:
     @property
     def sparse(self) -> bool:
         return self.density is not None
+
+    @property
+    def trace_window(self) -> tuple[int, int]:
+        return self.trace_steps if self.trace_steps is not None else DEFAULT_TRACE_STEPS
+
+
+DEFAULT_TRACE_STEPS = (1, 4)
+"""Steps traced when only ``trace_path`` is given: step 0 also re-lays the pool out, so skip it."""
+
+LOCAL_OPTIONS = frozenset({"timeout", "trace_path", "trace_steps"})
+"""Options that may differ between ranks; every other option must agree (checked at construction)."""

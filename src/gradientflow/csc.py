@@ -71,6 +71,7 @@ from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout, transfer
 from .stats import StepStats
 from .strategy import SyncStrategy
+from .trace import phase_end, phase_start
 
 
 def n_selected(density: float, n_chunks: int) -> int:
@@ -311,7 +312,8 @@ class SparseSync(SyncStrategy):
         # 2. Global scores: fp32 SUM, one float per chunk.  "native" whatever the algorithm: a
         # few KB are latency-bound, and a ring would pay 2(N-1) hops for them.
         stats.record_collective(self.scores.numel() * self.scores.element_size())
-        handle = start_allreduce(self.scores, group=self.group, algorithm="native")
+        handle = start_allreduce(self.scores, group=self.group, algorithm="native", watchdog=self.dense.watchdog,
+                                 what="scores")
         handle.wait()
         stats.record_done(handle.completed_at)
         if not bool(torch.isfinite(self.scores).all()):
@@ -319,6 +321,7 @@ class SparseSync(SyncStrategy):
             return
 
         # 3. Select.
+        t_phase = phase_start(self.dense.watchdog)
         kk = n_selected(self.density, n)
         idx = select_chunks(self.scores, kk)
         self.last_selected = idx
@@ -344,6 +347,7 @@ class SparseSync(SyncStrategy):
         if kk and int(idx[-1]) == n - 1:
             n_send -= self.n_chunks[-1] * C - self.sizes[-1]
         send = packed.view(-1)[:n_send]
+        phase_end(self.dense.watchdog, "csc.select+pack", t_phase)
         self.dense.launch(None, send, stats)
         self.dense.finish(stats)
         # One sum instead of isfinite() (which is 3 passes): any inf/nan makes the sum non-finite,
@@ -373,6 +377,7 @@ class SparseSync(SyncStrategy):
         first because it still holds this step's local gradient, which must not reach the optimizer.
         """
         C = self.chunk_size
+        t_phase = phase_start(self.dense.watchdog)
         for buf in self.pool.buffers:
             buf.zero_()
         for k, idx_k, rows in parts:
@@ -384,6 +389,7 @@ class SparseSync(SyncStrategy):
         if not ok:
             stats.extra["overflow"] = 1
         self.step += 1
+        phase_end(self.dense.watchdog, "csc.write-back", t_phase)
 
     # ---- per-slice selection (scope="slice") ----------------------------------------------
     def _start_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
@@ -391,13 +397,15 @@ class SparseSync(SyncStrategy):
         off = self.offsets[k]
         scores = self.scores[off + lo : off + hi]
         stats.record_collective(scores.numel() * scores.element_size())
-        handle = start_allreduce(scores, group=self.group, algorithm="native")
+        handle = start_allreduce(scores, group=self.group, algorithm="native", watchdog=self.dense.watchdog,
+                                 what=f"scores of pool {k} chunks {lo}-{hi}")
         self._slices.append(_Slice(k, lo, hi, handle))
 
     def _send_slice(self, sl: _Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
         sl.handle.wait()
         stats.record_done(sl.handle.completed_at)
+        t_phase = phase_start(self.dense.watchdog)
         k, C = sl.pool, self.chunk_size
         off = self.offsets[k]
         m = n_selected(self.density, sl.hi - sl.lo)
@@ -409,6 +417,7 @@ class SparseSync(SyncStrategy):
         if int(sl.idx[-1]) == self.n_chunks[k] - 1:  # the pool's short last chunk: pad not sent
             n_send -= self.n_chunks[k] * C - self.sizes[k]
         sl.send = sl.packed.view(-1)[:n_send]
+        phase_end(self.dense.watchdog, "csc.select+pack", t_phase)
         self.dense.launch(None, sl.send, stats)
 
     def _finish_slices(self, stats: StepStats) -> None:

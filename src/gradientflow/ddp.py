@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,37 +33,21 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .compat import check_no_sparse_gradients, iter_tensors, move_to_device, resolve_ddp_args
 from .config import GradientFlowConfig
+from .consistency import FiniteCheck, StepCheck, check_same_setup
 from .dense import DenseSync
 from .join import GradientFlowJoinHook, common_rank
 from .pool import GradPool, Layout, plan_layout
 from .stats import StepStats
 from .strategy import SyncStrategy
+from .trace import TraceRecorder
+from .watchdog import Watchdog, resolve_timeout
 
 logger = logging.getLogger(__name__)
 
 
-def _check_same_model(signature: list[tuple[str, tuple[int, ...], str]], group: dist.ProcessGroup) -> None:
-    """Raise on every rank, naming the first difference, if ranks wrapped different models."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, signature, group=group)
-    reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        if other == reference:
-            continue
-        for k, (a, b) in enumerate(zip(reference, other)):
-            if a != b:
-                raise ValueError(
-                    f"gradientflow: ranks wrap different models. Entry {k}: rank 0 has {a[0]} "
-                    f"{list(a[1])} {a[2]}, rank {rank} has {b[0]} {list(b[1])} {b[2]}. "
-                    "Build the same model (same parameters, shapes and dtypes) on every rank."
-                )
-        raise ValueError(
-            f"gradientflow: ranks wrap different models: rank 0 has {len(reference)} parameters and "
-            f"buffers, rank {rank} has {len(other)}. Build the same model on every rank."
-        )
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+def _broadcast_coalesced(
+    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, watchdog: Watchdog, what: str
+) -> None:
     """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device).
 
     Written through ``.data`` (its own version counter) and not at all on ``src``: a forward that
@@ -75,7 +60,8 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.Proc
     receive = dist.get_rank() != src
     for ts in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        dist.broadcast(flat, src=src, group=group)
+        work = dist.broadcast(flat, src=src, group=group, async_op=True)
+        watchdog.wait(work, what, flat.numel() * flat.element_size())
         offset = 0
         for t in ts:
             if receive:
@@ -92,6 +78,7 @@ class _Backward:
         self.seen = bytearray(n_params)
         self.order: list[int] = []
         self.stats = StepStats(dense_bytes=dense_bytes)
+        self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -118,7 +105,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size [32768], warmup_steps [0], momentum [0.0], csc_scope ["global"].
+        dense], chunk_size [32768], warmup_steps [0], momentum [0.0], csc_scope ["global"];
+        timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
+        hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
 
     def __init__(
@@ -152,6 +141,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         warmup_steps: int = 0,
         momentum: float = 0.0,
         csc_scope: str = "global",
+        timeout: float | timedelta | None = None,
+        check_consistency: bool = False,
+        check_finite: bool = False,
+        trace_path: str | None = None,
+        trace_steps: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -173,6 +167,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             warmup_steps=warmup_steps,
             momentum=momentum,
             csc_scope=csc_scope,
+            timeout=timeout,
+            check_consistency=check_consistency,
+            check_finite=check_finite,
+            trace_path=trace_path,
+            trace_steps=trace_steps,
         )
         # torch DDP's public attributes, same names and meaning.
         self.module = module
@@ -190,6 +189,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_no_sparse_gradients(module, ignored)
         self._gf_ignored = ignored
         group = self.process_group
+        self._gf_watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
         self._gf_world_size = dist.get_world_size(group)
         self._gf_src = dist.get_global_rank(group, 0)
         self._gf_collect_tensors()
@@ -198,14 +198,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
+        # One exchange compares the options that must agree and the models (even with init_sync=False:
+        # a mismatch there is a hang or a silently wrong model later).
+        named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in ignored]
+        check_same_setup(self.config, signature, group, self._gf_watchdog, self._gf_params[0].device)
         if settings.init_sync:
-            named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
-            signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-            signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in ignored]
-            _check_same_model(signature, group)
             states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
             with torch.no_grad():
-                _broadcast_coalesced(states, self._gf_src, group)
+                _broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
         self._gf_build_engine(order=None)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
@@ -225,7 +227,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_layout_final = False
         wire = self.config.wire_dtype
         group, world = self.process_group, self._gf_world_size
-        dense = DenseSync(group=group, world_size=world, wire_dtype=wire, algorithm=self.config.algorithm)
+        dense = DenseSync(group=group, world_size=world, wire_dtype=wire, algorithm=self.config.algorithm,
+                          watchdog=self._gf_watchdog)
         self._gf_sync: SyncStrategy = dense
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
@@ -241,6 +244,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
         self._gf_static_unused: list[int] | None = None
         self._gf_result_versions: tuple[int, ...] | None = None
+        cfg, device = self.config, self._gf_params[0].device
+        self._gf_step_check = StepCheck(self._gf_watchdog, device) if cfg.check_consistency else None
+        self._gf_finite_check = FiniteCheck(self._gf_watchdog, self._gf_names, device) if cfg.check_finite else None
+        self._gf_trace = (TraceRecorder(cfg.trace_path, cfg.trace_window, dist.get_rank(group), world)
+                          if cfg.trace_path is not None else None)
+        self._gf_watchdog.trace = self._gf_trace
+        if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
+            self.register_grad_scaler(self._gf_scaler)
 
     # ---- layout -------------------------------------------------------------------------
     def _gf_numels(self) -> list[int]:
@@ -268,7 +279,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         seen = set(observed)
         order = observed + [i for i in self._gf_pool.layout.order if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self._gf_params[0].device)
-        dist.broadcast(order_t, src=self._gf_src, group=self.process_group)
+        work = dist.broadcast(order_t, src=self._gf_src, group=self.process_group, async_op=True)
+        self._gf_watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
         order = order_t.tolist()
         self._gf_layout_final = True
         if tuple(order) != self._gf_pool.layout.order:
@@ -328,6 +340,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        tr = self._gf_trace
+        t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if sync:
             self._gf_before_sync_forward()
         if self._gf_device is not None:
@@ -335,6 +349,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
+        if t_fwd is not None:
+            tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
 
     @torch.compiler.disable
@@ -361,6 +377,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # parameter still join the collectives.
         self._gf_sync_this_backward = sync
         self._gf_bind_pending = True
+        if self._gf_step_check is not None:
+            self._gf_step_check.passes += 1
         for t in iter_tensors(out):
             if t.requires_grad:
                 t.register_hook(self._gf_output_grad_hook)
@@ -369,9 +387,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Buffers from rank 0 (under ``Join``: from the highest rank still training)."""
         src = self._gf_src
         if self._join_config.enable:
-            src = common_rank(self.process_group, self.join_device, candidate=active)
+            src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
         with torch.no_grad():
-            _broadcast_coalesced(self._gf_module_buffers, src, self.process_group)
+            _broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
+                                 "buffer broadcast")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -386,8 +405,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _gf_begin_backward(self) -> _Backward:
         bw = self._gf_backward
         if bw is None:
+            tr = self._gf_trace
+            t_start = time.perf_counter() if tr is not None and tr.active else 0.0
+            if self._gf_step_check is not None:  # before any bucket: matched with the others' check
+                self._gf_step_check.start(self._gf_pool.layout)
             self._gf_bind_grads()
             bw = self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)
+            bw.t_start = t_start
             torch.autograd.Variable._execution_engine.queue_callback(self._gf_finish_backward)
         return bw
 
@@ -443,20 +467,35 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _gf_launch(self, bw: _Backward, index: int) -> None:
         bucket = self._gf_pool.layout.buckets[index]
-        self._gf_sync.launch(bucket, self._gf_pool.bucket_view(bucket), bw.stats)
+        flat = self._gf_pool.bucket_view(bucket)
+        if self._gf_finite_check is not None:  # before the wire overwrites the local gradient
+            self._gf_finite_check.screen(bucket, flat, self._gf_pool.views)
+        tr = self._gf_trace
+        if tr is not None and tr.active:
+            with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
+                self._gf_sync.launch(bucket, flat, bw.stats)
+        else:
+            self._gf_sync.launch(bucket, flat, bw.stats)
         bw.next_bucket = index + 1
 
     def _gf_finish_backward(self) -> None:
         bw = self._gf_backward
         if bw is None:
             return
+        tr = self._gf_trace
+        t_final = time.perf_counter() if tr is not None and tr.active else None
+        if t_final is not None:
+            tr.complete("backward", "backward", bw.t_start, t_final)
         try:
             t0 = time.perf_counter()
             while bw.next_bucket < len(self._gf_pool.layout.buckets):
                 self._gf_launch(bw, bw.next_bucket)
             used = self._gf_start_used_exchange(bw.stats)
-            self._gf_sync.finish(bw.stats)
+            mismatch = self._gf_step_check.verify() if self._gf_step_check is not None else None
+            self._gf_sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
             self._gf_release_unused(used)
+            if mismatch is not None:
+                raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
             bw.stats.close()
         finally:
@@ -468,6 +507,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._gf_relayout_from_observed(bw.order)
         if self.config.sparse:
             self._gf_result_versions = self._gf_pool_versions()
+        if t_final is not None:
+            tr.complete("final wait", "final", t_final, time.perf_counter())
+        self._gf_end_step()
+
+    def _gf_end_step(self) -> None:
+        """The check_finite verdict on this step, then count it (messages, trace window)."""
+        try:
+            if self._gf_finite_check is not None:
+                self._gf_finite_check.decide()
+        finally:
+            self._gf_watchdog.step += 1
+            if self._gf_trace is not None:
+                self._gf_trace.set_step(self._gf_watchdog.step)  # writes the file after a traced step
 
     def _gf_start_used_exchange(self, stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
         """Start the MAX allreduce of "this rank produced parameter i's gradient" (1 byte each).
@@ -485,7 +537,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
         if used is not None:
             work, flags = used
-            work.wait()
+            self._gf_watchdog.wait(work, "used-parameter flags", flags.numel())
             fresh = self._gf_fresh
             if not any(fresh) and not self.static_graph:
                 return  # every gradient was produced (or already existed) here: nothing to read
@@ -533,14 +585,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             for p in self._gf_params:
                 p.grad = None
             self._gf_bind_grads()
+            if self._gf_step_check is not None:  # a joined rank's counts must not weigh in
+                self._gf_step_check.start_neutral()
             self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)
             self._gf_finish_backward()
 
     def _gf_sync_final_model(self, is_last_joiner: bool) -> None:
-        src = common_rank(self.process_group, self.join_device, candidate=is_last_joiner)
+        src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=is_last_joiner)
         states = [p for n, p in self.module.named_parameters() if n not in self._gf_ignored]
         with torch.no_grad():
-            _broadcast_coalesced(states + self._gf_module_buffers, src, self.process_group)
+            _broadcast_coalesced(states + self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
+                                 "final model broadcast")
+        check = self._gf_step_check
+        if check is not None:  # joined ranks ran fewer forward passes: agree on the count again
+            passes = torch.tensor([check.passes], dtype=torch.int64, device=self.join_device)
+            work = dist.all_reduce(passes, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            self._gf_watchdog.wait(work, "join: pass count", 8)
+            check.passes = int(passes.item())
 
     # ---- torch DDP methods we do not implement -------------------------------------------
     def register_comm_hook(self, state: object, hook: Any) -> None:
@@ -599,6 +660,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
         self.process_group = dist.group.WORLD
+        self._gf_watchdog = Watchdog(self.process_group, resolve_timeout(self.config.timeout, self.process_group))
         self._gf_world_size = dist.get_world_size(self.process_group)
         self._gf_src = dist.get_global_rank(self.process_group, 0)
         self._gf_collect_tensors()
@@ -652,7 +714,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
         """
+        self._gf_scaler = scaler
         self._gf_sync.register_grad_scaler(scaler)
+        if self._gf_finite_check is not None:  # overflow is now the scaler's to skip, not an error
+            self._gf_finite_check.scaler_registered = True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""

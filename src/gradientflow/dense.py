@@ -15,13 +15,16 @@ from .pool import Bucket
 from .precision import from_wire, to_wire
 from .stats import StepStats
 from .strategy import SyncStrategy
+from .watchdog import Watchdog
 
 
 class DenseSync(SyncStrategy):
     """Every gradient, every step: one allreduce per bucket in the wire dtype."""
 
-    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype | None, algorithm: str):
+    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype | None, algorithm: str,
+                 watchdog: Watchdog | None = None):
         self.group = group
+        self.watchdog = watchdog  # bounds every wait, names the collective; CSC's collectives use it too
         self.world_size = world_size
         self.wire_dtype = wire_dtype
         self.algorithm = algorithm
@@ -31,7 +34,9 @@ class DenseSync(SyncStrategy):
         """1. pre-divide and cast into the wire buffer; 2. start its allreduce."""
         wire = to_wire(flat, self.wire_dtype, self.world_size)
         stats.record_collective(wire.numel() * wire.element_size())
-        self._pending.append((flat, wire, start_allreduce(wire, group=self.group, algorithm=self.algorithm)))
+        what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks
+        handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
+        self._pending.append((flat, wire, handle))
 
     def finish(self, stats: StepStats) -> None:
         """3. wait for every launched allreduce, in launch order; 4. write results back."""

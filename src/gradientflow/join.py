@@ -17,15 +17,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .watchdog import Watchdog
+
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
 
 
-def common_rank(group: dist.ProcessGroup, device: torch.device, candidate: bool) -> int:
+def common_rank(group: dist.ProcessGroup, device: torch.device, watchdog: Watchdog, candidate: bool) -> int:
     """The highest global rank among the ranks passing ``candidate=True`` (one MAX allreduce)."""
     mine = dist.get_rank() if candidate else -1
     t = torch.tensor([mine], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    watchdog.wait(work, "join: common rank", 8)
     rank = int(t.item())
     if rank < 0:
         raise RuntimeError("gradientflow join: no rank qualified as the source of the final model")

@@ -39,7 +39,8 @@ def _identical_on_all_ranks(tensors: list[torch.Tensor]) -> bool:
 def _join_worker(rank: int, world_size: int, kw: dict) -> None:
     ours = _train_uneven(gf.DistributedDataParallel(_make(), **kw), rank)
     assert _identical_on_all_ranks(ours)
-    if not kw:  # dense: joined ranks contribute zero and the mean divides by the initial world size, as DDP
+    # Dense: joined ranks contribute zero and the mean divides by the initial world size, as in DDP.
+    if not kw.get("density"):
         ref = _train_uneven(nn.parallel.DistributedDataParallel(_make()), rank)
         for a, b in zip(ref, ours):
             torch.testing.assert_close(b.float(), a.float(), atol=1e-6, rtol=1e-5)
@@ -48,6 +49,11 @@ def _join_worker(rank: int, world_size: int, kw: dict) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_dense_matches_torch_ddp(world_size: int) -> None:
     run_distributed(_join_worker, world_size, {})
+
+
+def test_join_with_per_step_checks() -> None:
+    """Joined ranks take part in check_consistency / check_finite without tripping them."""
+    run_distributed(_join_worker, 3, {"check_consistency": True, "check_finite": True})
 
 
 @pytest.mark.parametrize("scope", ["global", "slice"])

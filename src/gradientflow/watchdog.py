@@ -1,0 +1,195 @@
+"""Bounded waits that name the culprit: every wait of gradientflow goes through :class:`Watchdog`.
+
+A dead peer usually surfaces fast (Gloo/NCCL see the connection close); a *stalled* peer (alive,
+stuck: SIGSTOP, a deadlock in a data loader, a rank inside ``no_sync()`` while the others
+synchronise) only shows up as a wait that never ends.  The watchdog bounds every wait by
+``timeout`` and, when one fails, finds out which ranks had not arrived.
+
+Protocol (nothing on the hot path: a wait that succeeds costs exactly the backend's ``wait``):
+
+  1. ``wait(work, what, nbytes)`` calls ``work.wait(timeout)``.  Gloo, NCCL and point-to-point
+     work objects all raise once ``timeout`` has passed, or earlier when a peer's connection
+     closes.
+  2. On failure, this rank *checks in*: it writes ``"<step>|<collective>"`` under its rank in the
+     process group's rendezvous store (works on every backend: it is the store that
+     ``init_process_group`` already used).
+  3. It then polls one counter in the store until every rank has checked in, for up to
+     ``grace_s`` seconds (the survivors of one failure time out within moments of each other),
+     and reads the check-ins once.  Ranks that never check in are named as not having arrived
+     (stalled, dead, or not synchronising this step); ranks that checked in somewhere else are
+     named with where they were.
+  4. It raises :class:`CommunicationError` naming the step, the collective, its bytes, the
+     missing ranks, and that the process group must be torn down.
+
+The store may itself be unreachable (its host process is the stalled one), so steps 2-3 run in a
+daemon thread joined with a deadline: the error is raised in time either way, just without names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import RESTART_ADVICE, CommunicationError
+
+if TYPE_CHECKING:
+    from .trace import TraceRecorder
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 3.0
+"""How long a failed rank waits for the others to check in before naming the missing ones."""
+
+_instances: dict[str, itertools.count] = {}
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The timeout ``group`` was created with (``init_process_group(timeout=...)``)."""
+    try:
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 — private API; fall back to torch's documented default
+        from torch.distributed.distributed_c10d import default_pg_timeout  # noqa: PLC0415
+
+        return default_pg_timeout
+
+
+def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup) -> timedelta:
+    """``timeout`` as a ``timedelta``; ``None`` means the process group's own timeout."""
+    if timeout is None:
+        return group_timeout(group)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "? bytes"
+    if n < 1 << 10:
+        return f"{n} B"
+    if n < 1 << 20:
+        return f"{n / (1 << 10):.1f} KB"
+    return f"{n / (1 << 20):.1f} MB"
+
+
+class Watchdog:
+    """Bounds every wait of one wrapper by ``timeout`` and turns a failure into a named error.
+
+    ``step`` is the synchronised step (0-based) the engine is in, for messages and the trace;
+    ``trace`` is the :class:`~gradientflow.trace.TraceRecorder` or ``None`` (collectives report
+    their launch and completion to it).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.grace_s = grace_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.step = 0
+        self.trace: TraceRecorder | None = None
+        self.failed: CommunicationError | None = None
+        # One key space per wrapper: wrappers are built collectively, in the same order on every
+        # rank, so the n-th wrapper on a group has the same prefix everywhere.
+        name = getattr(group, "group_name", "") or "default"
+        counter = _instances.setdefault(name, itertools.count())
+        self._prefix = f"gradientflow/{name}/{next(counter)}/stuck/"
+
+    # ---- 1. bounded wait ------------------------------------------------------------------
+    def wait(self, work: Any, what: str, nbytes: int | None) -> None:
+        """``work.wait(timeout)``; on failure raise :class:`CommunicationError` (steps 2-4)."""
+        if self.failed is not None:  # the group is broken: do not add another full timeout
+            raise CommunicationError(
+                f"gradientflow: step {self.step}: {what} not attempted: an earlier collective failed (step "
+                f"{self.failed.step}: {self.failed.collective}, missing ranks {self.failed.missing_ranks}). "
+                + RESTART_ADVICE,
+                step=self.step, collective=what, nbytes=nbytes, missing_ranks=self.failed.missing_ranks,
+            )
+        t0 = time.perf_counter()
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:  # DistBackendError and Gloo's "Operation timed out!" are RuntimeErrors
+            raise self.failure(what, nbytes, exc, time.perf_counter() - t0) from exc
+        trace = self.trace
+        if trace is not None and trace.active:
+            trace.complete(f"wait {what}", "wait", t0, time.perf_counter(), bytes=nbytes)
+
+    def failure(self, what: str, nbytes: int | None, exc: BaseException, waited_s: float) -> CommunicationError:
+        """Build (and remember) the error for a failed wait on ``what``; checks in with the store."""
+        timeout_s = self.timeout.total_seconds()
+        timed_out = waited_s >= 0.95 * timeout_s or "timed out" in str(exc).lower()
+        cause = f"did not complete within the timeout of {timeout_s:g} s" if timed_out else f"failed: {exc}"
+        where = f"{self.step}|{what}"
+        missing, elsewhere = self._check_in(where)
+        parts = [
+            f"gradientflow: step {self.step}: {what} ({format_bytes(nbytes)}) {cause} on rank {self.rank} "
+            f"of {self.world_size}."
+        ]
+        if missing is None:
+            parts.append("Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
+                         "have died or stalled, or ranks issued different collectives.")
+        elif missing:
+            parts.append(
+                f"Rank(s) {missing} never reached a failing wait within {self.grace_s:g} s: a peer may have died, "
+                "or it is stalled (stopped, deadlocked, slow data loading) or not synchronising this step (e.g. "
+                "inside no_sync() while the others synchronise)."
+            )
+        elif elsewhere:
+            parts.append("Every rank checked in, but not all at this collective: ranks issued collectives in a "
+                         "different order (a collective outside gradientflow on some ranks only?).")
+        else:
+            parts.append("Every rank reached a failing wait at this collective: the network or the backend "
+                         "failed, not one rank.")
+        for r, w in sorted(elsewhere.items()):
+            step, _, coll = w.partition("|")
+            parts.append(f"Rank {r} was waiting on {coll} of step {step} instead.")
+        parts.append(RESTART_ADVICE)
+        err = CommunicationError(
+            " ".join(parts), step=self.step, collective=what, nbytes=nbytes, missing_ranks=missing
+        )
+        self.failed = err
+        logger.debug("gradientflow: %s", err)  # raised, not logged: the caller decides what to print
+        return err
+
+    # ---- 2-3. store check-in --------------------------------------------------------------
+    def _check_in(self, where: str) -> tuple[list[int] | None, dict[int, str]]:
+        """Write our position, collect the others' for ``grace_s``; (missing ranks, others' positions)."""
+        found: dict[int, str] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            from torch.distributed.distributed_c10d import _get_process_group_store  # noqa: PLC0415
+
+            store = _get_process_group_store(self.group)
+            store.set(f"{self._prefix}{self.rank}", where)
+            # One counter to poll (not one key per rank): at scale, every survivor polls the store.
+            arrived = store.add(f"{self._prefix}count", 1)
+            deadline = time.monotonic() + self.grace_s
+            while arrived < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                arrived = store.add(f"{self._prefix}count", 0)
+            for r in range(self.world_size):  # once, at the end: who checked in, and where
+                if r != self.rank and store.check([f"{self._prefix}{r}"]):
+                    found[r] = store.get(f"{self._prefix}{r}").decode()
+            done.set()
+
+        def guarded() -> None:
+            try:
+                run()
+            except Exception as exc:  # noqa: BLE001 — the store host may be the dead rank
+                logger.warning("gradientflow: rendezvous store check-in failed: %s", exc)
+
+        thread = threading.Thread(target=guarded, name="gradientflow-check-in", daemon=True)
+        thread.start()
+        thread.join(self.grace_s + 2.0)
+        if not done.is_set():
+            return None, {}
+        missing = [r for r in range(self.world_size) if r != self.rank and r not in found]
+        elsewhere = {r: w for r, w in found.items() if w != where}
+        return missing, elsewhere

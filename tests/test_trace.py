@@ -1,0 +1,72 @@
+"""Timeline: trace_path/trace_steps write a Chrome trace of just the chosen steps; trace-summary reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import gradientflow as gf
+from gradientflow.cli import main
+from gradientflow.trace import trace_file
+
+from _dist import run_distributed
+
+STEPS = 5
+WINDOW = (1, 3)
+
+
+def _trace_worker(rank: int, world_size: int, tmp: str, options: dict) -> None:
+    torch.manual_seed(0)
+    model = gf.DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
+        fusion_threshold_mb=0.01, trace_path=os.path.join(tmp, "run", "trace-{rank}.json"), trace_steps=WINDOW,
+        check_consistency=True, **options)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        model.zero_grad()
+        model(torch.randn(4, 32, generator=gen)).square().mean().backward()
+
+
+@pytest.mark.parametrize("options", [{}, {"density": 0.5, "chunk_size": 64, "comm_dtype": "fp16"}],
+                         ids=["dense", "csc"])
+def test_trace_holds_the_chosen_steps_only(tmp_path, capsys, options: dict) -> None:
+    run_distributed(_trace_worker, 2, str(tmp_path), options, timeout=90)
+    for rank in range(2):
+        path = tmp_path / "run" / f"trace-{rank}.json"
+        doc = json.loads(path.read_text())  # parses
+        events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert {e["args"]["step"] for e in events} == set(range(*WINDOW))
+        assert all(e["pid"] == rank and e["dur"] >= 0 for e in events)
+        cats = {e["cat"] for e in events}
+        assert {"forward", "backward", "launch", "final", "wait", "check", "collective"} <= cats, cats
+        per_step = {s: [e["name"] for e in events if e["args"]["step"] == s] for s in range(*WINDOW)}
+        for names in per_step.values():
+            assert names.count("backward") == 1 and names.count("final wait") == 1, names
+        colls = [e for e in events if e["cat"] == "collective"]
+        if options:
+            assert {"csc.select+pack", "csc.write-back"} <= {e["name"] for e in events}
+            assert {e["args"]["kind"] for e in colls} == {"scores", "chunks"}
+        else:
+            assert colls and all(e["args"]["kind"].startswith("bucket ") and e["args"]["bytes"] > 0 for e in colls)
+            # Every collective ends after it starts, and the comm tracks have names.
+            assert {e["tid"] for e in colls} <= {m["tid"] for m in doc["traceEvents"] if m["ph"] == "M"}
+
+    capsys.readouterr()
+    assert main(["trace-summary", str(tmp_path / "run" / "trace-0.json")]) == 0
+    out = capsys.readouterr().out
+    assert "2 step(s) [1, 2]" in out and "final wait" in out and "backward" in out, out
+    assert ("scores" in out and "chunks" in out and "csc.select+pack" in out) if options else "bucket" in out, out
+
+
+def test_trace_file_names_and_bad_file(tmp_path, capsys) -> None:
+    assert trace_file("out/t-{rank}.json", 3) == "out/t-3.json"
+    assert trace_file("out/trace.json", 1) == "out/trace.rank1.json"
+    assert trace_file("trace", 0) == "trace.rank0.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["trace-summary", str(bad)]) == 1
+    assert "not a Chrome trace" in capsys.readouterr().err
