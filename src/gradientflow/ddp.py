@@ -35,7 +35,7 @@ from .compat import check_no_sparse_gradients, iter_tensors, move_to_device, res
 from .config import GradientFlowConfig
 from .consistency import FiniteCheck, StepCheck, check_same_setup
 from .dense import DenseSync
-from .join import GradientFlowJoinHook, common_rank
+from .join import GradientFlowJoinHook, common_rank, max_over_ranks
 from .pool import GradPool, Layout, plan_layout
 from .stats import StepStats
 from .strategy import SyncStrategy
@@ -175,7 +175,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         # torch DDP's public attributes, same names and meaning.
         self.module = module
-        self.process_group = settings.process_group
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
         self.dim = dim
@@ -188,10 +187,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         check_no_sparse_gradients(module, ignored)
         self._gf_ignored = ignored
+        self._gf_attach_group(settings.process_group)
         group = self.process_group
-        self._gf_watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
-        self._gf_world_size = dist.get_world_size(group)
-        self._gf_src = dist.get_global_rank(group, 0)
         self._gf_collect_tensors()
         if not self._gf_params:
             raise ValueError(
@@ -211,6 +208,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_build_engine(order=None)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
+    def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
+        self.process_group = group
+        self._gf_watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
+        self._gf_world_size = dist.get_world_size(group)
+        self._gf_src = dist.get_global_rank(group, 0)
+
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
         self._gf_names = [n for n, p in named if p.requires_grad]
@@ -307,15 +310,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                 return
             self._gf_check_result_consumed()
             for i, (p, view) in enumerate(zip(params, views)):
-                g = p.grad
-                if g is view:
-                    continue
-                if g is None:
+                if p.grad is None:
                     view.zero_()
                     fresh[i] = 1
-                elif g.data_ptr() != view.data_ptr():
-                    view.copy_(g)
-                p.grad = view
+                    p.grad = view
+                else:
+                    self._gf_adopt_grad(i, p)
 
     def _gf_check_result_consumed(self) -> None:
         """CSC: refuse to fold last step's synchronised result into this step's residual.
@@ -598,10 +598,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                  "final model broadcast")
         check = self._gf_step_check
         if check is not None:  # joined ranks ran fewer forward passes: agree on the count again
-            passes = torch.tensor([check.passes], dtype=torch.int64, device=self.join_device)
-            work = dist.all_reduce(passes, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            self._gf_watchdog.wait(work, "join: pass count", 8)
-            check.passes = int(passes.item())
+            check.passes = max_over_ranks(check.passes, self.process_group, self.join_device, self._gf_watchdog,
+                                          "join: pass count")
 
     # ---- torch DDP methods we do not implement -------------------------------------------
     def register_comm_hook(self, state: object, hook: Any) -> None:
@@ -627,9 +625,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         super()._apply(fn, recurse)
         if "_gf_pool" not in self.__dict__:
             return self  # during __init__
-        old_keys = list(self._gf_pool.layout.keys)
+        layout = self._gf_pool.layout
         self._gf_collect_tensors()
-        if sorted(set(self._gf_keys()), key=str) != sorted(set(old_keys), key=str):
+        if self._gf_keys() != [layout.keys[s.pool] for s in layout.slots]:
             if self._gf_sync.has_state():
                 raise ValueError(
                     "gradientflow: the model's device or dtype changed after sparse (density) residuals were "
@@ -659,10 +657,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
-        self.process_group = dist.group.WORLD
-        self._gf_watchdog = Watchdog(self.process_group, resolve_timeout(self.config.timeout, self.process_group))
-        self._gf_world_size = dist.get_world_size(self.process_group)
-        self._gf_src = dist.get_global_rank(self.process_group, 0)
+        self._gf_attach_group(dist.group.WORLD)
         self._gf_collect_tensors()
         self._gf_build_engine(order=comm.get("layout_order"))
         self.load_comm_state_dict(comm)

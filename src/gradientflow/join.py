@@ -23,13 +23,17 @@ if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
 
 
-def common_rank(group: dist.ProcessGroup, device: torch.device, watchdog: Watchdog, candidate: bool) -> int:
-    """The highest global rank among the ranks passing ``candidate=True`` (one MAX allreduce)."""
-    mine = dist.get_rank() if candidate else -1
-    t = torch.tensor([mine], dtype=torch.int64, device=device)
+def max_over_ranks(value: int, group: dist.ProcessGroup, device: torch.device, watchdog: Watchdog, what: str) -> int:
+    """The largest ``value`` any rank passes (one bounded MAX allreduce of one int64)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    watchdog.wait(work, "join: common rank", 8)
-    rank = int(t.item())
+    watchdog.wait(work, what, 8)
+    return int(t.item())
+
+
+def common_rank(group: dist.ProcessGroup, device: torch.device, watchdog: Watchdog, candidate: bool) -> int:
+    """The highest global rank among the ranks passing ``candidate=True``."""
+    rank = max_over_ranks(dist.get_rank() if candidate else -1, group, device, watchdog, "join: common rank")
     if rank < 0:
         raise RuntimeError("gradientflow join: no rank qualified as the source of the final model")
     return rank

@@ -100,6 +100,25 @@ def test_grad_is_none_until_produced_and_for_unused_parameters() -> None:
     run_distributed(_grad_none_worker, 2)
 
 
+def _static_graph_worker(rank: int, world_size: int) -> list[int]:
+    """static_graph=True: the used-parameter exchange runs on the first step only, with the same result."""
+    ref, ours = pair(Branchy, {"static_graph": True}, {"find_unused_parameters": True})
+    control = []
+
+    def check(step: int) -> None:
+        assert_same_grads(ref, ours, what=f"step {step}")
+        assert ours.module.never.weight.grad is None
+        control.append(ours.comm_stats()["control_bytes"])
+
+    _steps([ref, ours], rank, 3, lambda m, r, s: m(batch(r, s)).pow(2).mean(), check=check)
+    return control
+
+
+def test_static_graph_exchanges_used_flags_once() -> None:
+    n_params = len(list(Branchy().parameters()))
+    assert run_distributed(_static_graph_worker, 2) == [[n_params, 0, 0]] * 2
+
+
 class Frozen(nn.Module):
     def __init__(self) -> None:
         super().__init__()
