@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.csc import chunk_scores, n_selected, select_chunks
+from gradientflow.selection import auto_chunk_size, chunk_scores, density_at, n_selected, select_chunks
 
 from _dist import run_distributed
 
@@ -62,18 +62,24 @@ def _param_view(model: gf.DistributedDataParallel, flat: list[torch.Tensor], i: 
     return flat[s.pool][s.offset : s.offset + s.numel]
 
 
-def _chunk_lengths(size: int) -> list[int]:
-    return [min(CHUNK, size - j * CHUNK) for j in range(math.ceil(size / CHUNK))]
+def _residual(model: gf.DistributedDataParallel, which: str) -> list[torch.Tensor]:
+    """CSC's v or u, unscaled and unpadded, per pool buffer (what a checkpoint holds)."""
+    return model._gf_sync.res.unscaled(which)
 
 
 # ---- pure functions ---------------------------------------------------------------------------
 def test_chunk_scores_are_l1_per_chunk() -> None:
     v = torch.randn(5 * 8)
     expected = v.view(5, 8).abs().sum(1)
-    torch.testing.assert_close(chunk_scores(v, 8), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(chunk_scores(v.view(5, 8)), expected, rtol=1e-6, atol=0)
     out = torch.empty(5)
-    chunk_scores(v, 8, out=out)
+    chunk_scores(v.view(5, 8), out=out)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=0)
+    # More rows than one cache block (2^20 elements): blocks and the short last block line up.
+    rows = torch.randn(2100, 1024)
+    expected = rows.double().abs().sum(1)
+    # A sum of C non-negative fp32 terms is within C*eps relative of the exact sum, in any order.
+    torch.testing.assert_close(chunk_scores(rows).double(), expected, rtol=1024 * EPS32, atol=0)
 
 
 def test_select_top_k_ties_go_to_lower_index() -> None:
@@ -90,6 +96,24 @@ def test_number_selected_is_ceil_of_density_times_n() -> None:
     assert n_selected(0.25, 17) == 5
     assert n_selected(0.001, 10) == 1
     assert n_selected(1.0, 7) == 7
+
+
+def test_density_ramp_falls_exponentially_from_dense_to_density() -> None:
+    assert density_at(0, 0.1, 4) == 1.0  # step 0: dense
+    assert density_at(2, 0.1, 4) == pytest.approx(0.1**0.5)  # halfway (in log): sqrt(density)
+    assert density_at(4, 0.1, 4) == 0.1 and density_at(1000, 0.1, 4) == 0.1
+    assert density_at(0, 0.1, 0) == 0.1  # warmup_steps=0: no ramp at all
+    ramp = [density_at(t, 0.1, 10) for t in range(11)]
+    ratios = [b / a for a, b in zip(ramp, ramp[1:])]
+    assert ratios == pytest.approx([0.1 ** 0.1] * 10)  # a constant factor per step
+
+
+def test_auto_chunk_size_is_the_papers_for_big_models_and_keeps_200_chunks_for_small() -> None:
+    assert auto_chunk_size(25_557_032) == 32768  # ResNet-50
+    assert auto_chunk_size(200 * 32768) == 32768
+    assert auto_chunk_size(200 * 32768 - 1) == 16384  # 32767 per chunk -> the power of two below
+    assert auto_chunk_size(9610) == 32  # 9610 // 200 = 48 -> 32: 301 chunks
+    assert auto_chunk_size(100) == 16  # the floor
 
 
 # ---- selection, nothing lost, payload, density 1, warm-up ------------------------------------
@@ -117,7 +141,7 @@ class _Ledger:
         """Assert sum(applied) + mean_r(v) == sum_t mean_r(g) within bound_factor*eps*A; return |v| held."""
         held = 0.0
         for i, p in enumerate(self.params):
-            v = _param_view(model, model._gf_sync.v, i).double().view_as(p).clone()
+            v = _param_view(model, _residual(model, "v"), i).double().view_as(p).clone()
             dist.all_reduce(v)
             err = (self.applied[i] + v / self.world_size - self.local_sum[i]).abs()
             bound = bound_factor * EPS32 * self.abs_sum[i]
@@ -126,12 +150,12 @@ class _Ledger:
         return held
 
 
-def _expected_selected(sync, n: int) -> int:
+def _expected_selected(sync, n: int, density: float = 0.25) -> int:
     """ceil(density * n) for the paper's global top-k; per slice, the sum over slices."""
     if not sync.per_slice:
-        return n_selected(0.25, n)
+        return n_selected(density, n)
     assert sum(sync.last_slice_sizes) == n  # the slices partition the chunks
-    return sum(n_selected(0.25, m) for m in sync.last_slice_sizes)
+    return sum(n_selected(density, m) for m in sync.last_slice_sizes)
 
 
 def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
@@ -164,8 +188,8 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
         nonzero = [j for j in range(n) if buf[j * CHUNK : (j + 1) * CHUNK].ne(0).any()]
         assert len(sel) == k and (relaid or nonzero == sel), (nonzero, sel, k)
         assert stats["n_chunks"] == n and stats["selected_chunks"] == k
-        lengths = _chunk_lengths(buf.numel())
-        assert stats["payload_bytes"] == 4 * n + 4 * sum(lengths[j] for j in sel), stats
+        # scores + whole selected rows (a short last chunk travels with its zero pad: no host read)
+        assert stats["payload_bytes"] == 4 * n + 4 * CHUNK * len(sel), stats
         # one score and one packed allreduce per selection (one selection, or one per slice)
         assert stats["collectives"] == 2 * (len(sync.last_slice_sizes) if sync.per_slice else 1)
         selected.append(sel)
@@ -196,20 +220,29 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
     for a, b in zip(dense.module.parameters(), full.module.parameters()):
         assert torch.equal(a, b)
 
-    # 3. Warm-up: the first 2 steps are exactly dense, then sparse.
+    # 3. Warm-up ramp (warmup_steps=4): step 0 exactly dense, step t < 4 sends 0.25 ** (t/4) of the
+    # chunks (0.71, 0.5, 0.35), then 0.25; nothing is lost on the way (same bound as above).
     dense = gf.DistributedDataParallel(_mlp(), fusion_threshold_mb=0.001)
-    warm = _sparse(_mlp(), warmup_steps=2, csc_scope=scope)
-    for step, (x, y) in enumerate(batches[:3]):
+    warm = _sparse(_mlp(), warmup_steps=4, csc_scope=scope)
+    params = list(warm.module.parameters())
+    ledger = _Ledger(params, world_size)
+    for step, (x, y) in enumerate(batches[:6]):
+        local = torch.autograd.grad(nn.functional.cross_entropy(warm.module(x), y), params)
         for m in (dense, warm):
             m.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
-        same = all(torch.equal(a.grad, b.grad) for a, b in zip(dense.module.parameters(), warm.module.parameters()))
+        ledger.add_local(local)
+        ledger.add_applied()
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(dense.module.parameters(), params))
         st = warm.comm_stats()
-        if step < 2:
+        if step == 0:
             assert same and st["warmup"] == 1 and st["payload_bytes"] == st["dense_bytes"], st
         else:
+            d = 0.25 ** (step / 4) if step < 4 else 0.25
             n = st["n_chunks"]
-            assert not same and st["warmup"] == 0 and st["selected_chunks"] == _expected_selected(warm._gf_sync, n), st
+            assert not same and st["warmup"] == 0 and st["density"] == d, st
+            assert st["selected_chunks"] == _expected_selected(warm._gf_sync, n, d), st
+    ledger.check(warm, 2 * 6)
     return out
 
 
@@ -277,19 +310,23 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
             m.zero_grad()
             loss = nn.functional.cross_entropy(m(x), y)
             (loss if sc is None else sc.scale(loss)).backward()
-        for a, b in zip(plain._gf_sync.v + plain._gf_sync.u, scaled._gf_sync.v + scaled._gf_sync.u):
-            assert torch.equal(a, b)
+        for which in ("v", "u"):
+            for a, b in zip(_residual(plain, which), _residual(scaled, which)):
+                assert torch.equal(a, b)
         for a, b in zip(plain.module.parameters(), scaled.module.parameters()):
             assert torch.equal(a.grad * 2.0**10, b.grad)
 
-    # A packed allreduce that overflows the fp16 wire: inf reaches the pool on every rank (a
-    # scaler would skip), and the selected chunks stay in v to be sent again.
+    # A packed allreduce that overflows the fp16 wire: NaN reaches the pool on every rank (a
+    # scaler would skip), nothing is masked: v still holds the whole (finite) local gradient.
     big = _sparse(_mlp(), comm_dtype="fp16")
+    params = list(big.module.parameters())
+    local = torch.autograd.grad(1e8 * nn.functional.cross_entropy(big.module(x), y), params)
     (1e8 * nn.functional.cross_entropy(big(x), y)).backward()
-    assert big.comm_stats()["overflow"] == 1
-    assert not all(bool(torch.isfinite(p.grad).all()) for p in big.parameters())
-    kept = big._gf_sync.v[0].view(-1, CHUNK)[big._gf_sync.last_selected]
-    assert bool((kept.abs().sum(1) > 0).all()) and bool(torch.isfinite(kept).all())
+    assert big.comm_stats()["overflow"] == 1 and big.comm_stats()["host_syncs"] == 1
+    assert not any(bool(torch.isfinite(p.grad).any()) for p in big.parameters())
+    v = _residual(big, "v")
+    for i, g in enumerate(local):
+        assert torch.equal(_param_view(big, v, i).view_as(g), g)
 
     model = _sparse(_mlp(), momentum=0.9, comm_dtype="fp16", density=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -320,7 +357,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
         if unchanged:
             skipped.append(step)
             assert scaler.get_scale() == scale / 2
-        for r in sync.v + sync.u:
+        for r in sync.res.buffers():
             assert bool(torch.isfinite(r).all()), f"non-finite residual at step {step}"
         losses.append(loss.item())
     assert model.comm_stats()["overflow"] == 0

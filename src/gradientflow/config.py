@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,8 +31,10 @@ class GradientFlowConfig:
         "fp16" or "bf16".
     algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
     density: CSC — fraction of chunks sent each step; ``None`` = dense.
-    chunk_size: CSC — gradients per chunk (32768 in the paper).
-    warmup_steps: CSC — dense steps before sparsification starts.
+    chunk_size: CSC — gradients per chunk: an int, or "auto" (32768 as in the paper for models of
+        at least 200 such chunks, else a power of two giving ~200 chunks).
+    warmup_steps: CSC — length of the density ramp: step t < warmup_steps sends
+        ``density ** (t / warmup_steps)`` of the chunks (step 0 dense), later steps ``density``.
     momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
         apply momentum again.
     csc_scope: CSC — where the top chunks are chosen.  "global" (the paper): one top-k over the
@@ -55,7 +58,7 @@ class GradientFlowConfig:
     comm_dtype: str = "fp32"
     algorithm: str = "native"
     density: float | None = None
-    chunk_size: int = 32768
+    chunk_size: int | str = "auto"
     warmup_steps: int = 0
     momentum: float = 0.0
     csc_scope: str = "global"
@@ -79,8 +82,9 @@ class GradientFlowConfig:
         d = self.density
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1):
             raise ValueError(f"density must be None (dense) or a number in (0, 1], got {d!r}")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int (gradients per chunk), got {self.chunk_size!r}")
+        c = self.chunk_size
+        if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"chunk_size must be \"auto\" or a positive int (gradients per chunk), got {c!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         m = self.momentum
@@ -125,6 +129,14 @@ class GradientFlowConfig:
     @property
     def threshold_bytes(self) -> float:
         return self.fusion_threshold_mb * 1024 * 1024
+
+    def resolved(self, n_elements: int) -> GradientFlowConfig:
+        """This config with ``chunk_size="auto"`` replaced by the size for a model of ``n_elements``."""
+        if self.chunk_size != "auto":
+            return self
+        from .selection import auto_chunk_size  # noqa: PLC0415 — selection imports torch only
+
+        return dataclasses.replace(self, chunk_size=auto_chunk_size(n_elements))
 
     @property
     def sparse(self) -> bool:

@@ -1,62 +1,55 @@
 """Coarse-grained sparse communication (CSC): send only the top chunks of the accumulated gradient.
 
-The gradient pool is cut into chunks of ``C = chunk_size`` elements (each pool buffer separately,
-its last chunk may be short; chunks get one global index across buffers).  Per synchronised step:
+The gradient pool is cut into chunks of ``C = chunk_size`` elements (each pool buffer is padded
+to whole chunks; chunks get one global index across buffers).  Per synchronised step:
 
-  1. Accumulate (in :meth:`SparseSync.launch`, bucket by bucket, while backward still runs):
-     with momentum correction ``u = m*u + g; v = v + u``, without it ``v = v + g``.  ``g`` is
-     divided by the GradScaler's current scale on the way in, so u and v are always
-     *unscaled*: a change of the loss scale never touches them.
-  2. Score: the L1 norm of v per chunk, computed in the same launch for every chunk that the
-     ready prefix of the pool now covers.  Once backward has ended (:meth:`finish`) the score
-     vector (one fp32 per chunk) is SUM-allreduced, so every rank holds the same global scores.
-  3. Select the top ``ceil(density * n_chunks)`` chunks by global score; ties go to the lower
-     chunk index (stable sort), so every rank picks the same chunks by construction.
-  4. Send: pack the selected chunks of v contiguously (times the loss scale, so an fp16 wire
-     carries the same magnitudes as a dense scaled gradient), allreduce them through the dense
-     path (any algorithm, any comm dtype, pre-divided by world size), write the result into the
-     pool at the selected chunks and zero the rest.  Zero v and u at the selected chunks
-     (momentum factor masking).
-  5. Warm-up: the first ``warmup_steps`` synchronised steps are plain dense steps
-     (:class:`DenseSync` on the pool as-is; u and v are untouched).  We chose a hard switch,
-     not a density ramp: it keeps "warm-up = exactly dense" testable and costs nothing.
+  1. Accumulate.  Without momentum correction autograd itself adds the gradient into the
+     residual v: while a synchronised backward runs, ``.grad`` are views of v
+     (:meth:`SparseSync.begin_backward`), so ``v += g`` is autograd's own accumulation and no
+     pass of ours touches the pool.  With momentum correction (or a 16-bit pool, whose v is
+     fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in bucket by
+     bucket: ``u = m*u + g; v += u`` (or ``v += g``).
+  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.selection.chunk_scores`), in the
+     launch of the bucket that completes the chunk, so scoring runs while backward goes on.
+  3. Exchange scores and select: the scores of a *slice* of chunks are SUM-allreduced, and each
+     slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower
+     index, so every rank picks the same chunks from the same global scores).
+     ``csc_scope="slice"`` (default): a slice is the chunks one bucket launch completed; its
+     scores travel while backward goes on and its chunks are packed and sent one launch later,
+     so the wire hides under backward.  ``"global"`` (the paper): one slice per pool buffer,
+     exchanged and selected after backward, one packed allreduce.
+  4. Send: the selected rows of v are gathered into one packed buffer per slice and allreduced
+     through :class:`~gradientflow.dense.DenseSync` (pre-divided, cast to the wire dtype).
+  5. Write back, after one host read (the step's only one: is everything finite?): the pool is
+     zeroed, gets the reduced chunks, and the sent chunks leave v and u (momentum factor
+     masking).  ``.grad`` point at the pool again, ready for the optimizer.
+  6. Warm-up: a density ramp (:func:`~gradientflow.selection.density_at`): step t of the first
+     ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks; step 0 (density 1)
+     is a plain dense step on the pool (v and u untouched).
 
-Design choice — scoring once after backward, global top-k (as the paper): accumulation and
-per-chunk scoring are done per bucket during backward (they are the expensive passes), but the
-selection is global, so the score allreduce and the single packed allreduce are issued after the
-last bucket.  Per fused slice top-k would overlap the (tiny) packed allreduces with backward,
-but would fix the split of the budget across slices and cost one score + one data collective per
-slice; with ~10% of the bytes left, the exposed network time of one packed allreduce is small.
+Loss scaling: v and u are kept in units of the current loss scale
+(:class:`~gradientflow.residual.Residuals`); ``model.register_grad_scaler(scaler)`` lets CSC
+follow the scale (without it the scale is taken as 1).  A non-finite value anywhere (a local
+gradient on any rank: the allreduced scores are non-finite everywhere; or an fp16 wire that
+overflowed: the reduced chunks are) makes every rank fill the pool with NaN, so
+``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is masked, so the
+chunks are sent again later.  Entries of v and u that became non-finite are reset to 0; the
+finite part of that step's local gradient stays in the residual (it was computed at the current
+weights and is not lost, only delayed).
 
 Momentum correction (``momentum > 0``): momentum is applied here, on the residual, so the
-user's optimizer must NOT apply momentum again (use ``SGD(momentum=0)``).  With factor masking
-a chunk loses its momentum whenever it is sent, so often-sent chunks train like plain SGD: on
-the digits test at the dense run's lr it ended 1-2 points below optimizer momentum with
-``momentum=0`` here (error feedback alone), which matched dense accuracy.
-:meth:`SparseSync.check_optimizer` (``model.check_optimizer(opt)``) warns when it does.
+user's optimizer must NOT apply momentum again (:meth:`SparseSync.check_optimizer` warns).
 
-Loss scaling: ``model.register_grad_scaler(scaler)`` lets CSC read the scale of each step
-(without it the scale is taken as 1).  Overflow handling, identical on every rank:
-  - a non-finite gradient on any rank makes the allreduced score vector non-finite everywhere;
-    every rank then undoes this step's accumulation (``v -= u_new``, ``u = (u_new - g)/m``, or
-    ``v -= g``: exact up to one fp32 rounding; entries whose own gradient was inf/nan cannot be
-    recovered and are reset to 0) and fills the pool with NaN, so ``GradScaler.step`` skips the
-    step on every rank and lowers the scale;
-  - a packed allreduce that overflows the fp16 wire leaves inf in the (identical) result on
-    every rank: the result is written to the pool (the scaler skips), and v/u are not cleared,
-    so those chunks are sent again at the lower scale.
-
-Per-step passes over the pool (the cost that matters on a CPU rank; see DESIGN.md):
-accumulate (1: ``v += g``; with momentum 2: ``u = g + m*u`` fused, ``v += u``; +1 ``u /= S``
-when a loss scale S != 1 is registered), score (1), zero the pool (1, a memset: the pool holds
-this step's g, which must not reach the optimizer).  Packing, the fp16 cast, the overflow check
-(one sum), write-back and the masking of u/v touch only the selected chunks.  Measured on
-ResNet-50's 25.6M-float pool, one thread: about 30 ms per step without momentum, 36 ms with.
+Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): autograd's own
+accumulation into v, one score pass, one memset of the pool; packing, the casts, the finite
+check, the write-back and the masking touch only the selected chunks.  With momentum
+correction add two passes (``u = g + m*u``, ``v += u``) and the pool's memset at bind.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,51 +61,23 @@ import torch.distributed as dist
 from .collectives import PendingAllreduce, start_allreduce
 from .config import GradientFlowConfig
 from .dense import DenseSync
-from .pool import Bucket, GradPool, Layout, transfer
+from .pool import Bucket, GradPool, Layout
+from .residual import Residuals, residual_dtype, validate_residual_state
+from .selection import chunk_scores, density_at, n_selected, select_chunks
 from .stats import StepStats
 from .strategy import SyncStrategy
-from .trace import phase_end, phase_start
-
-
-def n_selected(density: float, n_chunks: int) -> int:
-    """``ceil(density * n_chunks)``, at least 1; the product is rounded first so 0.1*30 gives 3."""
-    if n_chunks == 0:
-        return 0
-    return min(n_chunks, max(1, math.ceil(round(density * n_chunks, 9))))
-
-
-def chunk_scores(v: torch.Tensor, chunk_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """L1 norm of each ``chunk_size`` chunk of the flat ``v`` (numel must be a multiple of it).
-
-    ``vector_norm(ord=1)`` over the [n, C] view is ~2.5x faster than ``abs().sum(1)`` on CPU.
-    """
-    rows = v.view(-1, chunk_size)
-    if out is None:
-        return torch.linalg.vector_norm(rows, ord=1, dim=1)
-    return torch.linalg.vector_norm(rows, ord=1, dim=1, out=out)
-
-
-def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (ascending) of the ``k`` highest scores; equal scores go to the lower index.
-
-    A stable descending sort keeps equal scores in index order, so the result is a pure
-    function of the score values: identical on ranks holding identical scores.
-    """
-    order = torch.sort(scores, descending=True, stable=True).indices[:k]
-    return torch.sort(order).values
 
 
 @dataclass
 class _Slice:
-    """Chunks [lo, hi) of pool ``pool`` scored by one launch (scope="slice")."""
+    """Chunks [lo, hi) of pool ``pool`` whose scores are exchanged and selected together."""
 
     pool: int
     lo: int
     hi: int
     handle: PendingAllreduce
-    idx: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
-    send: torch.Tensor | None = None
+    idx: torch.Tensor | None = None     # selected chunks, pool-local indices, ascending
+    packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
 
 
 class SparseSync(SyncStrategy):
@@ -126,6 +91,7 @@ class SparseSync(SyncStrategy):
         group: dist.ProcessGroup,
         world_size: int,
         config: GradientFlowConfig,
+        shapes: Sequence[torch.Size],
     ) -> None:
         assert config.density is not None
         self.dense = dense
@@ -136,24 +102,19 @@ class SparseSync(SyncStrategy):
         self.warmup_steps = config.warmup_steps
         self.momentum = float(config.momentum)
         self.per_slice = config.csc_scope == "slice"
-        self._slices: list[_Slice] = []
-        self.last_slice_sizes: list[int] = []
+        self._shapes = list(shapes)
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
         self._check_wire = config.wire_dtype == torch.float16
         self.step = 0
-        self.last_selected = torch.zeros(0, dtype=torch.int64)
+        self.last_slice_sizes: list[int] = []
+        self._sent: list[tuple[int, torch.Tensor]] = []  # (pool, chunk indices) of the last step
         self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
-        self._set_pool(pool)
+        self._slices: list[_Slice] = []
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
         # re-layout that usually happens during them) then cost no residual memory at all.
-        self.v: list[torch.Tensor] | None = None
-        self.u: list[torch.Tensor] | None = None
-
-    def _allocate_residuals(self) -> None:
-        if self.v is None:
-            self.v = self._zeros()
-            self.u = self._zeros() if self.momentum > 0 else None
+        self.res: Residuals | None = None
+        self._set_pool(pool)
 
     # ---- layout ---------------------------------------------------------------------------
     def _set_pool(self, pool: GradPool) -> None:
@@ -165,36 +126,29 @@ class SparseSync(SyncStrategy):
         self.total_chunks = sum(self.n_chunks)
         device = pool.buffers[0].device if pool.buffers else torch.device("cpu")
         self.scores = torch.zeros(self.total_chunks, dtype=torch.float32, device=device)
+        self._pool_rows = [b.view(-1, C) for b in pool.padded]
+        # Autograd can accumulate into v only where v has the parameters' dtype and nothing
+        # (momentum) must happen between the gradient and v.
+        self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
         self._ready = [0] * len(self.sizes)   # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
-        self._scale = 1.0
-
-    def _zeros(self) -> list[torch.Tensor]:
-        # Padded to whole chunks so every buffer is an exact [n, C] view; the pad stays 0.
-        return [torch.zeros(n * self.chunk_size, dtype=torch.float32, device=b.device)
-                for n, b in zip(self.n_chunks, self.pool.buffers)]
-
-    def _padded(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        out = self._zeros()
-        for dst, src in zip(out, flat):
-            dst[: src.numel()].copy_(src)
-        return out
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
-        old_v, old_u = self.v, self.u
         self._set_pool(new_pool)
-        if old_v is None:
-            return
-        # Straight into new padded buffers, one residual at a time: the transient is one buffer.
-        self.v = transfer(old_layout, new_pool.layout, old_v, out=self._zeros())
-        del old_v
-        if old_u is not None:
-            self.u = transfer(old_layout, new_pool.layout, old_u, out=self._zeros())
+        if self.res is not None:
+            self.res = self.res.moved_to(new_pool.layout)
 
     def has_state(self) -> bool:
-        return self.v is not None
+        return self.res is not None
+
+    @property
+    def last_selected(self) -> torch.Tensor:
+        """Global indices (ascending per slice) of the chunks the last step sent."""
+        if not self._sent:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([idx + self.offsets[k] for k, idx in self._sent])
 
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters none of whose chunks was sent this step (a sent chunk may carry residual)."""
@@ -212,7 +166,7 @@ class SparseSync(SyncStrategy):
 
     # ---- user hooks -----------------------------------------------------------------------
     def register_grad_scaler(self, scaler: Any) -> None:
-        """Read ``scaler.get_scale()`` once per step so residuals are kept unscaled."""
+        """Follow ``scaler``'s loss scale so residuals keep their unscaled value across changes."""
         self._scaler = scaler
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -231,18 +185,51 @@ class SparseSync(SyncStrategy):
                 return
 
     # ---- per step -------------------------------------------------------------------------
+    def density_now(self) -> float:
+        """The density of the coming synchronised step (the warm-up ramp, then ``density``)."""
+        return density_at(self.step, self.density, self.warmup_steps)
+
     def _warmup(self) -> bool:
-        return self.step < self.warmup_steps
+        """A step whose density is 1: plain dense communication (the first step of a ramp)."""
+        return self.density_now() >= 1.0
+
+    def _loss_scale(self) -> float | torch.Tensor:
+        """The scale of this step's gradients; a device tensor on accelerators (no host read)."""
+        sc = self._scaler
+        if sc is None or not sc.is_enabled():
+            return 1.0
+        t = sc._get_scale_async()
+        if t is None:  # before the first scaler.scale(): the initial scale, a host float
+            return float(sc.get_scale())
+        return float(t) if t.device.type == "cpu" else t
 
     def _begin_step(self) -> None:
-        self._allocate_residuals()
+        if self.res is None:
+            self.res = Residuals(self.pool.layout, self.chunk_size, self.momentum > 0, self._shapes)
+        self.res.rescale(self._loss_scale())
         self._in_step = True
         self._ready = [0] * len(self.sizes)
         self._scored = [0] * len(self.sizes)
-        self._scale = float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    def begin_backward(self) -> list[torch.Tensor] | None:
+        """Step 1: during a sparse step, gradients of direct pools accumulate straight into v."""
+        if self._warmup():
+            return None
+        self._begin_step()
+        if not any(self._direct):
+            return None
+        pool_views = self.pool.views
+        return [rv if self._direct[s.pool] else pv
+                for s, rv, pv in zip(self.pool.layout.slots, self.res.param_views, pool_views)]
+
+    def gradient_slice(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """v's slice for a direct pool during a sparse step (its gradient plus the finite residual)."""
+        if self._in_step and self._direct[bucket.pool]:
+            return self.res.v[bucket.pool][bucket.start : bucket.end]
+        return flat
 
     def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats) -> None:
-        """Steps 1-2 for one bucket: fold its gradient into u/v, score the chunks now complete."""
+        """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete."""
         if self._warmup():
             self.dense.launch(bucket, flat, stats)
             return
@@ -254,28 +241,27 @@ class SparseSync(SyncStrategy):
                 f"gradientflow CSC: bucket {bucket.index} starts at {bucket.start} of pool {k} but "
                 f"{self._ready[k]} elements are accumulated; buckets must arrive in pool order."
             )
-        inv = 1.0 / self._scale
-        v = self.v[k][bucket.start : bucket.end]
-        if self.u is not None:
-            u = self.u[k][bucket.start : bucket.end]
-            # u = g + m*u in one pass; with a loss scale S, u = (g + (m*S)*u) / S: for a
-            # power-of-two S this rounds exactly like the unscaled run (the scale changes nothing).
-            torch.add(flat, u, alpha=self.momentum * self._scale, out=u)
-            if inv != 1.0:
-                u.mul_(inv)
-            v.add_(u)
-        else:
-            v.add_(flat) if inv == 1.0 else v.add_(flat, alpha=inv)  # alpha=1 is a slower kernel
+        t0 = time.perf_counter()
+        if not self._direct[k]:
+            v = self.res.v[k][bucket.start : bucket.end]
+            if self.res.u is not None:
+                u = self.res.u[k][bucket.start : bucket.end]
+                torch.add(flat, u, alpha=self.momentum, out=u)  # u = g + m*u in one pass
+                v.add_(u)
+            else:
+                v.add_(flat)
+            t0 = stats.phase("accumulate", t0)
         self._ready[k] = bucket.end
         scored = self._score_ready(k)
+        stats.phase("score", t0)
         if self.per_slice:
             if scored is not None:
-                self._start_slice(k, *scored, stats)
+                self._open_slice(k, *scored, stats)
             # Lag of one slice: the previous slice's scores had a whole bucket of backward to
             # arrive, so waiting for them here rarely stalls; its chunks then travel while
             # backward goes on.  The launch points depend on the layout only: same on all ranks.
             for sl in self._slices[:-1]:
-                if sl.send is None:
+                if sl.packed is None:
                     self._send_slice(sl, stats)
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
@@ -286,116 +272,16 @@ class SparseSync(SyncStrategy):
         if upto <= lo:
             return None
         off = self.offsets[k]
-        chunk_scores(self.v[k][lo * C : upto * C], C, out=self.scores[off + lo : off + upto])
+        chunk_scores(self.res.rows(k)[lo:upto], out=self.scores[off + lo : off + upto])
         self._scored[k] = upto
         return lo, upto
 
-    def finish(self, stats: StepStats) -> None:
-        """Steps 2-4 after backward: global scores, selection, one packed allreduce, write-back."""
-        self._last_dense = self._warmup()
-        if self.per_slice and not self._warmup():
-            self._finish_slices(stats)
-            return
-        if self._warmup():
-            self.dense.finish(stats)
-            stats.extra["selected_chunks"] = self.total_chunks
-            stats.extra["n_chunks"] = self.total_chunks
-            stats.extra["warmup"] = 1
-            self.step += 1
-            return
-        self._end_of_backward()  # global scope: the score vector is complete; sent in one piece below
-        n = self.total_chunks
-        stats.extra["n_chunks"] = n
-        stats.extra["warmup"] = 0
-        stats.extra["overflow"] = 0
+    def _open_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
+        """Start the (async, fp32 SUM) allreduce of the scores of chunks [lo, hi) of pool k.
 
-        # 2. Global scores: fp32 SUM, one float per chunk.  "native" whatever the algorithm: a
-        # few KB are latency-bound, and a ring would pay 2(N-1) hops for them.
-        stats.record_collective(self.scores.numel() * self.scores.element_size())
-        handle = start_allreduce(self.scores, group=self.group, algorithm="native", watchdog=self.dense.watchdog,
-                                 what="scores")
-        handle.wait()
-        stats.record_done(handle.completed_at)
-        if not bool(torch.isfinite(self.scores).all()):
-            self._skip_overflow(stats)
-            return
-
-        # 3. Select.
-        t_phase = phase_start(self.dense.watchdog)
-        kk = n_selected(self.density, n)
-        idx = select_chunks(self.scores, kk)
-        self.last_selected = idx
-        stats.extra["selected_chunks"] = kk
-
-        # 4. Pack the selected chunks of v (rows of the [n, C] views), in global index order.
-        C = self.chunk_size
-        packed = torch.empty(kk, C, dtype=torch.float32, device=self.scores.device)
-        per_pool: list[tuple[int, torch.Tensor, int]] = []
-        row = 0
-        for k in range(len(self.sizes)):
-            lo, hi = self.offsets[k], self.offsets[k] + self.n_chunks[k]
-            idx_k = idx[(idx >= lo) & (idx < hi)] - lo if len(self.sizes) > 1 else idx
-            m = idx_k.numel()
-            if m:
-                torch.index_select(self.v[k].view(-1, C), 0, idx_k, out=packed[row : row + m])
-                per_pool.append((k, idx_k, row))
-            row += m
-        if self._scale != 1.0:
-            packed.mul_(self._scale)  # the pool receives a scaled gradient, as the scaler expects
-        # The pad of the last buffer's short last chunk is the tail of `packed`: not sent.
-        n_send = kk * C
-        if kk and int(idx[-1]) == n - 1:
-            n_send -= self.n_chunks[-1] * C - self.sizes[-1]
-        send = packed.view(-1)[:n_send]
-        phase_end(self.dense.watchdog, "csc.select+pack", t_phase)
-        self.dense.launch(None, send, stats)
-        self.dense.finish(stats)
-        # One sum instead of isfinite() (which is 3 passes): any inf/nan makes the sum non-finite,
-        # and finite fp16-range values cannot overflow an fp32 sum.
-        ok = not self._check_wire or math.isfinite(float(send.sum()))
-
-        self._write_back([(k, idx_k, packed[r : r + idx_k.numel()]) for k, idx_k, r in per_pool], ok, stats)
-
-    def _end_of_backward(self) -> list[tuple[int, tuple[int, int]]]:
-        """Check every pool was launched; score its last chunks; return (pool, newly scored range)."""
-        if not self._in_step:  # no bucket launched (no parameters): nothing to send
-            self._begin_step()
-        self._in_step = False
-        scored = []
-        for k in range(len(self.sizes)):
-            if self._ready[k] != self.sizes[k]:
-                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
-            rng = self._score_ready(k)
-            if rng is not None:
-                scored.append((k, rng))
-        return scored
-
-    def _write_back(self, parts: list[tuple[int, torch.Tensor, torch.Tensor]], ok: bool, stats: StepStats) -> None:
-        """Step 4's end: the pool gets the reduced chunks and zeros; sent chunks leave u and v.
-
-        ``parts`` holds (pool, chunk indices in that pool, reduced rows).  The pool is zeroed
-        first because it still holds this step's local gradient, which must not reach the optimizer.
+        "native" whatever the algorithm: a few KB are latency-bound, a ring would pay 2(N-1) hops.
         """
-        C = self.chunk_size
-        t_phase = phase_start(self.dense.watchdog)
-        for buf in self.pool.buffers:
-            buf.zero_()
-        for k, idx_k, rows in parts:
-            self._write_chunks(k, idx_k, rows)
-            if ok:  # momentum factor masking: what was sent leaves the residual
-                self.v[k].view(-1, C).index_fill_(0, idx_k, 0.0)
-                if self.u is not None:
-                    self.u[k].view(-1, C).index_fill_(0, idx_k, 0.0)
-        if not ok:
-            stats.extra["overflow"] = 1
-        self.step += 1
-        phase_end(self.dense.watchdog, "csc.write-back", t_phase)
-
-    # ---- per-slice selection (scope="slice") ----------------------------------------------
-    def _start_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
-        """Start the (async, fp32 SUM) allreduce of the scores of chunks [lo, hi) of pool k."""
-        off = self.offsets[k]
-        scores = self.scores[off + lo : off + hi]
+        scores = self.scores[self.offsets[k] + lo : self.offsets[k] + hi]
         stats.record_collective(scores.numel() * scores.element_size())
         handle = start_allreduce(scores, group=self.group, algorithm="native", watchdog=self.dense.watchdog,
                                  what=f"scores of pool {k} chunks {lo}-{hi}")
@@ -403,85 +289,113 @@ class SparseSync(SyncStrategy):
 
     def _send_slice(self, sl: _Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
+        t0 = time.perf_counter()
         sl.handle.wait()
         stats.record_done(sl.handle.completed_at)
-        t_phase = phase_start(self.dense.watchdog)
-        k, C = sl.pool, self.chunk_size
-        off = self.offsets[k]
-        m = n_selected(self.density, sl.hi - sl.lo)
-        sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo  # pool-local
-        sl.packed = torch.index_select(self.v[k].view(-1, C), 0, sl.idx)
-        if self._scale != 1.0:
-            sl.packed.mul_(self._scale)
-        n_send = m * C
-        if int(sl.idx[-1]) == self.n_chunks[k] - 1:  # the pool's short last chunk: pad not sent
-            n_send -= self.n_chunks[k] * C - self.sizes[k]
-        sl.send = sl.packed.view(-1)[:n_send]
-        phase_end(self.dense.watchdog, "csc.select+pack", t_phase)
-        self.dense.launch(None, sl.send, stats)
+        t0 = stats.phase("wire_wait", t0)
+        off = self.offsets[sl.pool]
+        m = n_selected(self.density_now(), sl.hi - sl.lo)
+        sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo
+        t0 = stats.phase("select", t0)
+        # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
+        sl.packed = torch.index_select(self.res.rows(sl.pool), 0, sl.idx)
+        stats.phase("pack", t0)
+        self.dense.launch(None, sl.packed.view(-1), stats)
 
-    def _finish_slices(self, stats: StepStats) -> None:
-        """End of backward with per-slice selection: send the last slices, wait, write back."""
-        for k, (lo, hi) in self._end_of_backward():
-            self._start_slice(k, lo, hi, stats)
+    def finish(self, stats: StepStats) -> None:
+        """Steps 3-5 after backward: the last slices, one finite check, write-back."""
+        self._last_dense = self._warmup()
+        if self._last_dense:
+            self.dense.finish(stats)
+            stats.extra.update(selected_chunks=self.total_chunks, n_chunks=self.total_chunks, warmup=1, density=1.0)
+            self.step += 1
+            return
+        tail = self._end_of_backward(stats)
+        if self.per_slice:
+            for k, (lo, hi) in tail:
+                self._open_slice(k, lo, hi, stats)
+        else:
+            for k in range(len(self.sizes)):
+                self._open_slice(k, 0, self.n_chunks[k], stats)
         slices, self._slices = self._slices, []
         for sl in slices:
-            if sl.send is None:
+            if sl.packed is None:
                 self._send_slice(sl, stats)
         self.dense.finish(stats)
-        stats.extra["n_chunks"] = self.total_chunks
-        stats.extra["warmup"] = 0
-        stats.extra["overflow"] = 0
-        stats.extra["slices"] = len(slices)
-        if not bool(torch.isfinite(self.scores).all()):
-            self._skip_overflow(stats)
-            return
-        self.last_selected = torch.cat([sl.idx + self.offsets[sl.pool] for sl in slices]) if slices \
-            else torch.zeros(0, dtype=torch.int64)
+
+        # 5. One host read: any non-finite local gradient shows in the summed scores; an fp16
+        # wire that overflowed, in the reduced chunks.  The same verdict on every rank.
+        t0 = time.perf_counter()
+        total = self.scores.sum()
+        if self._check_wire:
+            for sl in slices:
+                total = total + sl.packed.sum()
+        ok = math.isfinite(float(total))
+        stats.host_syncs += 1
+        stats.phase("check", t0)
+        self._write_back(slices, ok, stats)
+        stats.extra.update(n_chunks=self.total_chunks, warmup=0, overflow=int(not ok), density=self.density_now(),
+                           selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,
+                           slices=len(slices))
         self.last_slice_sizes = [sl.hi - sl.lo for sl in slices]
-        stats.extra["selected_chunks"] = int(self.last_selected.numel())
-        ok = not self._check_wire or all(math.isfinite(float(sl.send.sum())) for sl in slices)
-        self._write_back([(sl.pool, sl.idx, sl.packed) for sl in slices], ok, stats)
+        self.step += 1
 
-    def _write_chunks(self, k: int, idx_k: torch.Tensor, rows: torch.Tensor) -> None:
-        buf, C = self.pool.buffers[k], self.chunk_size
-        full = buf.numel() // C
-        if full < self.n_chunks[k] and int(idx_k[-1]) == full:  # the short last chunk
-            buf[full * C :].copy_(rows[-1, : buf.numel() - full * C])
-            idx_k, rows = idx_k[:-1], rows[:-1]
-        if idx_k.numel():
-            buf[: full * C].view(full, C).index_copy_(0, idx_k, rows.to(buf.dtype))
+    def _end_of_backward(self, stats: StepStats) -> list[tuple[int, tuple[int, int]]]:
+        """Check every pool was launched; score its last chunks; return (pool, newly scored range)."""
+        if not self._in_step:  # no bucket launched (no parameters): nothing to send
+            self._begin_step()
+        self._in_step = False
+        t0 = time.perf_counter()
+        scored = []
+        for k in range(len(self.sizes)):
+            if self._ready[k] != self.sizes[k]:
+                raise RuntimeError(f"gradientflow CSC: pool {k} only partly launched at the end of backward")
+            rng = self._score_ready(k)
+            if rng is not None:
+                scored.append((k, rng))
+        stats.phase("score", t0)
+        return scored
 
-    def _skip_overflow(self, stats: StepStats) -> None:
-        """Some rank's gradient is non-finite: undo this step's accumulation, poison the pool."""
-        inv = 1.0 / self._scale
-        for k, g in enumerate(self.pool.buffers):
-            v = self.v[k][: self.sizes[k]]
-            if self.u is not None:
-                u = self.u[k][: self.sizes[k]]
-                v.sub_(u)
-                u.sub_(g, alpha=inv).div_(self.momentum)
-                torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
-            else:
-                v.sub_(g, alpha=inv)
-            torch.nan_to_num_(v, nan=0.0, posinf=0.0, neginf=0.0)
+    def _write_back(self, slices: list[_Slice], ok: bool, stats: StepStats) -> None:
+        """The pool gets the reduced chunks and zeros elsewhere; sent chunks leave u and v.
+
+        The pool is zeroed first: it may hold this step's local gradient (pool-path pools) or
+        the last step's result, neither of which may reach the optimizer.
+        """
+        t0 = time.perf_counter()
+        for buf in self.pool.padded:
+            buf.zero_()
+        t0 = stats.phase("zero", t0)
+        if not ok:
             # NaN on every rank: GradScaler.step skips everywhere (a plain optimizer would apply
             # NaN, exactly as it would after a dense allreduce of a non-finite gradient).
-            g.fill_(float("nan"))
-        stats.extra["overflow"] = 1
-        stats.extra["selected_chunks"] = 0
-        self.last_selected = torch.zeros(0, dtype=torch.int64)
-        self.step += 1
+            for buf in self.pool.buffers:
+                buf.fill_(float("nan"))
+            self.res.clean()
+            self._sent = []
+            stats.phase("zero", t0)
+            return
+        for sl in slices:
+            rows = self._pool_rows[sl.pool]
+            rows.index_copy_(0, sl.idx, sl.packed.to(rows.dtype))
+        t0 = stats.phase("unpack", t0)
+        for sl in slices:  # momentum factor masking: what was sent leaves the residual
+            self.res.rows(sl.pool).index_fill_(0, sl.idx, 0.0)
+            if self.res.u is not None:
+                self.res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
+        self._sent = [(sl.pool, sl.idx) for sl in slices]
+        stats.phase("zero", t0)
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Residuals (unpadded, in the current pool layout) and the step counter."""
+        """Residuals (unpadded, unscaled, in the current pool layout) and the step counter."""
+        res = self.res
         return {
             "step": self.step,
             "chunk_size": self.chunk_size,
             "sizes": list(self.sizes),
-            "v": [v[:s].clone() for v, s in zip(self.v, self.sizes)] if self.v is not None else None,
-            "u": [u[:s].clone() for u, s in zip(self.u, self.sizes)] if self.u is not None else None,
+            "v": res.unscaled("v") if res is not None else None,
+            "u": res.unscaled("u") if res is not None else None,
         }
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
@@ -495,23 +409,14 @@ class SparseSync(SyncStrategy):
                 f"{state['sizes']}, this model has chunk_size={self.chunk_size} and {self.sizes}. "
                 "Load it into the same model with the same chunk_size."
             )
-        if state["v"] is not None and (state["u"] is None) != (self.momentum == 0):
-            raise ValueError("gradientflow CSC: checkpoint and model disagree on momentum correction (u)")
-        for name in ("v", "u"):
-            tensors = state[name]
-            if tensors is None:
-                continue
-            if len(tensors) != len(self.sizes) or any(
-                not isinstance(t, torch.Tensor) or t.numel() != n for t, n in zip(tensors, self.sizes)
-            ):
-                raise ValueError(
-                    f"gradientflow CSC: residual {name} in the checkpoint does not have the pool's sizes "
-                    f"{self.sizes} (truncated or from another model)."
-                )
+        validate_residual_state(state, self.sizes, self.momentum > 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the engine has already adopted the saved pool layout)."""
         self.validate_state_dict(state)
-        self.v = self._padded(state["v"]) if state.get("v") is not None else None
-        self.u = self._padded(state["u"]) if state.get("u") is not None else None
+        if state["v"] is None:
+            self.res = None
+        else:
+            self.res = Residuals(self.pool.layout, self.chunk_size, self.momentum > 0, self._shapes)
+            self.res.load(state)
         self.step = int(state["step"])

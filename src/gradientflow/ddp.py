@@ -105,7 +105,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size [32768], warmup_steps [0], momentum [0.0], csc_scope ["global"];
+        dense], chunk_size ["auto"], warmup_steps [0], momentum [0.0], csc_scope ["global"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -137,7 +137,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         comm_dtype: str = "fp32",
         algorithm: str = "native",
         density: float | None = None,
-        chunk_size: int = 32768,
+        chunk_size: int | str = "auto",
         warmup_steps: int = 0,
         momentum: float = 0.0,
         csc_scope: str = "global",
@@ -195,6 +195,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
+        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params))  # chunk_size="auto"
         # One exchange compares the options that must agree and the models (even with init_sync=False:
         # a mismatch there is a hang or a silently wrong model later).
         named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
@@ -236,7 +237,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
-            self._gf_sync = SparseSync(self._gf_pool, dense, group=group, world_size=world, config=self.config)
+            self._gf_sync = SparseSync(self._gf_pool, dense, group=group, world_size=world, config=self.config,
+                                       shapes=[p.shape for p in self._gf_params])
         self._gf_hooks = [p.register_post_accumulate_grad_hook(self._gf_make_hook(i))
                           for i, p in enumerate(self._gf_params)]
         self._gf_sync_this_backward = True
@@ -265,13 +267,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _gf_install(self, layout: Layout) -> None:
         """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
-        pool = GradPool(layout, self._gf_params)
+        pool = GradPool(layout, self._gf_params, pad_to=self.config.chunk_size if self.config.sparse else 1)
         with torch.no_grad():
             for p, view in zip(self._gf_params, pool.views):
                 if p.grad is not None:
                     view.copy_(p.grad)
                     p.grad = view
         self._gf_pool = pool
+        self._gf_bound = pool.views  # where .grad points (the pool, or a strategy's targets mid-backward)
         self._gf_bucket_of = [0] * len(self._gf_params)
         for b in layout.buckets:
             for i in b.params:
@@ -295,15 +298,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_install(plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes))
         self._gf_sync.relayout(old.layout, self._gf_pool)
 
-    def _gf_bind_grads(self) -> None:
-        """Point every ``.grad`` at its pool view; a ``None`` grad becomes a zero view (marked fresh)."""
-        views, fresh = self._gf_pool.views, self._gf_fresh
+    def _gf_bind_grads(self, sync: bool) -> None:
+        """Point every ``.grad`` where this backward accumulates; a ``None`` grad starts from zero (fresh).
+
+        No sync: the pool's views.  A synchronised backward: wherever the strategy asks
+        (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
+        """
+        pool_views, fresh = self._gf_pool.views, self._gf_fresh
+        targets = self._gf_sync.begin_backward() if sync else None
+        views = self._gf_bound = targets if targets is not None else pool_views
         params = self._gf_params
         self._gf_bind_pending = False
         with torch.no_grad():
             if all(p.grad is None for p in params):
-                for buf in self._gf_pool.buffers:
-                    buf.zero_()
+                if targets is None:
+                    for buf in self._gf_pool.buffers:
+                        buf.zero_()
+                else:
+                    for view, pv in zip(views, pool_views):
+                        if view is pv:
+                            view.zero_()
                 for p, view in zip(params, views):
                     p.grad = view
                 fresh[:] = b"\x01" * len(params)
@@ -311,11 +325,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._gf_check_result_consumed()
             for i, (p, view) in enumerate(zip(params, views)):
                 if p.grad is None:
-                    view.zero_()
+                    if view is pool_views[i]:
+                        view.zero_()
                     fresh[i] = 1
+                    p.grad = view
+                elif view is not pool_views[i]:  # an accumulated gradient (no_sync) joins the target
+                    view.add_(p.grad)
                     p.grad = view
                 else:
                     self._gf_adopt_grad(i, p)
+
+    def _gf_rebind_to_pool(self) -> None:
+        """After a step that accumulated outside the pool: ``.grad`` shows the pool (the result) again."""
+        pool_views = self._gf_pool.views
+        if self._gf_bound is pool_views:
+            return
+        self._gf_bound = pool_views
+        for p, view in zip(self._gf_params, pool_views):
+            if p.grad is not None:
+                p.grad = view
 
     def _gf_check_result_consumed(self) -> None:
         """CSC: refuse to fold last step's synchronised result into this step's residual.
@@ -409,7 +437,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             t_start = time.perf_counter() if tr is not None and tr.active else 0.0
             if self._gf_step_check is not None:  # before any bucket: matched with the others' check
                 self._gf_step_check.start(self._gf_pool.layout)
-            self._gf_bind_grads()
+            self._gf_bind_grads(sync=True)
             bw = self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)
             bw.t_start = t_start
             torch.autograd.Variable._execution_engine.queue_callback(self._gf_finish_backward)
@@ -419,7 +447,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._gf_sync_this_backward:
             self._gf_begin_backward()
         elif self._gf_bind_pending:
-            self._gf_bind_grads()
+            self._gf_bind_grads(sync=False)
 
     def _gf_make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
@@ -433,8 +461,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return hook
 
     def _gf_adopt_grad(self, i: int, param: torch.Tensor) -> None:
-        """A gradient autograd created outside the pool (no bind happened first) moves into it."""
-        view = self._gf_pool.views[i]
+        """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
+        view = self._gf_bound[i]
         g = param.grad
         if g is view:
             return
@@ -469,7 +497,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket = self._gf_pool.layout.buckets[index]
         flat = self._gf_pool.bucket_view(bucket)
         if self._gf_finite_check is not None:  # before the wire overwrites the local gradient
-            self._gf_finite_check.screen(bucket, flat, self._gf_pool.views)
+            self._gf_finite_check.screen(bucket, self._gf_sync.gradient_slice(bucket, flat), self._gf_bound)
         tr = self._gf_trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
@@ -493,12 +521,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             used = self._gf_start_used_exchange(bw.stats)
             mismatch = self._gf_step_check.verify() if self._gf_step_check is not None else None
             self._gf_sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
+            self._gf_rebind_to_pool()
             self._gf_release_unused(used)
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
             bw.stats.close()
         finally:
+            self._gf_rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
             self._gf_backward = None
             self._gf_used = bytearray(len(self._gf_params))
             self._gf_fresh = bytearray(len(self._gf_params))
@@ -584,7 +614,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         with torch.no_grad():
             for p in self._gf_params:
                 p.grad = None
-            self._gf_bind_grads()
+            self._gf_bind_grads(sync=True)
             if self._gf_step_check is not None:  # a joined rank's counts must not weigh in
                 self._gf_step_check.start_neutral()
             self._gf_backward = _Backward(self._gf_pool.layout, len(self._gf_params), self._gf_dense_bytes)

@@ -7,6 +7,8 @@ thread that runs backward, so every rank issues the same collectives in the same
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -32,7 +34,9 @@ class DenseSync(SyncStrategy):
 
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
         """1. pre-divide and cast into the wire buffer; 2. start its allreduce."""
+        t0 = time.perf_counter()
         wire = to_wire(flat, self.wire_dtype, self.world_size)
+        stats.phase("pack", t0)
         stats.record_collective(wire.numel() * wire.element_size())
         what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks
         handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
@@ -42,7 +46,10 @@ class DenseSync(SyncStrategy):
         """3. wait for every launched allreduce, in launch order; 4. write results back."""
         pending, self._pending = self._pending, []
         for flat, wire, handle in pending:
+            t0 = time.perf_counter()
             handle.poll()  # already done: stamp now, so comm_seconds does not include our waiting
             handle.wait()
             stats.record_done(handle.completed_at)
+            t0 = stats.phase("wire_wait", t0)
             from_wire(flat, wire)
+            stats.phase("unpack", t0)

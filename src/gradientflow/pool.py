@@ -99,11 +99,15 @@ def plan_layout(
 class GradPool:
     """Owns the flat gradient buffers of a layout and the per-parameter views into them."""
 
-    def __init__(self, layout: Layout, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], pad_to: int = 1) -> None:
+        """``pad_to``: each buffer's storage is rounded up to a multiple of it (CSC: whole chunks),
+        so ``padded[k]`` can be viewed as rows; ``buffers[k]`` is the exact-size view of it."""
         self.layout = layout
-        self.buffers = [
-            torch.zeros(size, dtype=dtype, device=device) for (dtype, device), size in zip(layout.keys, layout.sizes)
+        self.padded = [
+            torch.zeros(-(-size // pad_to) * pad_to, dtype=dtype, device=device)
+            for (dtype, device), size in zip(layout.keys, layout.sizes)
         ]
+        self.buffers = [t[:size] for t, size in zip(self.padded, layout.sizes)]
         self.views = [
             self.buffers[s.pool][s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(layout.slots, params)
         ]

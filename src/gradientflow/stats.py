@@ -17,6 +17,13 @@ class StepStats:
     exposed_seconds: time the end of backward waited on communication.
     control_bytes: bytes of bookkeeping collectives beside the gradients (the one-byte-per-parameter
         "used" flags), not counted in ``collectives`` / ``payload_bytes``.
+    host_syncs: device-to-host reads on the step's path (``.item()``-like; each stalls a GPU stream).
+    phases: seconds of host time per phase of the strategy's own work, reported as
+        ``phase_<name>_s``: accumulate (fold the gradient into CSC's residual), score (per-chunk
+        L1), select (top-k), pack (gather chunks, cast to the wire dtype), wire_wait (blocked on
+        a collective), unpack (cast back, write into the pool), zero (clear the pool and the
+        sent residual chunks), check (the step's one finite check).  On an accelerator these are
+        launch times, not kernel times.
     """
 
     collectives: int = 0
@@ -25,6 +32,8 @@ class StepStats:
     comm_seconds: float = 0.0
     exposed_seconds: float = 0.0
     control_bytes: int = 0
+    host_syncs: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
     extra: dict[str, float | int] = field(default_factory=dict)
     _first_launch: float | None = None
     _last_done: float | None = None
@@ -40,11 +49,18 @@ class StepStats:
         if self._last_done is None or stamp > self._last_done:
             self._last_done = stamp
 
+    def phase(self, name: str, t0: float) -> float:
+        """Add the time since ``t0`` to phase ``name``; return now (the next phase's ``t0``)."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + (now - t0)
+        return now
+
     def close(self) -> None:
         if self._first_launch is not None and self._last_done is not None:
             self.comm_seconds = max(0.0, self._last_done - self._first_launch)
 
     def as_dict(self) -> dict[str, float | int]:
-        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k != "extra"}
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k not in ("extra", "phases")}
+        d.update({f"phase_{k}_s": v for k, v in self.phases.items()})
         d.update(self.extra)
         return d

@@ -21,6 +21,20 @@ from .stats import StepStats
 class SyncStrategy(ABC):
     """How the gradients of one synchronised backward are averaged across ranks."""
 
+    def begin_backward(self) -> list[torch.Tensor] | None:
+        """A synchronised backward starts: where each parameter's gradient should accumulate.
+
+        ``None`` (the default): in the pool, ``.grad`` being the pool's views.  A strategy may
+        return other per-parameter tensors of the parameters' shapes and dtypes (CSC: views of
+        its residual, so autograd's accumulation is its ``v += g``); the engine binds ``.grad``
+        to them and back to the pool once :meth:`finish` has written the result there.
+        """
+        return None
+
+    def gradient_slice(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """Where ``bucket``'s freshly accumulated gradient lives (``flat``, unless rebound)."""
+        return flat
+
     @abstractmethod
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
         """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread."""

@@ -26,6 +26,13 @@ WIRE_DEF = (
     "DDP modes: computed from the parameter sizes and the hook's dtype/compression rule, marked c). "
     "A ring allreduce puts 2(N-1)/N times this on each rank's link."
 )
+SHARE_DEF = (
+    "compute / own CPU / comm = shares of the median step: the compute mode's median step (what the model "
+    "itself costs), gradientflow's own host work (the sum of comm_stats()' phase_*_s except wire_wait: "
+    "accumulate, score, select, pack, unpack, zero, check), and the rest (waiting on the network and on the "
+    "slower rank, hooks, contention). '—' where a mode has no phase counters (torch DDP)."
+)
+PHASE_NAMES = ("accumulate", "score", "select", "pack", "wire_wait", "unpack", "zero", "check")
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
@@ -48,6 +55,19 @@ def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict
     row["ref_compute_s"] = ref_s
     row["speedup"] = world * ref_s / med if ref_s else None
     stats = v.get("stats") or {}
+    if ref_s:
+        row["compute_share"] = min(1.0, ref_s / med)
+    phases = {p: stats[f"phase_{p}_s"] for p in PHASE_NAMES if f"phase_{p}_s" in stats}
+    if phases:
+        row["phases_ms"] = {p: 1e3 * _pct(xs, 50) for p, xs in phases.items()}
+        own = [sum(phases[p][i] for p in phases if p != "wire_wait") for i in range(len(steps))]
+        row["own_cpu_s"] = _pct(own, 50)
+        row["own_cpu_share"] = row["own_cpu_s"] / med
+        if ref_s:
+            row["comm_share"] = max(0.0, 1.0 - row["compute_share"] - row["own_cpu_share"])
+        row["host_syncs"] = _pct(stats["host_syncs"], 50) if "host_syncs" in stats else None
+    elif ref_s and v.get("mode") != "compute":
+        row["comm_share"] = max(0.0, 1.0 - row["compute_share"])
     if stats.get("payload_bytes"):
         row["wire_bytes"], row["wire_source"] = _pct(stats["payload_bytes"], 50), "measured"
         row["exposed_s"], row["exposed_source"] = _pct(stats["exposed_seconds"], 50), "measured"
@@ -99,7 +119,8 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "threads_per_rank": main.get("threads_per_rank"),
         "base_rss_mb": main.get("base_rss_mb"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
-        "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF},
+        "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF,
+                        "shares": SHARE_DEF},
         "rows": rows,
         "sweep": sweep,
         "launches": launches,
@@ -116,6 +137,14 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
 
 
+def _shares(r: dict[str, Any]) -> str:
+    """ "compute / own CPU / comm" in percent of the median step ('—' for what is not measured)."""
+    parts = [r.get("compute_share"), r.get("own_cpu_share"), r.get("comm_share")]
+    if r.get("mode") == "compute":
+        parts = [1.0, None, 0.0]
+    return " / ".join("—" if x is None else f"{100 * x:.0f}" for x in parts)
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     o = summary["options"]
@@ -129,8 +158,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "(ddp-powersgd: own launch with its own compute reference).",
         "",
         f"| mode | θ MB | step ms median (p10–p90) | samples/s | speedup (ideal {n}) | wire MB/step "
-        "| exposed comm ms | +mem MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| exposed comm ms | compute / own CPU / comm % | +mem MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
         if r.get("sweep"):
@@ -140,7 +169,7 @@ def markdown(summary: dict[str, Any]) -> str:
             theta = "25"
         if r["status"] != "ok":
             err = (r.get("error") or "failed").replace("|", "/")
-            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | |")
+            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | |")
             continue
         wire = r.get("wire_bytes")
         wire_s = "—" if wire is None else f"{wire / 2**20:.2f}" + (" c" if r["wire_source"] == "computed" else "")
@@ -149,7 +178,17 @@ def markdown(summary: dict[str, Any]) -> str:
         speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
         mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
         lines.append(f"| {r['name']} | {theta} | {_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])}) "
-                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {mem} |")
+                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {mem} |")
+    phased = [r for r in summary["rows"] if r.get("phases_ms") and not r.get("sweep")]
+    if phased:
+        lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
+                  "comm_stats()' phase_*_s):", "",
+                  "| mode | " + " | ".join(PHASE_NAMES) + " | own CPU total | host syncs/step |",
+                  "|---|" + "---|" * (len(PHASE_NAMES) + 2)]
+        for r in phased:
+            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASE_NAMES)
+            syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
+            lines.append(f"| {r['name']} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
     if summary["sweep"]:
         by_name = {r["name"]: r for r in summary["rows"]}
         lines += ["", "θ sweep (gradientflow fusion_threshold_mb vs DDP bucket_cap_mb, same run):", "",
@@ -168,7 +207,7 @@ def markdown(summary: dict[str, Any]) -> str:
             coll = f"{g['collectives']:.0f}" if g and g.get("collectives") is not None else "—"
             lines.append(f"| {pair['theta_mb']:g} | {cell(g)} | {coll} | {cell(d)} | {ratio} |")
     d = summary["definitions"]
-    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['memory']} "
+    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}", f"- {d['memory']} "
               f"Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB."]
     return "\n".join(lines).strip() + "\n"
 

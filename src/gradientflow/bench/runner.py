@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import resource
@@ -36,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from gradientflow.selection import auto_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +123,8 @@ class _PeakRss:
         self.peak = max(self.peak, _rss_mb())
 
 
-def auto_chunk_size(n_params: int) -> int:
-    """The paper's 32768, or a power of two giving about 200 chunks for models too small for it."""
-    if n_params >= 200 * 32768:
-        return 32768
-    return max(64, 2 ** int(math.log2(max(1, n_params // 200))))
+PHASES = tuple(f"phase_{p}_s" for p in ("accumulate", "score", "select", "pack", "wire_wait", "unpack", "zero",
+                                         "check"))
 
 
 def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
@@ -170,11 +168,8 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
             density=CSC_DENSITY if csc else None,
             chunk_size=chunk_size,
             warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
-            momentum=0.9 if csc else 0.0,
             csc_scope="slice" if v.mode == "gf-fp16-csc-slice" else "global",
-        )
-        if csc:
-            momentum = 0.0  # CSC applies momentum on its residual (momentum correction)
+        )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
         wrapped = TorchDDP(model, bucket_cap_mb=cap)
@@ -206,11 +201,18 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     opt.step()
 
 
+STAT_KEYS = ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives", "host_syncs")
+
+
 def _stats_of(model: nn.Module) -> dict[str, float]:
-    if hasattr(model, "comm_stats"):
-        s = model.comm_stats()
-        return {k: float(s[k]) for k in ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives")}
-    return {}
+    """The counters the report uses, with every ``phase_*_s`` (0 for phases a step did not run)."""
+    if not hasattr(model, "comm_stats"):
+        return {}
+    s = model.comm_stats()
+    out = {k: float(s[k]) for k in STAT_KEYS}
+    out.update({k: 0.0 for k in PHASES})
+    out.update({k: float(v) for k, v in s.items() if k.startswith("phase_")})
+    return out
 
 
 def worker_main(spec_path: str) -> None:
@@ -289,7 +291,7 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
         out["error"] = errors[0] if errors else None
         out["step_s"] = [max(r["step_s"][s] for r in ranks) for s in range(n)]
         keys = ranks[0]["stats"][0].keys() if n and ranks[0]["stats"] else []
-        out["stats"] = {k: [max(r["stats"][s][k] for r in ranks) for s in range(n)] for k in keys}
+        out["stats"] = {k: [max(r["stats"][s].get(k, 0.0) for r in ranks) for s in range(n)] for k in keys}
         out["mem_added_mb"] = max((r["mem_added_mb"] or 0.0) for r in ranks)
         variants.append(out)
     return {

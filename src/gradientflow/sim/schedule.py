@@ -6,7 +6,7 @@ Timeline of one GPU (all GPUs are alike, so one stands for all):
 
 The fusion schedule is the engine's own: :func:`gradientflow.pool.plan_layout` cuts the pool in
 backward order at θ (θ = 0: one bucket per tensor), and CSC's selection size is
-:func:`gradientflow.csc.n_selected` — the model calls them, it does not re-derive them.
+:func:`gradientflow.selection.n_selected` — the model calls them, it does not re-derive them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradientflow.csc import n_selected
 from gradientflow.pool import plan_layout
+from gradientflow.selection import n_selected
 
 from .config import CONFIGS, MIB, SimConfig
 from .cost import allreduce_s

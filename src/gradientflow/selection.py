@@ -1,0 +1,85 @@
+"""CSC's choice of what to send: per-chunk scores and the top-k of them, as pure functions.
+
+Every function here is deterministic and depends on its arguments only, so ranks that hold the
+same (allreduced) scores pick the same chunks without exchanging indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Rows of a CPU score pass handled per step: ~1M floats (4 MB) stay in cache between the abs and
+# the sum.  On ResNet-50's 25.6M-float pool, one thread, blocked abs+sum takes 5.7 ms where
+# ``vector_norm(ord=1, dim=1)`` takes 14.6 ms and ``abs().sum(1)`` 50 ms (a pool-sized temporary).
+_CPU_BLOCK_ELEMENTS = 1 << 20
+
+
+PAPER_CHUNK = 32768
+"""The paper's chunk size (32K gradients)."""
+MIN_CHUNKS = 200
+"""``chunk_size="auto"`` keeps at least this many chunks, so a top fraction is a real choice."""
+
+
+def auto_chunk_size(n_elements: int) -> int:
+    """The paper's 32768 for models of >= 200 such chunks; else a power of two giving ~200 chunks.
+
+    ResNet-50 (25.6M) and AlexNet (61M) get 32768; a 10K-parameter model gets 32, so density 0.1
+    still chooses among ~300 chunks instead of sending its one chunk.  Minimum 16 elements.
+    """
+    if n_elements >= MIN_CHUNKS * PAPER_CHUNK:
+        return PAPER_CHUNK
+    return max(16, 2 ** int(math.log2(max(1, n_elements // MIN_CHUNKS))))
+
+
+def density_at(step: int, density: float, warmup_steps: int) -> float:
+    """The density of synchronised step ``step``: an exponential ramp from 1 (dense) to ``density``.
+
+    ``density ** (step / warmup_steps)`` for ``step < warmup_steps``, then ``density``: step 0 is
+    dense, and the fraction sent shrinks by a constant factor per step, as DGC's warm-up shrinks
+    it per epoch, without knowing how long training runs.  A pure function of the step counter,
+    which every rank advances together, so every rank sends the same number of chunks.
+    """
+    if step >= warmup_steps:
+        return density
+    return density ** (step / warmup_steps)
+
+
+def n_selected(density: float, n_chunks: int) -> int:
+    """``ceil(density * n_chunks)``, at least 1; the product is rounded first so 0.1*30 gives 3."""
+    if n_chunks == 0:
+        return 0
+    return min(n_chunks, max(1, math.ceil(round(density * n_chunks, 9))))
+
+
+def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """L1 norm of each row of ``rows`` ([n_chunks, chunk_size]): the paper's chunk score.
+
+    On CPU the rows are scored in cache-sized blocks (abs into a small scratch, then a row sum):
+    2.6x faster than one ``vector_norm`` call and the same value up to summation order.  On an
+    accelerator one fused ``vector_norm`` kernel is the fast path.
+    """
+    n, c = rows.shape
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    if rows.device.type != "cpu" or n == 0:
+        return torch.linalg.vector_norm(rows, ord=1, dim=1, out=out)
+    block = max(1, _CPU_BLOCK_ELEMENTS // c)
+    scratch = torch.empty(min(block, n), c, dtype=rows.dtype)
+    for lo in range(0, n, block):
+        part = rows[lo : lo + block]
+        tmp = scratch[: part.shape[0]]
+        torch.abs(part, out=tmp)
+        torch.sum(tmp, dim=1, out=out[lo : lo + part.shape[0]])
+    return out
+
+
+def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (ascending) of the ``k`` highest scores; equal scores go to the lower index.
+
+    A stable descending sort keeps equal scores in index order, so the result is a pure
+    function of the score values: identical on ranks holding identical scores.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:k]
+    return torch.sort(order).values
