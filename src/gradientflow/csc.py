@@ -66,6 +66,7 @@ from .residual import Residuals, residual_dtype, validate_residual_state
 from .selection import chunk_scores, density_at, n_selected, select_chunks
 from .stats import StepStats
 from .strategy import SyncStrategy
+from .trace import phase_end, phase_start
 
 
 @dataclass
@@ -293,6 +294,7 @@ class SparseSync(SyncStrategy):
         sl.handle.wait()
         stats.record_done(sl.handle.completed_at)
         t0 = stats.phase("wire_wait", t0)
+        t_trace = phase_start(self.dense.watchdog)
         off = self.offsets[sl.pool]
         m = n_selected(self.density_now(), sl.hi - sl.lo)
         sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo
@@ -300,6 +302,7 @@ class SparseSync(SyncStrategy):
         # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
         sl.packed = torch.index_select(self.res.rows(sl.pool), 0, sl.idx)
         stats.phase("pack", t0)
+        phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
         self.dense.launch(None, sl.packed.view(-1), stats)
 
     def finish(self, stats: StepStats) -> None:
@@ -363,6 +366,7 @@ class SparseSync(SyncStrategy):
         the last step's result, neither of which may reach the optimizer.
         """
         t0 = time.perf_counter()
+        t_trace = phase_start(self.dense.watchdog)
         for buf in self.pool.padded:
             buf.zero_()
         t0 = stats.phase("zero", t0)
@@ -374,6 +378,7 @@ class SparseSync(SyncStrategy):
             self.res.clean()
             self._sent = []
             stats.phase("zero", t0)
+            phase_end(self.dense.watchdog, "csc.write-back", t_trace)
             return
         for sl in slices:
             rows = self._pool_rows[sl.pool]
@@ -385,6 +390,7 @@ class SparseSync(SyncStrategy):
                 self.res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
         self._sent = [(sl.pool, sl.idx) for sl in slices]
         stats.phase("zero", t0)
+        phase_end(self.dense.watchdog, "csc.write-back", t_trace)
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -115,17 +115,20 @@ def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple
 def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     """Seconds of the engine's own per-step CPU passes over a pool of ``numel`` fp32 gradients.
 
-    The same torch calls as the engine makes (precision.py, csc.py), timed here:
-    "fp32" pre-divide in place; "fp16" scale-and-cast into the wire buffer, then copy back;
-    "csc" (momentum on) ``u = g + m·u``, ``v += u``, per-chunk L1 score, zero the pool.
+    The engine's own functions (precision.py, selection.py), timed here: "fp32" pre-divide in
+    place; "fp16" pre-divide, cast into the wire buffer, copy back; "csc" (the default recipe:
+    autograd accumulates into the residual, no momentum correction) the per-chunk L1 score and
+    the memset of the pool before the selected chunks are written back.
     """
-    g, u, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
-    h = torch.empty(numel, dtype=torch.float16)
-    rows = (numel // 32768) * 32768
-    ops = {"fp32": [lambda: g.div_(1.0)],
-           "fp16": [lambda: torch.mul(g, 0.5, out=h), lambda: g.copy_(h)],
-           "csc": [lambda: torch.add(g, u, alpha=0.9, out=u), lambda: v.add_(u),
-                   lambda: torch.linalg.vector_norm(v[:rows].view(-1, 32768), ord=1, dim=1), lambda: g.zero_()]}
+    from gradientflow.precision import from_wire, to_wire  # noqa: PLC0415
+    from gradientflow.selection import chunk_scores  # noqa: PLC0415
+
+    g = torch.randn(numel)
+    rows = g[: (numel // 32768) * 32768].view(-1, 32768)
+    wire: list[torch.Tensor] = []
+    ops = {"fp32": [lambda: to_wire(g, None, 1)],
+           "fp16": [lambda: wire.append(to_wire(g, torch.float16, 2)), lambda: from_wire(g, wire.pop())],
+           "csc": [lambda: chunk_scores(rows), lambda: g.zero_()]}
     out = {}
     for kind, calls in ops.items():
         total = 0.0
