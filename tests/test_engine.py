@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.pool import plan_layout
+from gradientflow.pool import Scratch, plan_layout
 
 from _dist import run_distributed
 
@@ -221,3 +221,26 @@ def _twice_worker(rank: int, world_size: int) -> str:
 def test_gradient_produced_twice_raises() -> None:
     for message in run_distributed(_twice_worker, 2):
         assert "produced a gradient twice" in message and "'lin." in message, message
+
+
+def test_scratch_hands_out_disjoint_views_and_keeps_its_buffer_between_steps() -> None:
+    s = Scratch(torch.device("cpu"))
+    first = [s.take(10, torch.float16), s.take(5, torch.float16)]  # first step: fresh tensors
+    assert all(t._base is None for t in first)
+    s.reset()  # step used 15 fp16: one buffer of 15
+    c, d = s.take(10, torch.float16), s.take(5, torch.float16)
+    assert c.data_ptr() + 10 * 2 == d.data_ptr()  # consecutive, disjoint views of one buffer
+    base = c.data_ptr()
+    s.reset()
+    assert s.take(12, torch.float16).data_ptr() == base  # same size class: the buffer is kept
+    s.reset()  # used 12 of 15: kept (not below half)
+    e = s.take(20, torch.float16)  # more than the buffer: a fresh tensor, the buffer untouched
+    assert e.data_ptr() != base and e.numel() == 20
+    s.reset()  # grows to 20
+    assert s.take(4, torch.float16).numel() == 4
+    s.reset()  # used 4 < 20 / 2: shrinks to 4
+    f = s.take(4, torch.float16)
+    assert f._base is not None and f._base.numel() == 4
+    s.reset()
+    s.reset()  # a step that took nothing in fp16 frees the buffer
+    assert s.take(1, torch.float16)._base is None

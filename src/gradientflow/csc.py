@@ -63,7 +63,7 @@ from .config import GradientFlowConfig
 from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout
 from .residual import Residuals, residual_dtype, validate_residual_state
-from .selection import chunk_scores, density_at, n_selected, select_chunks
+from .selection import chunk_scores, density_at, n_selected, score_scratch, select_chunks
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .trace import phase_end, phase_start
@@ -115,6 +115,7 @@ class SparseSync(SyncStrategy):
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
         # re-layout that usually happens during them) then cost no residual memory at all.
         self.res: Residuals | None = None
+        self._score_scratch: torch.Tensor | None = None
         self._set_pool(pool)
 
     # ---- layout ---------------------------------------------------------------------------
@@ -273,7 +274,10 @@ class SparseSync(SyncStrategy):
         if upto <= lo:
             return None
         off = self.offsets[k]
-        chunk_scores(self.res.rows(k)[lo:upto], out=self.scores[off + lo : off + upto])
+        rows = self.res.rows(k)
+        if rows.device.type == "cpu" and (self._score_scratch is None or self._score_scratch.dtype != rows.dtype):
+            self._score_scratch = score_scratch(C, rows.dtype)
+        chunk_scores(rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch)
         self._scored[k] = upto
         return lo, upto
 
@@ -300,7 +304,9 @@ class SparseSync(SyncStrategy):
         sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo
         t0 = stats.phase("select", t0)
         # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
-        sl.packed = torch.index_select(self.res.rows(sl.pool), 0, sl.idx)
+        rows = self.res.rows(sl.pool)
+        sl.packed = self.dense.scratch_for(rows.device).take(m * self.chunk_size, rows.dtype).view(m, -1)
+        torch.index_select(rows, 0, sl.idx, out=sl.packed)
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
         self.dense.launch(None, sl.packed.view(-1), stats)

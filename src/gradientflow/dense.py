@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import PendingAllreduce, start_allreduce
-from .pool import Bucket
+from .pool import Bucket, Scratch
 from .precision import from_wire, to_wire
 from .stats import StepStats
 from .strategy import SyncStrategy
@@ -31,11 +31,15 @@ class DenseSync(SyncStrategy):
         self.wire_dtype = wire_dtype
         self.algorithm = algorithm
         self._pending: list[tuple[torch.Tensor, torch.Tensor, PendingAllreduce]] = []
+        self.scratch: Scratch | None = None  # wire buffers (and CSC's packed chunks), kept between steps
 
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
         """1. pre-divide and cast into the wire buffer; 2. start its allreduce."""
         t0 = time.perf_counter()
-        wire = to_wire(flat, self.wire_dtype, self.world_size)
+        out = None
+        if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
+            out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
+        wire = to_wire(flat, self.wire_dtype, self.world_size, out=out)
         stats.phase("pack", t0)
         stats.record_collective(wire.numel() * wire.element_size())
         what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks
@@ -53,3 +57,11 @@ class DenseSync(SyncStrategy):
             t0 = stats.phase("wire_wait", t0)
             from_wire(flat, wire)
             stats.phase("unpack", t0)
+        if self.scratch is not None:
+            self.scratch.reset()  # every wire buffer of the step has been read back
+
+    def scratch_for(self, device: torch.device) -> Scratch:
+        """The step's temporaries' memory (one per wrapper; the model lives on one device)."""
+        if self.scratch is None:
+            self.scratch = Scratch(device)
+        return self.scratch

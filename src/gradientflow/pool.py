@@ -119,6 +119,41 @@ class GradPool:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
+class Scratch:
+    """Reusable flat buffers, one per dtype, for per-step temporaries (wire casts, packed chunks).
+
+    Allocating them fresh every step costs page faults on CPU (large blocks are mmapped and
+    returned on free); buffers kept between steps do not.  :meth:`take` hands out consecutive
+    views; :meth:`reset` (after the step's last use) sizes each buffer to what the step used,
+    reallocating only when that grew or fell below half (CSC's density ramp uses less each step).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._used: dict[torch.dtype, int] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype``, disjoint from everything taken since the last reset."""
+        used = self._used.get(dtype, 0)
+        self._used[dtype] = used + numel
+        buf = self._bufs.get(dtype)
+        if buf is None or used + numel > buf.numel():  # first step, or more than last step: fresh
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[used : used + numel]
+
+    def reset(self) -> None:
+        """The step's temporaries are dead: size the buffers for the next step."""
+        for dtype in list(self._bufs):
+            if dtype not in self._used:
+                del self._bufs[dtype]
+        for dtype, used in self._used.items():
+            buf = self._bufs.get(dtype)
+            if buf is None or buf.numel() < used or buf.numel() > 2 * used:
+                self._bufs[dtype] = torch.empty(used, dtype=dtype, device=self.device)
+        self._used = {}
+
+
 def transfer(
     old: Layout, new: Layout, buffers: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:

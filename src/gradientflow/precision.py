@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int) -> torch.Tensor:
-    """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own dtype).
+def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own dtype), in ``out`` if given.
 
     ``flat`` itself is divided in place (its content is replaced by the reduced result anyway),
     then cast by a plain copy: on CPU ``torch.mul(fp32, s, out=fp16)`` takes a slow
@@ -21,7 +22,7 @@ def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int)
         return flat.div_(world_size) if world_size > 1 else flat
     if world_size > 1:
         flat.mul_(1.0 / world_size)  # as the fused op did: the fp32 product, rounded once below
-    wire = torch.empty(flat.shape, dtype=wire_dtype, device=flat.device)
+    wire = torch.empty(flat.shape, dtype=wire_dtype, device=flat.device) if out is None else out
     wire.copy_(flat)
     return wire
 

@@ -53,7 +53,13 @@ def n_selected(density: float, n_chunks: int) -> int:
     return min(n_chunks, max(1, math.ceil(round(density * n_chunks, 9))))
 
 
-def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def score_scratch(chunk_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The CPU scratch :func:`chunk_scores` works in (keep one to avoid an allocation per call)."""
+    return torch.empty(max(1, _CPU_BLOCK_ELEMENTS // chunk_size), chunk_size, dtype=dtype)
+
+
+def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
     """L1 norm of each row of ``rows`` ([n_chunks, chunk_size]): the paper's chunk score.
 
     On CPU the rows are scored in cache-sized blocks (abs into a small scratch, then a row sum):
@@ -65,8 +71,9 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         out = torch.empty(n, dtype=torch.float32, device=rows.device)
     if rows.device.type != "cpu" or n == 0:
         return torch.linalg.vector_norm(rows, ord=1, dim=1, out=out)
-    block = max(1, _CPU_BLOCK_ELEMENTS // c)
-    scratch = torch.empty(min(block, n), c, dtype=rows.dtype)
+    if scratch is None or scratch.dtype != rows.dtype or scratch.shape[1] != c:
+        scratch = score_scratch(c, rows.dtype)
+    block = scratch.shape[0]
     for lo in range(0, n, block):
         part = rows[lo : lo + block]
         tmp = scratch[: part.shape[0]]
