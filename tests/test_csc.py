@@ -52,7 +52,8 @@ def _batch(gen: torch.Generator, n: int = 16) -> tuple[torch.Tensor, torch.Tenso
 
 def _sparse(module: nn.Module, **kw) -> gf.DistributedDataParallel:
     # θ = 1 KB: one bucket per weight/bias pair, so chunks straddle bucket boundaries.
-    opts = dict(fusion_threshold_mb=0.001, density=0.25, chunk_size=CHUNK)
+    # dense_1d=False: these tests check the selection itself; test_dense_1d_* checks the 1-D rule.
+    opts = dict(fusion_threshold_mb=0.001, density=0.25, chunk_size=CHUNK, dense_1d=False)
     opts.update(kw)
     return gf.DistributedDataParallel(module, **opts)
 
@@ -295,6 +296,35 @@ def test_comm_state_dict_resume_is_bit_identical() -> None:
     run_distributed(_resume_worker, 2, timeout=120)
 
 
+# ---- 1-D parameters always sent -------------------------------------------------------------
+def _dense_1d_worker(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(40 + rank)
+    dense = gf.DistributedDataParallel(_mlp(), fusion_threshold_mb=0.001)
+    model = _sparse(_mlp(), dense_1d=True, density=0.1)
+    sync = model._gf_sync
+    layout = model.pool.layout
+    params = list(model.module.parameters())
+    one_d = [i for i, p in enumerate(params) if p.dim() == 1]
+    # The biases (44 + 5 floats) are laid out last: offsets 1100 and 1144 of 1149, chunk 17.
+    assert [layout.order[-2:]] == [one_d] or sorted(layout.order[-2:]) == one_d
+    assert min(layout.slots[i].offset for i in one_d) == 1100 and sync.forced_from == [1100 // CHUNK]
+    for _ in range(4):
+        x, y = _batch(gen)
+        for m in (dense, model):
+            m.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+        st = model.comm_stats()
+        # 18 chunks: the bias chunk always, plus ceil(0.1 * 17) = 2 of the others.
+        assert st["n_chunks"] == 18 and st["selected_chunks"] == 1 + 2, st
+        assert 17 in sync.last_selected.tolist()
+        for i in one_d:  # their gradient is the dense average, every step
+            torch.testing.assert_close(params[i].grad, list(dense.module.parameters())[i].grad, rtol=0, atol=0)
+
+
+def test_dense_1d_sends_biases_every_step_at_the_dense_value() -> None:
+    run_distributed(_dense_1d_worker, 2, timeout=120)
+
+
 # ---- fp16 wire + GradScaler: an overflow on one rank ---------------------------------------------
 def _overflow_worker(rank: int, world_size: int) -> dict:
     gen = torch.Generator().manual_seed(30 + rank)
@@ -409,7 +439,8 @@ def _digits_worker(rank: int, world_size: int, epochs: int, seed: int) -> dict[s
                 sched.step()
         if name == "csc":
             stats = model.comm_stats()
-            assert stats["n_chunks"] == 38 and stats["selected_chunks"] == 4, stats  # chunk 256: 38 chunks
+            # chunk 256: 38 chunks, the last holds the 138 bias floats (sent always) + ceil(0.1 * 37)
+            assert stats["n_chunks"] == 38 and stats["selected_chunks"] == 1 + 4, stats
         with torch.no_grad():
             acc[name] = 100 * (net(x_test).argmax(1) == y_test).float().mean().item()
     return acc

@@ -37,6 +37,8 @@ class GradientFlowConfig:
         ``density ** (t / warmup_steps)`` of the chunks (step 0 dense), later steps ``density``.
     momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
         apply momentum again.
+    dense_1d: CSC — 1-D parameters (biases, normalisation scales) are laid out together at the
+        end of the pool and their chunks are sent every step (few bytes, often decisive).
     csc_scope: CSC — where the top chunks are chosen.  "global" (the paper): one top-k over the
         whole pool after backward, one packed allreduce.  "slice": a top-k per fused slice as
         backward produces it, so the packed allreduces overlap backward; every slice sends
@@ -61,6 +63,7 @@ class GradientFlowConfig:
     chunk_size: int | str = "auto"
     warmup_steps: int = 0
     momentum: float = 0.0
+    dense_1d: bool = True
     csc_scope: str = "global"
     timeout: float | timedelta | None = None
     check_consistency: bool = False
@@ -103,7 +106,7 @@ class GradientFlowConfig:
             raise ValueError(
                 f"timeout must be None (the process group's), a number of seconds > 0 or a timedelta, got {t!r}"
             )
-        for name in ("check_consistency", "check_finite"):
+        for name in ("check_consistency", "check_finite", "dense_1d"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.trace_path is not None and not isinstance(self.trace_path, str):

@@ -104,6 +104,7 @@ class SparseSync(SyncStrategy):
         self.momentum = float(config.momentum)
         self.per_slice = config.csc_scope == "slice"
         self._shapes = list(shapes)
+        self.dense_1d = config.dense_1d
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
         self._check_wire = config.wire_dtype == torch.float16
         self.step = 0
@@ -129,6 +130,13 @@ class SparseSync(SyncStrategy):
         device = pool.buffers[0].device if pool.buffers else torch.device("cpu")
         self.scores = torch.zeros(self.total_chunks, dtype=torch.float32, device=device)
         self._pool_rows = [b.view(-1, C) for b in pool.padded]
+        # dense_1d: the engine laid the 1-D parameters out last; chunks from the first one on are
+        # sent every step.  (A chunk may also hold the end of the last weight matrix.)
+        self.forced_from = list(self.n_chunks)
+        if self.dense_1d:
+            for s in pool.layout.slots:
+                if len(self._shapes[s.param]) <= 1 and s.numel:
+                    self.forced_from[s.pool] = min(self.forced_from[s.pool], s.offset // C)
         # Autograd can accumulate into v only where v has the parameters' dtype and nothing
         # (momentum) must happen between the gradient and v.
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
@@ -300,8 +308,13 @@ class SparseSync(SyncStrategy):
         t0 = stats.phase("wire_wait", t0)
         t_trace = phase_start(self.dense.watchdog)
         off = self.offsets[sl.pool]
-        m = n_selected(self.density_now(), sl.hi - sl.lo)
-        sl.idx = select_chunks(self.scores[off + sl.lo : off + sl.hi], m) + sl.lo
+        scores = self.scores[off + sl.lo : off + sl.hi]
+        forced = max(0, sl.hi - max(sl.lo, self.forced_from[sl.pool]))  # chunks of 1-D parameters
+        m = forced + n_selected(self.density_now(), sl.hi - sl.lo - forced)
+        if forced:  # first in the stable sort; the finite check still reads the real scores
+            scores = scores.clone()
+            scores[-forced:] = float("inf")
+        sl.idx = select_chunks(scores, m) + sl.lo
         t0 = stats.phase("select", t0)
         # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
         rows = self.res.rows(sl.pool)

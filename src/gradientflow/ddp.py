@@ -36,7 +36,7 @@ from .config import GradientFlowConfig
 from .consistency import FiniteCheck, StepCheck, check_same_setup
 from .dense import DenseSync
 from .join import GradientFlowJoinHook, common_rank, max_over_ranks
-from .pool import GradPool, Layout, plan_layout
+from .pool import GradPool, Layout, plan_layout, small_last
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .trace import TraceRecorder
@@ -105,7 +105,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size ["auto"], warmup_steps [0], momentum [0.0], csc_scope ["global"];
+        dense], chunk_size ["auto"], warmup_steps [0], momentum [0.0], dense_1d [True], csc_scope ["global"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -140,6 +140,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         chunk_size: int | str = "auto",
         warmup_steps: int = 0,
         momentum: float = 0.0,
+        dense_1d: bool = True,
         csc_scope: str = "global",
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
@@ -166,6 +167,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             chunk_size=chunk_size,
             warmup_steps=warmup_steps,
             momentum=momentum,
+            dense_1d=dense_1d,
             csc_scope=csc_scope,
             timeout=timeout,
             check_consistency=check_consistency,
@@ -227,7 +229,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         n = len(self._gf_params)
         self._gf_dense_bytes = 4 * sum(p.numel() for p in self._gf_params)
         order = order if order is not None else list(reversed(range(n)))  # backward ~ reverse registration
-        self._gf_install(plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes))
+        self._gf_install(self._gf_plan(order))
         self._gf_layout_final = False
         wire = self.config.wire_dtype
         group, world = self.process_group, self._gf_world_size
@@ -289,14 +291,23 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
         order = order_t.tolist()
         self._gf_layout_final = True
-        if tuple(order) != self._gf_pool.layout.order:
-            self._gf_adopt_order(order)
+        if self._gf_adopt_order(order):
             logger.debug("gradientflow: gradient pool re-laid in observed backward order")
 
-    def _gf_adopt_order(self, order: list[int]) -> None:
-        old = self._gf_pool
-        self._gf_install(plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes))
+    def _gf_plan(self, order: list[int]) -> Layout:
+        """The layout for a backward ``order`` (CSC with ``dense_1d``: 1-D parameters last)."""
+        if self.config.sparse and self.config.dense_1d:
+            order = small_last(order, [p.dim() <= 1 for p in self._gf_params])
+        return plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes)
+
+    def _gf_adopt_order(self, order: list[int]) -> bool:
+        """Re-lay the pool out for ``order``; False (nothing done) if the layout would not change."""
+        old, layout = self._gf_pool, self._gf_plan(order)
+        if layout.order == old.layout.order:
+            return False
+        self._gf_install(layout)
         self._gf_sync.relayout(old.layout, self._gf_pool)
+        return True
 
     def _gf_bind_grads(self, sync: bool) -> None:
         """Point every ``.grad`` where this backward accumulates; a ``None`` grad starts from zero (fresh).

@@ -96,6 +96,16 @@ def plan_layout(
     return Layout(tuple(pool_keys), tuple(sizes), tuple(slots), tuple(buckets), tuple(order))  # type: ignore[arg-type]
 
 
+def small_last(order: Sequence[int], small: Sequence[bool]) -> list[int]:
+    """``order`` with the parameters flagged ``small`` moved, in their relative order, to the end.
+
+    CSC sends the chunks of 1-D parameters (biases, normalisation scales) every step; gathered at
+    the end of the pool they fill a few chunks of their own instead of sharing one with every
+    weight matrix.  Idempotent, so an order saved from such a layout comes back unchanged.
+    """
+    return [i for i in order if not small[i]] + [i for i in order if small[i]]
+
+
 class GradPool:
     """Owns the flat gradient buffers of a layout and the per-parameter views into them."""
 
