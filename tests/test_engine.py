@@ -244,3 +244,23 @@ def test_scratch_hands_out_disjoint_views_and_keeps_its_buffer_between_steps() -
     s.reset()
     s.reset()  # a step that took nothing in fp16 frees the buffer
     assert s.take(1, torch.float16)._base is None
+
+
+def _resolved_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = gf.DistributedDataParallel(nn.Linear(300, 10), comm_dtype="half", density=0.5, dense_1d=False)
+    cfg = model.config
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    return {"comm_dtype": cfg.comm_dtype, "chunk_size": cfg.chunk_size, "stats": model.comm_stats()}
+
+
+def test_half_and_auto_resolve_for_the_model_and_device() -> None:
+    """comm_dtype="half" is bf16 on CPU; chunk_size="auto" gives ~200 chunks for 3010 parameters."""
+    r0, r1 = run_distributed(_resolved_worker, 2)
+    assert r0["comm_dtype"] == r1["comm_dtype"] == "bf16"
+    # 3010 // 200 = 15 -> the power of two below is 8, raised to the floor of 16: 189 chunks.
+    assert r0["chunk_size"] == r1["chunk_size"] == 16
+    st = r0["stats"]
+    assert st["n_chunks"] == 189 and st["selected_chunks"] == 95  # ceil(0.5 * 189)
+    assert st["payload_bytes"] == 4 * 189 + 2 * 16 * 95  # fp32 scores + bf16 rows

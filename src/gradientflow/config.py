@@ -20,6 +20,16 @@ COMM_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+def half_wire_dtype(device: torch.device) -> str:
+    """``comm_dtype="half"``: the fastest 16-bit wire for the device.
+
+    CPU (Gloo): "bf16" — Gloo sums bf16 1.6x faster than fp16 (2 ranks, 25M elements: 60 vs
+    104 ms, fp32 95 ms; fp16's sum is no faster than fp32's).  Accelerators (NCCL): "fp16" —
+    both go at line rate there, and fp16 keeps 3 more mantissa bits.
+    """
+    return "bf16" if device.type == "cpu" else "fp16"
+
+
 @dataclass(frozen=True)
 class GradientFlowConfig:
     """Options of :class:`gradientflow.DistributedDataParallel` (see README's options table).
@@ -28,7 +38,7 @@ class GradientFlowConfig:
         θ MB of it are ready.  0 = one collective per tensor, ``inf`` = one collective after backward.
     broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 at every forward.
     comm_dtype: dtype on the wire: "fp32" (full precision: the gradient's own dtype, no cast),
-        "fp16" or "bf16".
+        "fp16", "bf16", or "half" (the fastest 16-bit for the device: bf16 on CPU, fp16 on GPUs).
     algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
     density: CSC — fraction of chunks sent each step; ``None`` = dense.
     chunk_size: CSC — gradients per chunk: an int, or "auto" (32768 as in the paper for models of
@@ -78,8 +88,8 @@ class GradientFlowConfig:
                 f"fusion_threshold_mb must be a number >= 0 (0 = no fusion, float('inf') = one "
                 f"collective after backward), got {theta!r}"
             )
-        if self.comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be one of {sorted(COMM_DTYPES)}, got {self.comm_dtype!r}")
+        if self.comm_dtype not in COMM_DTYPES and self.comm_dtype != "half":
+            raise ValueError(f"comm_dtype must be one of {sorted([*COMM_DTYPES, 'half'])}, got {self.comm_dtype!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
         d = self.density
@@ -133,13 +143,17 @@ class GradientFlowConfig:
     def threshold_bytes(self) -> float:
         return self.fusion_threshold_mb * 1024 * 1024
 
-    def resolved(self, n_elements: int) -> GradientFlowConfig:
-        """This config with ``chunk_size="auto"`` replaced by the size for a model of ``n_elements``."""
-        if self.chunk_size != "auto":
-            return self
+    def resolved(self, n_elements: int, device: torch.device) -> GradientFlowConfig:
+        """This config for a model of ``n_elements`` on ``device``: ``chunk_size="auto"`` and
+        ``comm_dtype="half"`` replaced by what they mean there."""
         from .selection import auto_chunk_size  # noqa: PLC0415 — selection imports torch only
 
-        return dataclasses.replace(self, chunk_size=auto_chunk_size(n_elements))
+        changes: dict[str, object] = {}
+        if self.chunk_size == "auto":
+            changes["chunk_size"] = auto_chunk_size(n_elements)
+        if self.comm_dtype == "half":
+            changes["comm_dtype"] = half_wire_dtype(device)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def sparse(self) -> bool:

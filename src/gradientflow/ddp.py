@@ -197,7 +197,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
-        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params))  # chunk_size="auto"
+        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
         # One exchange compares the options that must agree and the models (even with init_sync=False:
         # a mismatch there is a hang or a silently wrong model later).
         named = [(n, p) for n, p in module.named_parameters() if n not in ignored]

@@ -40,7 +40,8 @@ from gradientflow.selection import auto_chunk_size
 
 logger = logging.getLogger(__name__)
 
-MODES = ("gf-fp32", "gf-fp16", "gf-fp16-csc", "gf-fp16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd", "compute")
+MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd",
+         "compute")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: PowerSGD's hook can abort the process or hang Gloo."""
 DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
@@ -163,7 +164,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
         wrapped = gf.DistributedDataParallel(
             model,
             fusion_threshold_mb=v.theta_mb,
-            comm_dtype="fp32" if v.mode == "gf-fp32" else "fp16",
+            comm_dtype={"gf-fp32": "fp32", "gf-bf16": "bf16"}.get(v.mode, "fp16"),
             algorithm=spec.algorithm,
             density=CSC_DENSITY if csc else None,
             chunk_size=chunk_size,
