@@ -105,7 +105,8 @@ def test_tta_report_on_a_made_up_launch(tmp_path):
     assert t["ddp_comm_share"] == pytest.approx(0.5)  # 1 - 0.1 s compute / 0.2 s step
     assert rows["ddp"]["bytes_per_step"] == 4000 and rows["gf-recommended"]["bytes_per_step"] == 100
     assert rows["gf-recommended"]["sparse_share"] == 1.0 and rows["ddp"]["sparse_share"] == 0.0
-    assert "| gf-recommended | 1.500 | 0.3 | 2.67 |" in markdown(s)
+    assert t["common_val_loss"] == 2.0 and t["speedup_common"] == pytest.approx(0.8 / 0.3)
+    assert "| gf-recommended | 1.500 | 0.3 | 2.67 | 0.3 | 2.67 |" in markdown(s)
     assert [p.name for p in plot(s, tmp_path)] == ["tta.png"]
 
 
