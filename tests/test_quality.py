@@ -123,6 +123,7 @@ def test_quality_end_to_end_tiny(tmp_path):
             "--bandwidth", "none", "--timeout", "150", "--out", str(tmp_path)]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
     res = json.loads((tmp_path / "results.json").read_text())
     for key in ("command", "date", "options", "library_defaults", "csc_chunk_choice", "workloads", "tta", "seconds"):
         assert key in res

@@ -29,6 +29,8 @@ DEFINITIONS = {
     "tta": "time to X s: training wall clock until the validation loss first reaches X (linear between "
            "validation points); X = ddp's final validation loss, then the worst final loss of the recipes (a loss "
            "every recipe reached); ddp / this = how many times faster than ddp",
+    "exposed": "exposed comm ms: gradientflow's comm_stats()['exposed_seconds'], the time the end of backward "
+               "waited on communication, median over steps (— for torch DDP, which does not report it)",
     "time": "training wall clock: the sum of every step's time (forward, backward with its communication, "
             "optimizer), slowest rank per step; validation is outside the clock",
 }
@@ -80,6 +82,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                  "val_acc": [e["val_acc"] for e in evals], "train_loss": [e["train_loss"] for e in evals],
                  "wall_s": [float(wall[min(e["step"], len(wall) - 1)]) for e in evals]}
         payload = [s["payload_bytes"] for s in run["stats"] if "payload_bytes" in s]
+        exposed = [s["exposed_seconds"] for s in run["stats"] if "exposed_seconds" in s]
         chunks = [s["n_chunks"] for s in run["stats"] if "n_chunks" in s]
         rows.append({
             "recipe": run["recipe"], "what": RECIPE_WHAT.get(run["recipe"], ""), "options": run["options"],
@@ -91,6 +94,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
             "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
             "n_chunks": int(max(chunks)) if chunks else None,
             "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,
+            "median_exposed_s": float(np.median(exposed)) if exposed else None,
             "train_s": float(wall[-1]),
             "curve": curve,
         })
@@ -209,8 +213,8 @@ def markdown(summary: dict[str, Any]) -> str:
                   f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms/step, so communication and its overheads are "
                   f"{_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense DDP step.", "",
                   f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
-                  f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | training s "
-                  "| MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
+                  "| training s | MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         ddp_row = next(r for r in t["rows"] if r["recipe"] == "ddp")
         for r in t["rows"]:
             cells = []
@@ -219,16 +223,19 @@ def markdown(summary: dict[str, Any]) -> str:
                 cells.append(f"{_f(tt, '.1f') if tt is not None else 'not reached'} | "
                              f"{_f(base / tt if base and tt else None, '.2f')}")
             lines.append(f"| {r['recipe']} | {_f(r['final_val_loss'], '.3f')} | {' | '.join(cells)} | "
-                         f"{_f(_times(r['median_step_s'], 1e3), '.0f')} | {r['train_s']:.1f} | "
+                         f"{_f(_times(r['median_step_s'], 1e3), '.0f')} | "
+                         f"{_f(_times(r['median_exposed_s'], 1e3), '.0f')} | {r['train_s']:.1f} | "
                          f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
                          f"{r['sparse_share']:.0%} |")
         lines.append("")
     elif summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]
-    lines += [f"- ratio: {d['ratio']}", f"- MB sent/step: {d['sent']}", f"- sparse steps: {d['sparse']}",
-              *([f"- {d['tta']}"] if t else []), f"- time: {d['time']}", "- library defaults at run time: " + ", ".join(
-                  f"{k}={v!r}" for k, v in summary["library_defaults"].items())]
+    lines += [f"- ratio: {d['ratio']}", f"- MB sent/step: {d['sent']}", f"- sparse steps: {d['sparse']}"]
+    if t:
+        lines += [f"- {d['tta']}", f"- time: {d['time']}", f"- {d['exposed']}"]
+    defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
+    lines.append(f"- library defaults at run time: {defaults}")
     return "\n".join(lines).strip() + "\n"
 
 
@@ -241,14 +248,19 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
+    # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
+    style = {"ddp": {"color": "black", "lw": 3, "alpha": 0.5}, "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
+             "gf-recommended": {"color": "tab:orange"}, "gf-paper": {"color": "tab:green"},
+             "ddp-sgd": {"color": "tab:purple", "ls": ":"}}
     for w in summary["workloads"].values():
         digits = w["metric"] == "val_acc"
         fig, axes = plt.subplots(1, 2 if digits else 1, figsize=(12 if digits else 7, 4.5), squeeze=False)
         for r in w["rows"]:
             c = r["curve"]
-            axes[0][0].plot(c["step"], c["val_loss"], "o-", ms=3, label=r["recipe"])
+            kw = {"marker": "o", "ms": 3, "label": r["recipe"], **style.get(r["recipe"], {})}
+            axes[0][0].plot(c["step"], c["val_loss"], **kw)
             if digits:
-                axes[0][1].plot(c["step"], [100 * a for a in c["val_acc"]], "o-", ms=3, label=r["recipe"])
+                axes[0][1].plot(c["step"], [100 * a for a in c["val_acc"]], **kw)
         axes[0][0].set(xlabel="step", ylabel="validation loss", title=f"{w['name']} ({w['n_params']:,} parameters)")
         if not digits:
             finite = [v for r in w["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
@@ -267,10 +279,13 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in t["rows"]:
             c = r["curve"]
-            line, = ax.plot(c["wall_s"], c["val_loss"], "o-", ms=3, label=r["recipe"])
+            line, = ax.plot(c["wall_s"], c["val_loss"], marker="o", ms=3, label=r["recipe"],
+                            **style.get(r["recipe"], {}))
             if r["time_to_target_s"] is not None:
                 ax.axvline(r["time_to_target_s"], color=line.get_color(), ls=":", lw=1)
         ax.axhline(t["target_val_loss"], color="gray", ls="--", lw=1, label="ddp's final loss")
+        if t["common_val_loss"] != t["target_val_loss"]:
+            ax.axhline(t["common_val_loss"], color="gray", ls="-.", lw=1, label="worst final loss")
         finite = [v for r in t["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
         if finite:
             ax.set_ylim(min(finite) - 0.05, max(finite) + 0.1)

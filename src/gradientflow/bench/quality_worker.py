@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_factor
+from gradientflow.bench.runner import MARK
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def _comm_record(wrapped: nn.Module) -> dict[str, float]:
     if not hasattr(wrapped, "comm_stats"):
         return {}
     s = wrapped.comm_stats()
-    return {k: float(s[k]) for k in ("payload_bytes", "warmup", "selected_chunks", "n_chunks") if k in s}
+    keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
+    return {k: float(s[k]) for k in keys if k in s}
 
 
 @dataclass
@@ -189,7 +191,11 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         if (step + 1) % job.eval_every == 0 or step + 1 == job.steps:
             eval_all(step + 1)
             if rank == 0:
-                bar.set_postfix({r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}, refresh=False)
+                losses = {r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}
+                bar.set_postfix(losses, refresh=False)
+                # the launcher shows MARK lines on the user's terminal (the bar goes to the launch log)
+                print(f"{MARK}{job.name} step {step + 1}/{job.steps}, validation loss: "
+                      + ", ".join(f"{k} {v}" for k, v in losses.items()), file=sys.stderr, flush=True)
     bar.close()
     return {
         "job": asdict(job), "n_params": n_params, "probe_s": probe,
