@@ -64,7 +64,7 @@ class Job:
     seq_len: int = 64
     val_windows: int = 256
     lr_warmup_frac: float = 0.05
-    probe_steps: int = 10  # compute-only steps timed first (no communication): the step's compute share
+    probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
 
 
 @dataclass

@@ -104,7 +104,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
             base = by.get(ref, {}).get(f"final_{metric}")
             mine = r[f"final_{metric}"]
             r[key] = mine / base if base and mine is not None else None
-    return {"name": raw["job"]["name"], "job": job, "n_params": n, "metric": metric,
+    return {"name": raw["job"]["name"], "job": job, "n_params": n, "metric": metric, "probe_s": raw["probe_s"],
             "compute_step_s": float(np.median(raw["probe_s"])) if raw["probe_s"] else None, "rows": rows}
 
 
@@ -209,9 +209,10 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += [f"**time to accuracy**, emulated {t['bandwidth']} per node: TinyTransformer d_model {j['d_model']} "
                   f"x {j['n_layers']} layers ({t['n_params']:,} parameters), batch {j['batch_size']} x "
                   f"{j['seq_len']} tokens/rank, {world} ranks, {j['steps']} steps; target = ddp's final validation "
-                  f"loss {t['target_val_loss']:.3f}. Compute alone (no communication): "
-                  f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms/step, so communication and its overheads are "
-                  f"{_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense DDP step.", "",
+                  f"loss {t['target_val_loss']:.3f}. Compute alone (ddp's step without communication, median of "
+                  f"{len(t['probe_s'])} spread over the run): {_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so "
+                  f"communication and its overheads are {_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense "
+                  "DDP step.", "",
                   f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
                   f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
                   "| training s | MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -123,22 +123,29 @@ class _Run:
     error: str | None = None
 
 
-def _probe_compute(data: _Data, job: Job) -> list[float]:
-    """Seconds of ``probe_steps`` local steps (forward, backward, AdamW/SGD) without any communication."""
-    model = data.build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    batches = data.batches()
-    times = []
-    for i in range(job.probe_steps + 2):  # two untimed first
-        x, y = next(batches)
+class _Probe:
+    """Compute-only steps (the ddp recipe's forward, backward and optimizer, lr 0, no communication),
+    spread over the run so that they see the same machine load as the training steps."""
+
+    def __init__(self, data: _Data, job: Job) -> None:
+        self.model = data.build_model()
+        params = self.model.parameters()
+        self.opt = (torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
+                    if job.workload == "transformer" else torch.optim.SGD(params, lr=0.0, momentum=0.9))
+        self.batches = data.batches()
+        self.times: list[float] = []
+        for _ in range(2):  # untimed: first-call costs
+            self.step(record=False)
+
+    def step(self, record: bool = True) -> None:
+        x, y = next(self.batches)
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        _loss(model(x), y).backward()
-        opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return times
+        self.opt.zero_grad(set_to_none=True)
+        _loss(self.model(x), y).backward()
+        self.opt.step()
+        if record:
+            self.times.append(time.perf_counter() - t0)
 
 
 def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
@@ -146,7 +153,8 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     from tqdm import tqdm
 
     data = _Data(job, seed, rank, world)
-    probe = _probe_compute(data, job)
+    probe = _Probe(data, job)
+    probe_every = max(1, job.steps // max(1, job.probe_steps))
     runs: list[_Run] = []
     n_params = 0
     for recipe in job.recipes:
@@ -169,6 +177,8 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     bar = tqdm(range(job.steps), desc=f"{job.name}: {len(runs)} recipes", unit="step", disable=rank != 0,
                file=sys.stderr, mininterval=2.0)
     for step in bar:
+        if step % probe_every == 0:
+            probe.step()
         for run in runs:
             if run.status != "ok":
                 continue
@@ -198,7 +208,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                       + ", ".join(f"{k} {v}" for k, v in losses.items()), file=sys.stderr, flush=True)
     bar.close()
     return {
-        "job": asdict(job), "n_params": n_params, "probe_s": probe,
+        "job": asdict(job), "n_params": n_params, "probe_s": probe.times,
         "runs": [{"recipe": r.recipe, "options": r.options, "status": r.status, "error": r.error,
                   "step_s": r.step_s, "stats": r.stats, "evals": r.evals} for r in runs],
     }
