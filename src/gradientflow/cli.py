@@ -64,8 +64,19 @@ def _prefix(text: str) -> str:
     return text
 
 
+def _size(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip().lower())
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"expected D_MODELxLAYERS, e.g. 128x2, got {text!r}")
+    d, layers = int(m.group(1)), int(m.group(2))
+    if d % 32 and d > 32:
+        raise argparse.ArgumentTypeError(f"d_model must be at most 32 or a multiple of 32 (heads of 32), got {d}")
+    return d, layers
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gradientflow`` and its subcommands."""
+    from gradientflow.bench.quality import RECIPES
     from gradientflow.bench.runner import MODES
 
     p = argparse.ArgumentParser(
@@ -101,18 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time gradientflow's modes against torch DDP, DDP + fp16_compress_hook and DDP + PowerSGD, "
         "all in one launch of the ranks (step by step interleaved), plus 'compute' (no communication) as the "
         "1-rank reference for the speedup ratio. With --bandwidth and root: every rank in its own network "
-        "namespace, links shaped with tc. Writes results.json, table.md and bench.png to --out.",
+        "namespace, links shaped with tc. Writes results.json, table.md and bench.png to --out. "
+        "With --quality: model quality instead of step time (see the --quality options below).",
     )
-    b.add_argument("--workload", choices=WORKLOAD_CHOICES, default="resnet50", help="model (default resnet50)")
+    b.add_argument("--workload", choices=WORKLOAD_CHOICES, default=None,
+                   help="model (default resnet50; with --quality tiny_transformer or small_cnn alone, default both)")
     b.add_argument("--nproc", type=_positive_int, default=2, help="ranks (= emulated nodes) (default 2)")
-    b.add_argument("--steps", type=_positive_int, default=20, help="timed steps per mode (default 20)")
+    b.add_argument("--steps", type=_positive_int, default=None,
+                   help="timed steps per mode (default 20); with --quality training steps per workload (default 400)")
     b.add_argument("--warmup", type=_nonneg_int, default=3, help="untimed steps per mode first (default 3)")
     b.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
                    help=f"modes to compare (default all): {' '.join(MODES)}; 'compute' is always added")
     b.add_argument("--bandwidth", type=_bandwidth, default="1gbit",
                    help="per-node link rate of the emulated cluster, e.g. 1gbit, 10gbit; 'none' = loopback "
                    "(default 1gbit; needs root, else loopback)")
-    b.add_argument("--batch-size", type=_positive_int, default=8, help="samples per rank per step (default 8)")
+    b.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="samples per rank per step (default 8; with --quality 16 windows for the transformer, 32 "
+                   "digits, 8 windows for time to accuracy)")
     b.add_argument("--fusion-mb", type=_nonneg_float, default=25.0,
                    help="gradientflow's fusion threshold θ in MB for the gf-* modes (default 25)")
     b.add_argument("--theta-sweep", type=_nonneg_float, nargs="*", default=[], metavar="MB",
@@ -121,12 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradientflow's allreduce: the backend's (native) or its own ring (default native)")
     b.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="CSC chunk size (default 32768, smaller for small models)")
-    b.add_argument("--threads", type=_positive_int, default=None, help="torch threads per rank (default cores/nproc)")
-    b.add_argument("--timeout", type=_positive_int, default=1800, help="seconds before the run is killed (1800)")
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads per rank (default cores/nproc; with --quality 1)")
+    b.add_argument("--timeout", type=_positive_int, default=1800,
+                   help="seconds before a launch of the ranks is killed (1800)")
     b.add_argument("--netns-prefix", type=_prefix, default="gfb",
                    help="name prefix of the emulated cluster's namespaces and veths; concurrent runs need "
                    "different ones (default gfb)")
-    b.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
+    b.add_argument("--out", default=None,
+                   help="output directory (default benchmarks/results; with --quality benchmarks/quality)")
+    q = b.add_argument_group(
+        "--quality options", "Train a character-level transformer (AdamW) and the digits CNN (SGD, momentum 0.9) with "
+        "each recipe side by side from the same seed and batches, and report final validation loss / accuracy, its "
+        "ratio to torch DDP, bytes sent per step and the share of sparse steps; with --bandwidth (root) also time to "
+        "accuracy of a bigger transformer on the emulated cluster, ddp vs gf-recommended. Writes results.json, "
+        "table.md, quality_*.png and tta.png to --out. See README 'Quality'.")
+    q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
+    q.add_argument("--recipes", nargs="+", choices=RECIPES, default=None, metavar="RECIPE",
+                   help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}")
+    q.add_argument("--transformer-size", type=_size, default=(128, 2), metavar="DxL",
+                   help="d_model x layers of the quality transformer (default 128x2: 0.43M parameters)")
+    q.add_argument("--tta-size", type=_size, default=(256, 4), metavar="DxL",
+                   help="d_model x layers of the time-to-accuracy transformer (default 256x4: 3.2M parameters)")
+    q.add_argument("--tta-steps", type=_positive_int, default=300, help="time-to-accuracy training steps (default 300)")
+    q.add_argument("--eval-every", type=_positive_int, default=None,
+                   help="steps between validations (default steps/20)")
+    q.add_argument("--seed", type=_nonneg_int, default=0, help="seed of models and batches (default 0)")
 
     from gradientflow.sim.command import add_arguments as add_simulate_arguments
 
@@ -167,16 +203,37 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quality(args: argparse.Namespace) -> int:
+    from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
+
+    if args.workload is not None and args.workload not in WORKLOAD_OF_CLI:
+        print(f"gradientflow bench: error: --quality trains {' or '.join(WORKLOAD_OF_CLI)}, not {args.workload}",
+              file=sys.stderr)
+        return 2
+    workloads = [WORKLOAD_OF_CLI[args.workload]] if args.workload else list(WORKLOAD_OF_CLI.values())
+    opts = QualityOptions(workloads=workloads, recipes=args.recipes, nproc=args.nproc, steps=args.steps or 400,
+                          tta_steps=args.tta_steps, eval_every=args.eval_every, batch_size=args.batch_size,
+                          transformer_size=args.transformer_size, tta_size=args.tta_size, bandwidth=args.bandwidth,
+                          threads=args.threads or 1, seed=args.seed, timeout_s=float(args.timeout),
+                          prefix=args.netns_prefix, out=args.out or "benchmarks/quality")
+    run_quality(opts)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gradientflow.bench.runner import BenchOptions, run_bench
 
-    opts = BenchOptions(workload=args.workload, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-                        modes=list(dict.fromkeys(args.modes)), bandwidth=args.bandwidth, batch_size=args.batch_size,
+    if args.quality:
+        return _quality(args)
+    args.workload = args.workload or "resnet50"
+    opts = BenchOptions(workload=args.workload, nproc=args.nproc, steps=args.steps or 20, warmup=args.warmup,
+                        modes=list(dict.fromkeys(args.modes)), bandwidth=args.bandwidth,
+                        batch_size=args.batch_size or 8,
                         fusion_mb=args.fusion_mb, theta_sweep=list(dict.fromkeys(args.theta_sweep)),
                         algorithm=args.algorithm, chunk_size=args.chunk_size, threads=args.threads,
-                        timeout_s=float(args.timeout), prefix=args.netns_prefix, out=args.out)
-    if args.workload == "alexnet" and args.batch_size > 64:
-        logger.warning("alexnet at batch %d per rank is slow on a CPU", args.batch_size)
+                        timeout_s=float(args.timeout), prefix=args.netns_prefix, out=args.out or "benchmarks/results")
+    if args.workload == "alexnet" and opts.batch_size > 64:
+        logger.warning("alexnet at batch %d per rank is slow on a CPU", opts.batch_size)
     run_bench(opts)
     return 0
 

@@ -59,6 +59,24 @@ def char_corpus(modules: tuple[str, ...] = CORPUS_MODULES) -> str:
     return "\n".join(parts)
 
 
+def pydoc_topics_corpus(val_fraction: float = 0.1) -> tuple[str, str]:
+    """Python's own help topics (``pydoc_data.topics``: ~465 kB of English prose and code on
+    CPython 3.11, shipped with Python) as ``(train, validation)`` text: every topic, in sorted
+    order, gives its first ``1 - val_fraction`` to train and the rest to validation, so both
+    sides see every kind of topic. Same Python version, same texts."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    from pydoc_data.topics import topics
+
+    train, val = [], []
+    for key in sorted(topics):
+        text = topics[key]
+        cut = round(len(text) * (1 - val_fraction))
+        train.append(text[:cut])
+        val.append(text[cut:])
+    return "\n".join(train), "\n".join(val)
+
+
 def _stdlib_source(name: str) -> str:
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):

@@ -435,6 +435,46 @@ class BenchOptions:
     out: str = "benchmarks/results"
 
 
+def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: Any, timeout: float,
+                   threads: int, module: str = "gradientflow.bench.runner") -> tuple[str | None, Path, float]:
+    """Run ``python -m module SPEC`` on ``nproc`` ranks: one torchrun on loopback (``cluster`` None) or one
+    torchrun per node of an emulated cluster; every line goes to ``out/launch-{name}.log``.
+
+    Returns (None if every launcher exited 0, else a one-line reason; the log's path; seconds).
+    Everything started is stopped before returning, also on timeout.
+    """
+    # fixed mmap threshold: big tensors are mmapped and returned on free, so RSS deltas per mode are exact
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    log_path = out / f"launch-{name}.log"
+    lock = threading.Lock()
+    args = [str(spec_path.resolve())]
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        procs: list[subprocess.Popen] = []
+        pumps = []
+        try:
+            io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+            if cluster is None:
+                argv = torchrun_argv(nnodes=1, node_rank=0, nproc_per_node=nproc, master_addr="127.0.0.1",
+                                     master_port=free_port(), args=args, module=module)
+                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **io))
+            else:
+                port = 29500 + (name != "main")  # node namespaces are ours alone; one port per launch
+                for i in range(nproc):
+                    argv = torchrun_argv(nnodes=nproc, node_rank=i, nproc_per_node=1,
+                                         master_addr=cluster.master_addr, master_port=port, args=args,
+                                         module=module)
+                    procs.append(cluster.popen(i, argv, env=env, **io))
+            pumps = [_pump(p.stdout, log, lock) for p in procs]
+            reason = wait_all(procs, timeout)
+        finally:
+            for p in procs:
+                stop(p)
+            for t in pumps:
+                t.join(timeout=5)
+    return reason, log_path, time.monotonic() - t0
+
+
 def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, cluster: Any,
             timeout: float) -> tuple[dict[str, Any] | None, str | None, float]:
     """Run one torchrun launch of ``variants``; returns (merged results or None, error, seconds)."""
@@ -446,35 +486,7 @@ def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, c
                      algorithm=opts.algorithm, chunk_size=opts.chunk_size)
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
-    # fixed mmap threshold: big tensors are mmapped and returned on free, so RSS deltas per mode are exact
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
-    log_path = out / f"launch-{name}.log"
-    lock = threading.Lock()
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        procs: list[subprocess.Popen] = []
-        pumps = []
-        try:
-            io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-            if cluster is None:
-                argv = torchrun_argv(nnodes=1, node_rank=0, nproc_per_node=opts.nproc, master_addr="127.0.0.1",
-                                     master_port=free_port(), args=[str(spec_path.resolve())])
-                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **io))
-            else:
-                port = 29500 + (name != "main")  # node namespaces are ours alone; one port per launch
-                for i in range(opts.nproc):
-                    argv = torchrun_argv(nnodes=opts.nproc, node_rank=i, nproc_per_node=1,
-                                         master_addr=cluster.master_addr, master_port=port,
-                                         args=[str(spec_path.resolve())])
-                    procs.append(cluster.popen(i, argv, env=env, **io))
-            pumps = [_pump(p.stdout, log, lock) for p in procs]
-            reason = wait_all(procs, timeout)
-        finally:
-            for p in procs:
-                stop(p)
-            for t in pumps:
-                t.join(timeout=5)
-    seconds = time.monotonic() - t0
+    reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, timeout, threads)
     if reason is None and raw_path.exists():
         return json.loads(raw_path.read_text()), None, seconds
     detail = error_from_log(log_path)

@@ -1,0 +1,259 @@
+"""``gradientflow bench --quality``: does fp16 + CSC train as well as torch DDP, and how fast?
+
+Two workloads, each trained by several *recipes* side by side in one launch of the ranks, from the
+same seed and on the same batches (each recipe draws its batches from its own generator seeded per
+rank), step by step interleaved after a barrier:
+
+- ``transformer``: a character-level :class:`~gradientflow.bench.models.TinyTransformer` on Python's
+  own help topics (``pydoc_data.topics``, split by topic 90/10 into train/validation), AdamW;
+- ``digits``: ``small_cnn`` on scikit-learn's digits (the demo's split), SGD with momentum 0.9;
+
+both under linear LR warm-up then cosine decay to 10%.  Recipes (:data:`RECIPES`): ``ddp`` (torch
+DDP, dense fp32: the oracle), ``gf-recommended`` (fp16 wire + CSC density 0.1 with the library's
+defaults otherwise, the user's optimizer untouched), ``gf-paper`` (fp16 + CSC 0.1 + momentum
+correction 0.9 with plain SGD and a short dense warm-up), ``gf-fp16-dense`` and ``ddp-sgd`` (torch
+DDP with gf-paper's SGD, the oracle of gf-paper where the user's optimizer differs from it).
+
+With ``--bandwidth`` (and root) a third launch, ``tta``, trains a bigger transformer with ``ddp`` and
+``gf-recommended`` on an emulated cluster and records the training wall clock at each validation
+point (validation itself is outside the clock), for time to accuracy.
+
+Worker (under torchrun): :mod:`gradientflow.bench.quality_worker`.
+Report and plots: :mod:`gradientflow.bench.quality_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+RECIPES = ("ddp", "gf-recommended", "gf-paper", "gf-fp16-dense", "ddp-sgd")
+DENSITY = 0.1
+PAPER_MOMENTUM = 0.9
+WORKLOAD_OF_CLI = {"tiny_transformer": "transformer", "small_cnn": "digits"}
+"""``--workload`` names (the bench's models) of the quality workloads."""
+
+
+@dataclass
+class Job:
+    """One workload trained by several recipes in one launch (``name``: transformer, digits or tta)."""
+
+    name: str
+    workload: str  # "transformer" | "digits"
+    steps: int
+    batch_size: int
+    eval_every: int
+    recipes: list[str]
+    lr: float  # peak LR of the user's optimizer (AdamW / SGD momentum 0.9)
+    paper_lr: float  # peak LR of gf-paper's (and ddp-sgd's) SGD
+    paper_warmup_steps: int  # gf-paper's dense CSC warm-up
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64
+    val_windows: int = 256
+    lr_warmup_frac: float = 0.05
+    probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
+
+
+@dataclass
+class QualitySpec:
+    """Everything a worker needs; written to JSON by the parent, read by every rank."""
+
+    jobs: list[dict[str, Any]]
+    out_path: str
+    seed: int = 0
+    threads: int = 1
+    pg_timeout_s: float = 120.0
+
+
+def lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
+    """LR multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps (1/w, 2/w, ..., 1),
+    then cosine from 1 down to ``floor`` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def csc_chunk_kwargs(n_params: int) -> dict[str, Any]:
+    """THE one place the quality bench chooses a CSC chunk size (every gf recipe uses it).
+
+    The paper's 32768-gradient chunks leave these small models a handful of chunks (small_cnn: 6, so
+    density 0.1 sends 1 of 6).  When the library's own config accepts ``chunk_size="auto"`` that is
+    passed (the library's choice); otherwise :func:`~gradientflow.bench.runner.auto_chunk_size`
+    (about 200 chunks), and nothing at all where that equals the library's default.
+    """
+    from dataclasses import fields
+
+    from gradientflow import GradientFlowConfig
+    from gradientflow.bench.runner import auto_chunk_size
+
+    try:
+        GradientFlowConfig(density=DENSITY, chunk_size="auto")  # type: ignore[arg-type]
+        return {"chunk_size": "auto"}
+    except (TypeError, ValueError):
+        pass
+    default = next(f.default for f in fields(GradientFlowConfig) if f.name == "chunk_size")
+    chunk = auto_chunk_size(n_params)
+    return {} if chunk == default else {"chunk_size": chunk}
+
+
+# ==== recipes =================================================================================
+def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    """Wrapper + optimizer of one recipe, and what was passed (for the report)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import gradientflow as gf
+
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    chunk = csc_chunk_kwargs(n)
+    paper_sgd = recipe in ("gf-paper", "ddp-sgd")
+    if recipe in ("ddp", "ddp-sgd"):
+        wrapped: nn.Module = TorchDDP(model)
+        options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
+    elif recipe == "gf-recommended":
+        options = {"comm_dtype": "fp16", "density": DENSITY, **chunk}
+        wrapped = gf.DistributedDataParallel(model, **options)
+    elif recipe == "gf-paper":
+        options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
+                   "warmup_steps": job.paper_warmup_steps, **chunk}
+        wrapped = gf.DistributedDataParallel(model, **options)
+    elif recipe == "gf-fp16-dense":
+        options = {"comm_dtype": "fp16"}
+        wrapped = gf.DistributedDataParallel(model, **options)
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+    params = wrapped.parameters()
+    if paper_sgd:
+        # gf-paper: momentum lives in CSC's momentum correction, so the optimizer applies none;
+        # ddp-sgd: the same SGD with its momentum in the optimizer, dense (gf-paper's oracle)
+        momentum = 0.0 if recipe == "gf-paper" else PAPER_MOMENTUM
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=job.paper_lr, momentum=momentum)
+        options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={momentum:g})"
+    elif job.workload == "transformer":
+        opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        options["optimizer"] = f"AdamW(lr={job.lr:g}, betas=(0.9, 0.95), weight_decay=0.1)"
+    else:
+        opt = torch.optim.SGD(params, lr=job.lr, momentum=0.9)
+        options["optimizer"] = f"SGD(lr={job.lr:g}, momentum=0.9)"
+    return wrapped, opt, options
+
+
+# ==== orchestration ===========================================================================
+@dataclass
+class QualityOptions:
+    """Options of ``gradientflow bench --quality`` (see ``gradientflow bench --help``)."""
+
+    workloads: list[str] = field(default_factory=lambda: ["transformer", "digits"])
+    recipes: list[str] | None = None  # None: every recipe that applies to the workload
+    nproc: int = 2
+    steps: int = 400
+    tta_steps: int = 300
+    eval_every: int | None = None  # None: steps // 20
+    batch_size: int | None = None  # None: 16 windows (transformer), 32 images (digits), 8 windows (tta)
+    transformer_size: tuple[int, int] = (128, 2)  # (d_model, layers)
+    tta_size: tuple[int, int] = (256, 4)
+    bandwidth: str = "1gbit"
+    threads: int = 1
+    seed: int = 0
+    timeout_s: float = 1800.0
+    prefix: str = "gfq"
+    out: str = "benchmarks/quality"
+
+
+def plan_jobs(opts: QualityOptions) -> tuple[list[Job], Job | None]:
+    """The loopback jobs (quality) and the emulated-cluster job (time to accuracy, or None)."""
+
+    def every(steps: int) -> int:
+        return max(1, min(steps, opts.eval_every or steps // 20))
+
+    def transformer(name: str, size: tuple[int, int], steps: int, batch: int, recipes: list[str]) -> Job:
+        d, layers = size
+        return Job(name=name, workload="transformer", steps=steps, batch_size=opts.batch_size or batch,
+                   eval_every=every(steps), recipes=recipes,
+                   lr=6e-3 * 128 / d,  # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
+                   paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
+                   paper_warmup_steps=max(1, steps // 20), d_model=d, n_layers=layers, n_heads=max(1, d // 32))
+
+    def chosen(default: list[str]) -> list[str]:
+        return [r for r in default if opts.recipes is None or r in opts.recipes]
+
+    jobs = []
+    if "transformer" in opts.workloads:
+        jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(list(RECIPES))))
+    if "digits" in opts.workloads:
+        # the user's optimizer is already the paper's SGD with momentum 0.9: ddp-sgd would be ddp again
+        recipes = chosen([r for r in RECIPES if r != "ddp-sgd"])
+        jobs.append(Job(name="digits", workload="digits", steps=opts.steps, batch_size=opts.batch_size or 32,
+                        eval_every=every(opts.steps), recipes=recipes, lr=0.05, paper_lr=0.05,
+                        paper_warmup_steps=max(1, opts.steps // 20)))
+    for job in jobs:
+        if "ddp" not in job.recipes:
+            job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against
+    tta = None
+    if "transformer" in opts.workloads and opts.bandwidth != "none":
+        tta = transformer("tta", opts.tta_size, opts.tta_steps, 8, ["ddp", "gf-recommended"])
+    return jobs, tta
+
+
+def _launch_jobs(name: str, jobs: list[Job], opts: QualityOptions, out: Path, cluster: Any) -> dict[str, Any]:
+    from gradientflow.bench.runner import error_from_log, launch_workers
+
+    raw_path = out / f"raw-{name}.json"
+    raw_path.unlink(missing_ok=True)
+    spec = QualitySpec(jobs=[asdict(j) for j in jobs], out_path=str(raw_path.resolve()), seed=opts.seed,
+                       threads=opts.threads)
+    spec_path = out / f"spec-{name}.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, opts.timeout_s,
+                                               opts.threads, module="gradientflow.bench.quality_worker")
+    if reason is not None or not raw_path.exists():
+        detail = error_from_log(log_path)
+        raise RuntimeError(f"quality launch '{name}' failed: {reason or 'no results written'}"
+                           + (f": {detail}" if detail else "") + f" (log: {log_path})")
+    logger.info("quality: launch '%s' took %.0f s", name, seconds)
+    return {**json.loads(raw_path.read_text()), "seconds": seconds}
+
+
+def run_quality(opts: QualityOptions) -> dict[str, Any]:
+    """Run the quality launch (loopback) and, with a bandwidth, the time-to-accuracy launch on an
+    emulated cluster; write ``results.json``, ``table.md`` and the plots to ``opts.out``."""
+    from gradientflow.bench import quality_report
+    from gradientflow.bench.cluster import EmulatedCluster, can_emulate
+
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs, tta = plan_jobs(opts)
+    t0 = time.monotonic()
+    launches: dict[str, Any] = {}
+    if jobs:
+        logger.info("quality: %s, %d ranks on loopback, %d steps, recipes %s", " + ".join(j.name for j in jobs),
+                    opts.nproc, opts.steps, ", ".join(jobs[0].recipes))
+        launches["quality"] = _launch_jobs("quality", jobs, opts, out, None)
+    skipped = None
+    if tta is not None:
+        ok, why = can_emulate()
+        if not ok:
+            skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
+            print(f"gradientflow bench --quality: {skipped}; no time-to-accuracy run", file=sys.stderr)
+        else:
+            with EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix) as cluster:
+                logger.info("quality: time to accuracy, transformer %dx%d, %d nodes at %s, %d steps",
+                            *opts.tta_size, opts.nproc, opts.bandwidth, opts.tta_steps)
+                launches["tta"] = _launch_jobs("tta", [tta], opts, out, cluster)
+    summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
+    quality_report.write_all(summary, out)
+    return summary

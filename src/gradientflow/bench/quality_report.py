@@ -1,0 +1,309 @@
+"""Report of ``gradientflow bench --quality``: per recipe final quality, ratio to torch DDP, bytes sent
+and share of sparse steps; time to accuracy; ``results.json``, ``table.md`` and PNG plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RECIPE_WHAT = {
+    "ddp": "torch DDP, dense fp32 (the oracle)",
+    "gf-recommended": "gradientflow fp16 + CSC density 0.1, library defaults otherwise, the user's optimizer",
+    "gf-paper": "gradientflow fp16 + CSC 0.1 + momentum correction 0.9, plain SGD, dense warm-up",
+    "gf-fp16-dense": "gradientflow fp16 wire, dense, the user's optimizer",
+    "ddp-sgd": "torch DDP, dense fp32, gf-paper's SGD with momentum 0.9 in the optimizer (gf-paper's oracle)",
+}
+DEFINITIONS = {
+    "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "
+             "(above 1 = worse), validation accuracy for digits (below 1 = worse)",
+    "sent": "bytes one rank hands to allreduce per step, mean over all steps (gradientflow: measured, "
+            "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c)",
+    "sparse": "share of steps on which CSC sent fewer than all chunks (dense warm-up steps and dense recipes: 0)",
+    "tta": "time to X s: training wall clock until the validation loss first reaches X (linear between "
+           "validation points); X = ddp's final validation loss, then the worst final loss of the recipes (a loss "
+           "every recipe reached); ddp / this = how many times faster than ddp",
+    "exposed": "exposed comm ms: gradientflow's comm_stats()['exposed_seconds'], the time the end of backward "
+               "waited on communication, median over steps (— for torch DDP, which does not report it)",
+    "time": "training wall clock: the sum of every step's time (forward, backward with its communication, "
+            "optimizer), slowest rank per step; validation is outside the clock",
+}
+
+
+def time_to_target(times: list[float], losses: list[float], target: float) -> float | None:
+    """First time the piecewise-linear curve through ``(times[i], losses[i])`` reaches ``losses <= target``.
+
+    None when no point reaches it.  A first point already at or below the target gives ``times[0]``.
+    """
+    if len(times) != len(losses):
+        raise ValueError(f"times and losses differ in length: {len(times)} vs {len(losses)}")
+    for i, (t, loss) in enumerate(zip(times, losses)):
+        if not loss <= target:  # also skips NaN
+            continue
+        if i == 0 or not np.isfinite(losses[i - 1]):
+            return float(t)
+        t0, l0 = times[i - 1], losses[i - 1]
+        return float(t0 + (l0 - target) / (l0 - loss) * (t - t0))
+    return None
+
+
+def is_sparse_step(stats: dict[str, float]) -> bool:
+    """Whether a step's ``comm_stats()`` shows a sparse CSC step: not a dense warm-up step, and (where the
+    library says how many chunks it selected) fewer than all chunks selected."""
+    if stats.get("warmup", 0) or "warmup" not in stats and "selected_chunks" not in stats:
+        return False
+    if "selected_chunks" in stats and "n_chunks" in stats:
+        return stats["selected_chunks"] < stats["n_chunks"]
+    return True
+
+
+def _library_defaults() -> dict[str, Any]:
+    from gradientflow import GradientFlowConfig
+
+    return {f.name: f.default for f in fields(GradientFlowConfig) if f.name in (
+        "fusion_threshold_mb", "comm_dtype", "algorithm", "chunk_size", "warmup_steps", "momentum", "csc_scope")
+        or f.name.startswith(("density", "ramp", "warmup"))}
+
+
+def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
+    job, n = raw["job"], raw["n_params"]
+    metric = "val_acc" if job["workload"] == "digits" else "val_loss"
+    rows = []
+    for run in raw["runs"]:
+        wall = np.concatenate([[0.0], np.cumsum(run["step_s"])]) if run["step_s"] else np.zeros(1)
+        evals = run["evals"]
+        curve = {"step": [e["step"] for e in evals], "val_loss": [e["val_loss"] for e in evals],
+                 "val_acc": [e["val_acc"] for e in evals], "train_loss": [e["train_loss"] for e in evals],
+                 "wall_s": [float(wall[min(e["step"], len(wall) - 1)]) for e in evals]}
+        payload = [s["payload_bytes"] for s in run["stats"] if "payload_bytes" in s]
+        exposed = [s["exposed_seconds"] for s in run["stats"] if "exposed_seconds" in s]
+        chunks = [s["n_chunks"] for s in run["stats"] if "n_chunks" in s]
+        rows.append({
+            "recipe": run["recipe"], "what": RECIPE_WHAT.get(run["recipe"], ""), "options": run["options"],
+            "status": run["status"], "error": run["error"], "steps": len(run["step_s"]),
+            "final_val_loss": evals[-1]["val_loss"] if evals else None,
+            "final_val_acc": evals[-1]["val_acc"] if evals else None,
+            "bytes_per_step": float(np.mean(payload)) if payload else 4.0 * n,
+            "bytes_source": "measured" if payload else "computed",
+            "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
+            "n_chunks": int(max(chunks)) if chunks else None,
+            "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,
+            "median_exposed_s": float(np.median(exposed)) if exposed else None,
+            "train_s": float(wall[-1]),
+            "curve": curve,
+        })
+    by = {r["recipe"]: r for r in rows}
+    for r in rows:
+        for ref, key in (("ddp", "ratio_to_ddp"), ("ddp-sgd", "ratio_to_ddp_sgd")):
+            base = by.get(ref, {}).get(f"final_{metric}")
+            mine = r[f"final_{metric}"]
+            r[key] = mine / base if base and mine is not None else None
+    return {"name": raw["job"]["name"], "job": job, "n_params": n, "metric": metric, "probe_s": raw["probe_s"],
+            "compute_step_s": float(np.median(raw["probe_s"])) if raw["probe_s"] else None, "rows": rows}
+
+
+def _summarize_tta(job: dict[str, Any], bandwidth: str) -> dict[str, Any]:
+    by = {r["recipe"]: r for r in job["rows"]}
+    target = by["ddp"]["final_val_loss"]
+    # should a recipe end above ddp's final loss: the loss every recipe reached still gives a speed ratio
+    common = max(r["final_val_loss"] for r in job["rows"])
+    for r in job["rows"]:
+        c = r["curve"]
+        r["time_to_target_s"] = time_to_target(c["wall_s"], c["val_loss"], target)
+        r["time_to_common_s"] = time_to_target(c["wall_s"], c["val_loss"], common)
+    ddp_t = by["ddp"]["time_to_target_s"]
+    gf_t = by.get("gf-recommended", {}).get("time_to_target_s")
+    comp, ddp_step = job["compute_step_s"], by["ddp"]["median_step_s"]
+    ddp_c, gf_c = by["ddp"]["time_to_common_s"], by.get("gf-recommended", {}).get("time_to_common_s")
+    return {**job, "bandwidth": bandwidth, "target_val_loss": target, "common_val_loss": common,
+            "speedup": ddp_t / gf_t if ddp_t and gf_t else None,
+            "speedup_common": ddp_c / gf_c if ddp_c and gf_c else None,
+            "ddp_comm_share": 1 - comp / ddp_step if comp and ddp_step else None}
+
+
+def summarize(launches: dict[str, Any], opts: Any, seconds: float, tta_skipped: str | None) -> dict[str, Any]:
+    """Everything ``results.json`` holds (see :data:`DEFINITIONS`)."""
+    from gradientflow.bench.quality import csc_chunk_kwargs
+
+    quality = launches.get("quality", {})
+    workloads = {j["job"]["name"]: _summarize_job(j) for j in quality.get("jobs", [])}
+    tta = None
+    if "tta" in launches:
+        tta = _summarize_tta(_summarize_job(launches["tta"]["jobs"][0]), opts.bandwidth)
+    argv = sys.argv[1:] if sys.argv[0].endswith(("gradientflow", "cli.py")) else None
+    return {
+        "command": " ".join(["gradientflow", *argv]) if argv is not None else None,
+        "date": datetime.date.today().isoformat(),
+        "options": asdict(opts),
+        "world_size": quality.get("world_size") or (launches.get("tta") or {}).get("world_size"),
+        "threads_per_rank": opts.threads,
+        "library_defaults": _library_defaults(),
+        "csc_chunk_choice": {w["name"]: csc_chunk_kwargs(w["n_params"]) for w in workloads.values()},
+        "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
+        "definitions": DEFINITIONS,
+        "seconds": seconds,
+        "launch_seconds": {k: v["seconds"] for k, v in launches.items()},
+        "workloads": workloads,
+        "tta": tta,
+        "tta_skipped": tta_skipped,
+    }
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _times(x: float | None, k: float) -> float | None:
+    return None if x is None else x * k
+
+
+def _describe(w: dict[str, Any], world: int) -> str:
+    j = w["job"]
+    if j["workload"] == "transformer":
+        what = (f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
+                f"characters of pydoc_data.topics, batch {j['batch_size']} x {j['seq_len']} tokens/rank")
+    else:
+        what = f"small_cnn ({w['n_params']:,} parameters) on scikit-learn digits, batch {j['batch_size']}/rank"
+    return (f"**{w['name']}**: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
+            f"then cosine to 10%, validated every {j['eval_every']} steps")
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The tables, ready to paste into the README, with what each column means."""
+    world = summary["world_size"]
+    lines = [f"`{summary['command']}` ({summary['date']}, {summary['seconds']:.0f} s)" if summary["command"]
+             else f"({summary['date']}, {summary['seconds']:.0f} s)", ""]
+    for w in summary["workloads"].values():
+        digits = w["metric"] == "val_acc"
+        lines += [_describe(w, world), "",
+                  "| recipe | optimizer | " + ("final val accuracy | ratio to ddp | final val loss"
+                                              if digits else "final val loss | ratio to ddp")
+                  + " | MB sent/step | sparse steps |",
+                  "|---|---|---|---|---|---|" + ("---|" if digits else "")]
+        for r in w["rows"]:
+            mb = _f(r["bytes_per_step"] / 1e6, ".3f") + (" c" if r["bytes_source"] == "computed" else "")
+            if r["status"] != "ok":
+                mb += f" ({r['status']}: {(r['error'] or '')[:120]})"
+            ratio = _f(r["ratio_to_ddp"], ".3f")
+            if r.get("ratio_to_ddp_sgd") is not None and r["recipe"] == "gf-paper":
+                ratio += f" ({r['ratio_to_ddp_sgd']:.3f} to ddp-sgd)"
+            q = (f"{_f(_times(r['final_val_acc'], 100), '.1f')}% | {ratio} | "
+                 f"{_f(r['final_val_loss'], '.3f')}" if digits else f"{_f(r['final_val_loss'], '.3f')} | {ratio}")
+            lines.append(f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {mb} | {r['sparse_share']:.0%} |")
+        lines.append("")
+    t = summary["tta"]
+    if t:
+        j = t["job"]
+        lines += [f"**time to accuracy**, emulated {t['bandwidth']} per node: TinyTransformer d_model {j['d_model']} "
+                  f"x {j['n_layers']} layers ({t['n_params']:,} parameters), batch {j['batch_size']} x "
+                  f"{j['seq_len']} tokens/rank, {world} ranks, {j['steps']} steps; target = ddp's final validation "
+                  f"loss {t['target_val_loss']:.3f}. Compute alone (ddp's step without communication, median of "
+                  f"{len(t['probe_s'])} spread over the run): {_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so "
+                  f"communication and its overheads are {_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense "
+                  "DDP step.", "",
+                  f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
+                  f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
+                  "| training s | MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        ddp_row = next(r for r in t["rows"] if r["recipe"] == "ddp")
+        for r in t["rows"]:
+            cells = []
+            for key in ("time_to_target_s", "time_to_common_s"):
+                tt, base = r[key], ddp_row[key]
+                cells.append(f"{_f(tt, '.1f') if tt is not None else 'not reached'} | "
+                             f"{_f(base / tt if base and tt else None, '.2f')}")
+            lines.append(f"| {r['recipe']} | {_f(r['final_val_loss'], '.3f')} | {' | '.join(cells)} | "
+                         f"{_f(_times(r['median_step_s'], 1e3), '.0f')} | "
+                         f"{_f(_times(r['median_exposed_s'], 1e3), '.0f')} | {r['train_s']:.1f} | "
+                         f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
+                         f"{r['sparse_share']:.0%} |")
+        lines.append("")
+    elif summary.get("tta_skipped"):
+        lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
+    d = summary["definitions"]
+    lines += [f"- ratio: {d['ratio']}", f"- MB sent/step: {d['sent']}", f"- sparse steps: {d['sparse']}"]
+    if t:
+        lines += [f"- {d['tta']}", f"- time: {d['time']}", f"- {d['exposed']}"]
+    defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
+    lines.append(f"- library defaults at run time: {defaults}")
+    return "\n".join(lines).strip() + "\n"
+
+
+def plot(summary: dict[str, Any], out: Path) -> list[Path]:
+    """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
+    and ``tta.png`` (validation loss against training wall-clock seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
+    style = {"ddp": {"color": "black", "lw": 3, "alpha": 0.5}, "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
+             "gf-recommended": {"color": "tab:orange"}, "gf-paper": {"color": "tab:green"},
+             "ddp-sgd": {"color": "tab:purple", "ls": ":"}}
+    for w in summary["workloads"].values():
+        digits = w["metric"] == "val_acc"
+        fig, axes = plt.subplots(1, 2 if digits else 1, figsize=(12 if digits else 7, 4.5), squeeze=False)
+        for r in w["rows"]:
+            c = r["curve"]
+            kw = {"marker": "o", "ms": 3, "label": r["recipe"], **style.get(r["recipe"], {})}
+            axes[0][0].plot(c["step"], c["val_loss"], **kw)
+            if digits:
+                axes[0][1].plot(c["step"], [100 * a for a in c["val_acc"]], **kw)
+        axes[0][0].set(xlabel="step", ylabel="validation loss", title=f"{w['name']} ({w['n_params']:,} parameters)")
+        if not digits:
+            finite = [v for r in w["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
+            if finite:  # the untrained first point would flatten the rest
+                axes[0][0].set_ylim(min(finite) - 0.05, max(finite) + 0.1)
+        else:
+            axes[0][1].set(xlabel="step", ylabel="validation accuracy, %", ylim=(80, 100), title="digits accuracy")
+            axes[0][1].legend()
+        axes[0][0].legend()
+        fig.tight_layout()
+        paths.append(out / f"quality_{w['name']}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    t = summary["tta"]
+    if t:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in t["rows"]:
+            c = r["curve"]
+            line, = ax.plot(c["wall_s"], c["val_loss"], marker="o", ms=3, label=r["recipe"],
+                            **style.get(r["recipe"], {}))
+            if r["time_to_target_s"] is not None:
+                ax.axvline(r["time_to_target_s"], color=line.get_color(), ls=":", lw=1)
+        ax.axhline(t["target_val_loss"], color="gray", ls="--", lw=1, label="ddp's final loss")
+        if t["common_val_loss"] != t["target_val_loss"]:
+            ax.axhline(t["common_val_loss"], color="gray", ls="-.", lw=1, label="worst final loss")
+        finite = [v for r in t["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
+        if finite:
+            ax.set_ylim(min(finite) - 0.05, max(finite) + 0.1)
+        ax.set(xlabel="training wall clock, s (validation excluded)", ylabel="validation loss",
+               title=f"time to accuracy, {t['n_params']:,} parameters, emulated {t['bandwidth']}")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "tta.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_all(summary: dict[str, Any], out: Path) -> None:
+    """``results.json``, ``table.md`` and the plots in ``out``; the table is also printed."""
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    table = markdown(summary)
+    (out / "table.md").write_text(table)
+    plot(summary, out)
+    print(table)

@@ -1,0 +1,253 @@
+"""The worker of ``gradientflow bench --quality``: ``python -m gradientflow.bench.quality_worker SPEC.json``,
+started by torchrun on every rank.  Trains each job's recipes interleaved step by step (a barrier before
+each step, so noise hits every recipe alike; the slowest rank's time counts), evaluates them outside the
+clock, and rank 0 writes the raw results named in the spec.  See :mod:`gradientflow.bench.quality`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_factor
+from gradientflow.bench.runner import MARK
+
+logger = logging.getLogger(__name__)
+
+
+# ==== data ====================================================================================
+class _Data:
+    """Training batches (per rank, from a generator) and the fixed validation set of a workload."""
+
+    def __init__(self, job: Job, seed: int, rank: int, world: int) -> None:
+        self.job, self.rank, self.world = job, rank, world
+        if job.workload == "transformer":
+            from gradientflow.bench.data import char_vocab, encode, pydoc_topics_corpus
+
+            train, val = pydoc_topics_corpus()
+            self.vocab = char_vocab(train + val)
+            self.train_ids = encode(train, self.vocab)
+            val_ids = encode(val, self.vocab)
+            t = job.seq_len
+            n = (len(val_ids) - 1) // t
+            starts = torch.linspace(0, n - 1, min(n, job.val_windows)).long() * t  # non-overlapping, spread out
+            offs = torch.arange(t)
+            self.val_x, self.val_y = val_ids[starts[:, None] + offs], val_ids[starts[:, None] + offs + 1]
+        else:
+            from gradientflow.bench.data import load_digits_split, shard
+
+            x_train, y_train, self.val_x, self.val_y = load_digits_split(seed=seed)
+            self.xs, self.ys = shard(x_train, y_train, rank, world)
+        self.seed = seed
+
+    def batches(self):
+        """An endless iterator of this rank's batches; equal for every recipe (same seed)."""
+        gen = torch.Generator().manual_seed(self.seed * 1000 + self.rank)
+        b = self.job.batch_size
+        if self.job.workload == "transformer":
+            from gradientflow.bench.data import lm_batch
+
+            while True:
+                yield lm_batch(self.train_ids, b, self.job.seq_len, gen)
+        while True:
+            order = torch.randperm(len(self.xs), generator=gen)
+            for pos in range(0, len(order) - b + 1, b):
+                idx = order[pos:pos + b]
+                yield self.xs[idx], self.ys[idx]
+
+    def build_model(self) -> nn.Module:
+        from gradientflow.bench.models import build_model
+
+        torch.manual_seed(self.seed)
+        if self.job.workload == "transformer":
+            return build_model("tiny_transformer", vocab_size=len(self.vocab), d_model=self.job.d_model,
+                               n_layers=self.job.n_layers, n_heads=self.job.n_heads, seq_len=self.job.seq_len)
+        return build_model("small_cnn")
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction=reduction)
+
+
+def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
+    """(mean validation loss, accuracy or None) over the whole validation set; each rank scores its
+    strided share and the sums are allreduced.  Not part of any timed step."""
+    was = module.training
+    module.eval()
+    x, y = data.val_x[data.rank::data.world], data.val_y[data.rank::data.world]
+    with torch.no_grad():
+        total = torch.zeros(3, dtype=torch.float64)
+        for i in range(0, len(x), 64):
+            out = module(x[i:i + 64])
+            total[0] += float(_loss(out, y[i:i + 64], "sum"))
+            total[1] += y[i:i + 64].numel()
+            total[2] += float((out.argmax(-1) == y[i:i + 64]).sum())
+    module.train(was)
+    dist.all_reduce(total)
+    acc = float(total[2] / total[1]) if data.job.workload == "digits" else None
+    return float(total[0] / total[1]), acc
+
+
+def _comm_record(wrapped: nn.Module) -> dict[str, float]:
+    if not hasattr(wrapped, "comm_stats"):
+        return {}
+    s = wrapped.comm_stats()
+    keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
+    return {k: float(s[k]) for k in keys if k in s}
+
+
+@dataclass
+class _Run:
+    recipe: str
+    wrapped: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    batches: Any
+    options: dict[str, Any]
+    step_s: list[float] = field(default_factory=list)
+    stats: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    status: str = "ok"
+    error: str | None = None
+
+
+class _Probe:
+    """Compute-only steps (the ddp recipe's forward, backward and optimizer, lr 0, no communication),
+    spread over the run so that they see the same machine load as the training steps."""
+
+    def __init__(self, data: _Data, job: Job) -> None:
+        self.model = data.build_model()
+        params = self.model.parameters()
+        self.opt = (torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
+                    if job.workload == "transformer" else torch.optim.SGD(params, lr=0.0, momentum=0.9))
+        self.batches = data.batches()
+        self.times: list[float] = []
+        for _ in range(2):  # untimed: first-call costs
+            self.step(record=False)
+
+    def step(self, record: bool = True) -> None:
+        x, y = next(self.batches)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        _loss(self.model(x), y).backward()
+        self.opt.step()
+        if record:
+            self.times.append(time.perf_counter() - t0)
+
+
+def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
+    """Train every recipe of ``job`` interleaved step by step; this rank's record."""
+    from tqdm import tqdm
+
+    data = _Data(job, seed, rank, world)
+    probe = _Probe(data, job)
+    probe_every = max(1, job.steps // max(1, job.probe_steps))
+    runs: list[_Run] = []
+    n_params = 0
+    for recipe in job.recipes:
+        model = data.build_model()
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        wrapped, opt, options = build_recipe(recipe, model, job)
+        warm = max(1, round(job.lr_warmup_frac * job.steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s, warm=warm: lr_factor(s, job.steps, warm))
+        runs.append(_Run(recipe, wrapped, opt, sched, data.batches(), options))
+
+    def eval_all(step: int) -> None:
+        for run in runs:
+            if run.status == "ok":
+                loss, acc = evaluate(run.wrapped.module, data)
+                recent = run.train_losses[-job.eval_every:]
+                run.evals.append({"step": step, "val_loss": loss, "val_acc": acc,
+                                  "train_loss": sum(recent) / len(recent) if recent else None})
+
+    eval_all(0)
+    bar = tqdm(range(job.steps), desc=f"{job.name}: {len(runs)} recipes", unit="step", disable=rank != 0,
+               file=sys.stderr, mininterval=2.0)
+    for step in bar:
+        if step % probe_every == 0:
+            probe.step()
+        for run in runs:
+            if run.status != "ok":
+                continue
+            x, y = next(run.batches)
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                run.opt.zero_grad(set_to_none=True)
+                loss = _loss(run.wrapped(x), y)
+                loss.backward()
+                run.opt.step()
+            except Exception as exc:  # noqa: BLE001 — recorded per recipe; the others go on
+                run.status, run.error = "error", f"{type(exc).__name__}: {exc}"
+                logger.error("%s / %s failed at step %d: %s", job.name, run.recipe, step, run.error)
+                continue
+            run.step_s.append(time.perf_counter() - t0)
+            run.sched.step()
+            run.stats.append(_comm_record(run.wrapped))
+            run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
+        if (step + 1) % job.eval_every == 0 or step + 1 == job.steps:
+            eval_all(step + 1)
+            if rank == 0:
+                losses = {r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}
+                bar.set_postfix(losses, refresh=False)
+                # the launcher shows MARK lines on the user's terminal (the bar goes to the launch log)
+                print(f"{MARK}{job.name} step {step + 1}/{job.steps}, validation loss: "
+                      + ", ".join(f"{k} {v}" for k, v in losses.items()), file=sys.stderr, flush=True)
+    bar.close()
+    return {
+        "job": asdict(job), "n_params": n_params, "probe_s": probe.times,
+        "runs": [{"recipe": r.recipe, "options": r.options, "status": r.status, "error": r.error,
+                  "step_s": r.step_s, "stats": r.stats, "evals": r.evals} for r in runs],
+    }
+
+
+def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's record, with every step's time (and the probe's) replaced by the slowest rank's."""
+    out = dict(per_rank[0])
+    out["probe_s"] = [max(ts) for ts in zip(*(r["probe_s"] for r in per_rank))]
+    runs = []
+    for i, run in enumerate(per_rank[0]["runs"]):
+        run = dict(run)
+        run["step_s"] = [max(ts) for ts in zip(*(r["runs"][i]["step_s"] for r in per_rank))]
+        runs.append(run)
+    out["runs"] = runs
+    return out
+
+
+def worker_main(spec_path: str) -> None:
+    """One rank (run under torchrun): every job of the spec in turn; rank 0 writes the results."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = QualitySpec(**json.loads(Path(spec_path).read_text()))
+    torch.set_num_threads(spec.threads)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        results = []
+        for jd in spec.jobs:
+            mine = run_job(Job(**jd), spec.seed, rank, world)
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine)
+            results.append(_merge(gathered))
+        if rank == 0:
+            Path(spec.out_path).write_text(json.dumps({"world_size": world, "threads_per_rank": spec.threads,
+                                                       "jobs": results}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])

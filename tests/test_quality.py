@@ -1,0 +1,156 @@
+"""``gradientflow bench --quality``: the pure helpers with hand-derived values, the report on a made-up
+time-to-accuracy launch, and one tiny run end to end through the command (loopback, no shaping)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+
+from gradientflow import GradientFlowConfig
+from gradientflow.bench.quality import Job, QualityOptions, csc_chunk_kwargs, lr_factor, plan_jobs
+from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
+from gradientflow.cli import main
+
+CLI = [sys.executable, "-m", "gradientflow.cli"]
+
+
+@pytest.mark.parametrize("target, expected", [
+    (1.75, 15.0),  # between (10, 2.0) and (20, 1.5): 10 + 0.25 / 0.5 * 10
+    (2.0, 10.0),  # exactly the second point
+    (3.5, 0.0),  # the first point is already below
+    (1.0, 30.0),  # the last point
+    (0.5, None),  # never reached
+])
+def test_time_to_target_interpolates_linearly(target, expected):
+    assert time_to_target([0, 10, 20, 30], [3.0, 2.0, 1.5, 1.0], target) == expected
+
+
+def test_time_to_target_first_crossing_and_nan():
+    # not monotone: the first crossing counts, 0 + (3 - 1.5) / (3 - 1) * 10
+    assert time_to_target([0, 10, 20, 30], [3.0, 1.0, 2.5, 0.5], 1.5) == 7.5
+    # a NaN point before the crossing: no line through it, the crossing point's own time
+    assert time_to_target([0, 10, 20], [3.0, math.nan, 1.0], 2.0) == 20.0
+    assert time_to_target([0, 10], [math.nan, math.nan], 2.0) is None
+    with pytest.raises(ValueError):
+        time_to_target([0, 1], [1.0], 1.0)
+
+
+@pytest.mark.parametrize("stats, sparse", [
+    ({}, False),  # torch DDP
+    ({"payload_bytes": 10.0}, False),  # gradientflow dense
+    ({"warmup": 1, "selected_chunks": 10, "n_chunks": 10}, False),  # dense warm-up
+    ({"warmup": 0}, True),
+    ({"warmup": 0, "selected_chunks": 5, "n_chunks": 50}, True),
+    ({"warmup": 0, "selected_chunks": 50, "n_chunks": 50}, False),  # a ramp that reached every chunk
+    ({"selected_chunks": 3, "n_chunks": 10}, True),
+])
+def test_is_sparse_step(stats, sparse):
+    assert is_sparse_step(stats) is sparse
+
+
+def test_lr_factor_warmup_then_cosine_to_floor():
+    # 6 steps, 1 warm-up step: cosine over steps 1..5 (span 4)
+    assert [round(lr_factor(s, 6, 1), 6) for s in range(6)] == [1.0, 1.0, round(0.1 + 0.45 * (1 + 0.5 ** 0.5), 6),
+                                                                0.55, round(0.1 + 0.45 * (1 - 0.5 ** 0.5), 6), 0.1]
+    assert [lr_factor(s, 10, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_csc_chunk_choice_is_accepted_by_the_library():
+    for n in (188_234, 431_463, 10**8):
+        kw = csc_chunk_kwargs(n)
+        assert kw in ({"chunk_size": "auto"}, {}) or 64 <= kw["chunk_size"] <= 32768
+        GradientFlowConfig(density=0.1, **kw)  # never raises
+    if csc_chunk_kwargs(188_234) != {"chunk_size": "auto"}:  # today's library: about 200 chunks
+        assert csc_chunk_kwargs(188_234) == {"chunk_size": 512}
+
+
+def test_plan_jobs():
+    jobs, tta = plan_jobs(QualityOptions(recipes=["gf-recommended", "ddp-sgd"], bandwidth="none"))
+    assert [j.name for j in jobs] == ["transformer", "digits"] and tta is None
+    assert jobs[0].recipes == ["ddp", "gf-recommended", "ddp-sgd"]  # the oracle is always added
+    assert jobs[1].recipes == ["ddp", "gf-recommended"]  # ddp-sgd would be ddp again on digits
+    assert jobs[0].eval_every == 20 and jobs[0].paper_warmup_steps == 20
+    jobs, tta = plan_jobs(QualityOptions(workloads=["transformer"], tta_size=(64, 1), bandwidth="1gbit"))
+    assert tta is not None and tta.recipes == ["ddp", "gf-recommended"] and (tta.d_model, tta.n_layers) == (64, 1)
+    assert plan_jobs(QualityOptions(workloads=["digits"]))[1] is None  # time to accuracy is the transformer's
+
+
+def _run(recipe, step_s, losses, stats):
+    evals = [{"step": 2 * i, "val_loss": v, "val_acc": None, "train_loss": None} for i, v in enumerate(losses)]
+    return {"recipe": recipe, "options": {"optimizer": "AdamW"}, "status": "ok", "error": None, "step_s": step_s,
+            "stats": stats, "evals": evals}
+
+
+def test_tta_report_on_a_made_up_launch(tmp_path):
+    job = Job(name="tta", workload="transformer", steps=4, batch_size=2, eval_every=2,
+              recipes=["ddp", "gf-recommended"],
+              lr=1e-3, paper_lr=0.3, paper_warmup_steps=1)
+    gf_stats = [{"payload_bytes": 100.0, "warmup": 0.0, "selected_chunks": 1.0, "n_chunks": 10.0}] * 4
+    raw = {"world_size": 2, "seconds": 1.0, "jobs": [{"job": asdict(job), "n_params": 1000, "probe_s": [0.1, 0.1],
+           "runs": [_run("ddp", [0.2] * 4, [4.0, 3.0, 2.0], [{}] * 4),
+                    _run("gf-recommended", [0.1] * 4, [4.0, 2.5, 1.5], gf_stats)]}]}
+    s = summarize({"tta": raw}, QualityOptions(), seconds=1.0, tta_skipped=None)
+    t = s["tta"]
+    rows = {r["recipe"]: r for r in t["rows"]}
+    assert t["target_val_loss"] == 2.0
+    assert rows["ddp"]["curve"]["wall_s"] == pytest.approx([0.0, 0.4, 0.8])
+    assert rows["ddp"]["time_to_target_s"] == pytest.approx(0.8)
+    assert rows["gf-recommended"]["time_to_target_s"] == pytest.approx(0.3)  # 0.2 + 0.5 / 1.0 * 0.2
+    assert t["speedup"] == pytest.approx(0.8 / 0.3)
+    assert t["ddp_comm_share"] == pytest.approx(0.5)  # 1 - 0.1 s compute / 0.2 s step
+    assert rows["ddp"]["bytes_per_step"] == 4000 and rows["gf-recommended"]["bytes_per_step"] == 100
+    assert rows["gf-recommended"]["sparse_share"] == 1.0 and rows["ddp"]["sparse_share"] == 0.0
+    assert t["common_val_loss"] == 2.0 and t["speedup_common"] == pytest.approx(0.8 / 0.3)
+    assert "| gf-recommended | 1.500 | 0.3 | 2.67 | 0.3 | 2.67 |" in markdown(s)
+    assert [p.name for p in plot(s, tmp_path)] == ["tta.png"]
+
+
+def test_quality_rejects_other_workloads(capsys):
+    assert main(["bench", "--quality", "--workload", "resnet50"]) == 2
+    assert "--quality trains" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--quality", "--transformer-size", "128"])
+    assert exc.value.code == 2
+
+
+def test_quality_end_to_end_tiny(tmp_path):
+    args = ["bench", "--quality", "--steps", "12", "--eval-every", "4", "--transformer-size", "32x1",
+            "--bandwidth", "none", "--timeout", "150", "--out", str(tmp_path)]
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
+    res = json.loads((tmp_path / "results.json").read_text())
+    for key in ("command", "date", "options", "library_defaults", "csc_chunk_choice", "workloads", "tta", "seconds"):
+        assert key in res
+    assert res["tta"] is None and res["world_size"] == 2
+    assert set(res["workloads"]) == {"transformer", "digits"}
+    expected = {"transformer": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense", "ddp-sgd"},
+                "digits": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense"}}
+    for name, w in res["workloads"].items():
+        rows = {r["recipe"]: r for r in w["rows"]}
+        assert set(rows) == expected[name]
+        ddp = rows["ddp"]
+        assert ddp["ratio_to_ddp"] == 1.0 and ddp["bytes_source"] == "computed"
+        assert ddp["bytes_per_step"] == 4 * w["n_params"]
+        for r in rows.values():
+            assert r["status"] == "ok" and r["steps"] == 12
+            assert r["curve"]["step"] == [0, 4, 8, 12]
+            assert all(math.isfinite(v) and v > 0 for v in r["curve"]["val_loss"]), r["curve"]
+            assert math.isfinite(r["ratio_to_ddp"]) and r["ratio_to_ddp"] > 0
+            assert r["curve"]["wall_s"][0] == 0 and r["curve"]["wall_s"] == sorted(r["curve"]["wall_s"])
+            if r["recipe"].startswith("gf-"):
+                assert r["bytes_source"] == "measured" and 0 < r["bytes_per_step"] < ddp["bytes_per_step"]
+        assert rows["gf-fp16-dense"]["bytes_per_step"] == ddp["bytes_per_step"] / 2
+        assert rows["gf-recommended"]["sparse_share"] > 0.5 and rows["gf-fp16-dense"]["sparse_share"] == 0
+        # gf-paper's dense warm-up: max(1, 12 // 20) = 1 step of 12
+        assert rows["gf-paper"]["sparse_share"] == pytest.approx(11 / 12)
+        if w["metric"] == "val_acc":
+            assert all(0 <= r["final_val_acc"] <= 1 for r in rows.values())
+        assert (tmp_path / f"quality_{name}.png").stat().st_size > 0
+    table = (tmp_path / "table.md").read_text()
+    assert "| gf-recommended |" in table and "ratio to ddp" in table
