@@ -11,8 +11,7 @@ from dataclasses import asdict
 
 import pytest
 
-from gradientflow import GradientFlowConfig
-from gradientflow.bench.quality import Job, QualityOptions, csc_chunk_kwargs, lr_factor, plan_jobs
+from gradientflow.bench.quality import Job, QualityOptions, lr_factor, plan_jobs
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
 from gradientflow.cli import main
 
@@ -58,15 +57,6 @@ def test_lr_factor_warmup_then_cosine_to_floor():
     assert [round(lr_factor(s, 6, 1), 6) for s in range(6)] == [1.0, 1.0, round(0.1 + 0.45 * (1 + 0.5 ** 0.5), 6),
                                                                 0.55, round(0.1 + 0.45 * (1 - 0.5 ** 0.5), 6), 0.1]
     assert [lr_factor(s, 10, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-
-
-def test_csc_chunk_choice_is_accepted_by_the_library():
-    for n in (188_234, 431_463, 10**8):
-        kw = csc_chunk_kwargs(n)
-        assert kw in ({"chunk_size": "auto"}, {}) or 64 <= kw["chunk_size"] <= 32768
-        GradientFlowConfig(density=0.1, **kw)  # never raises
-    if csc_chunk_kwargs(188_234) != {"chunk_size": "auto"}:  # today's library: about 200 chunks
-        assert csc_chunk_kwargs(188_234) == {"chunk_size": 512}
 
 
 def test_plan_jobs():
@@ -125,7 +115,7 @@ def test_quality_end_to_end_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
     res = json.loads((tmp_path / "results.json").read_text())
-    for key in ("command", "date", "options", "library_defaults", "csc_chunk_choice", "workloads", "tta", "seconds"):
+    for key in ("command", "date", "options", "library_defaults", "workloads", "tta", "seconds"):
         assert key in res
     assert res["tta"] is None and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}

@@ -88,29 +88,6 @@ def lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def csc_chunk_kwargs(n_params: int) -> dict[str, Any]:
-    """THE one place the quality bench chooses a CSC chunk size (every gf recipe uses it).
-
-    The paper's 32768-gradient chunks leave these small models a handful of chunks (small_cnn: 6, so
-    density 0.1 sends 1 of 6).  When the library's own config accepts ``chunk_size="auto"`` that is
-    passed (the library's choice); otherwise :func:`~gradientflow.bench.runner.auto_chunk_size`
-    (about 200 chunks), and nothing at all where that equals the library's default.
-    """
-    from dataclasses import fields
-
-    from gradientflow import GradientFlowConfig
-    from gradientflow.bench.runner import auto_chunk_size
-
-    try:
-        GradientFlowConfig(density=DENSITY, chunk_size="auto")  # type: ignore[arg-type]
-        return {"chunk_size": "auto"}
-    except (TypeError, ValueError):
-        pass
-    default = next(f.default for f in fields(GradientFlowConfig) if f.name == "chunk_size")
-    chunk = auto_chunk_size(n_params)
-    return {} if chunk == default else {"chunk_size": chunk}
-
-
 # ==== recipes =================================================================================
 def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
     """Wrapper + optimizer of one recipe, and what was passed (for the report)."""
@@ -118,18 +95,16 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
     import gradientflow as gf
 
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    chunk = csc_chunk_kwargs(n)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
     if recipe in ("ddp", "ddp-sgd"):
         wrapped: nn.Module = TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
     elif recipe == "gf-recommended":
-        options = {"comm_dtype": "fp16", "density": DENSITY, **chunk}
+        options = {"comm_dtype": "fp16", "density": DENSITY}  # everything else: the library's defaults
         wrapped = gf.DistributedDataParallel(model, **options)
     elif recipe == "gf-paper":
         options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
-                   "warmup_steps": job.paper_warmup_steps, **chunk}
+                   "warmup_steps": job.paper_warmup_steps}
         wrapped = gf.DistributedDataParallel(model, **options)
     elif recipe == "gf-fp16-dense":
         options = {"comm_dtype": "fp16"}

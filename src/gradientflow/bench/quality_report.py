@@ -67,7 +67,8 @@ def _library_defaults() -> dict[str, Any]:
     from gradientflow import GradientFlowConfig
 
     return {f.name: f.default for f in fields(GradientFlowConfig) if f.name in (
-        "fusion_threshold_mb", "comm_dtype", "algorithm", "chunk_size", "warmup_steps", "momentum", "csc_scope")
+        "fusion_threshold_mb", "comm_dtype", "algorithm", "chunk_size", "warmup_steps", "momentum", "dense_1d",
+        "csc_scope")
         or f.name.startswith(("density", "ramp", "warmup"))}
 
 
@@ -129,8 +130,6 @@ def _summarize_tta(job: dict[str, Any], bandwidth: str) -> dict[str, Any]:
 
 def summarize(launches: dict[str, Any], opts: Any, seconds: float, tta_skipped: str | None) -> dict[str, Any]:
     """Everything ``results.json`` holds (see :data:`DEFINITIONS`)."""
-    from gradientflow.bench.quality import csc_chunk_kwargs
-
     quality = launches.get("quality", {})
     workloads = {j["job"]["name"]: _summarize_job(j) for j in quality.get("jobs", [])}
     tta = None
@@ -144,7 +143,6 @@ def summarize(launches: dict[str, Any], opts: Any, seconds: float, tta_skipped: 
         "world_size": quality.get("world_size") or (launches.get("tta") or {}).get("world_size"),
         "threads_per_rank": opts.threads,
         "library_defaults": _library_defaults(),
-        "csc_chunk_choice": {w["name"]: csc_chunk_kwargs(w["n_params"]) for w in workloads.values()},
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
         "definitions": DEFINITIONS,
         "seconds": seconds,
