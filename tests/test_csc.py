@@ -296,6 +296,28 @@ def test_comm_state_dict_resume_is_bit_identical() -> None:
     run_distributed(_resume_worker, 2, timeout=120)
 
 
+# ---- the pool is cleared right, whatever the user did to .grad ----------------------------------
+def _clear_worker(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(50 + rank)
+    plain, edited = _sparse(_mlp()), _sparse(_mlp())
+    for step in range(5):
+        x, y = _batch(gen)
+        for m in (plain, edited):
+            m.zero_grad(set_to_none=step % 2 == 0)  # set_to_none=False zeroes the pool in place
+            nn.functional.cross_entropy(m(x), y).backward()
+        # The same result either way: only last step's chunks were cleared in `plain`, the
+        # whole pool in `edited` (its in-place edit below bumped the pool's version counter).
+        for a, b in zip(plain.parameters(), edited.parameters()):
+            assert torch.equal(a.grad, b.grad), step
+        with torch.no_grad():
+            for p in edited.parameters():
+                p.grad.add_(1.0)  # e.g. a LARS-style in-place weight decay on .grad
+
+
+def test_pool_clear_follows_in_place_edits_of_grad() -> None:
+    run_distributed(_clear_worker, 2, timeout=120)
+
+
 # ---- 1-D parameters always sent -------------------------------------------------------------
 def _dense_1d_worker(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(40 + rank)

@@ -93,10 +93,14 @@ class SparseSync(SyncStrategy):
         world_size: int,
         config: GradientFlowConfig,
         shapes: Sequence[torch.Size],
+        control_group: dist.ProcessGroup,
     ) -> None:
         assert config.density is not None
         self.dense = dense
         self.group = group
+        # Score exchanges: a group of their own (the same ranks), never queued behind chunks, and
+        # what lets ranks send slices at different launches (see launch).
+        self.control_group = control_group
         self.world_size = world_size
         self.density = float(config.density)
         self.chunk_size = config.chunk_size
@@ -143,6 +147,7 @@ class SparseSync(SyncStrategy):
         self._ready = [0] * len(self.sizes)   # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
+        self._clean_versions: list[int] | None = None  # see _clear_pool
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
@@ -267,11 +272,14 @@ class SparseSync(SyncStrategy):
         if self.per_slice:
             if scored is not None:
                 self._open_slice(k, *scored, stats)
-            # Lag of one slice: the previous slice's scores had a whole bucket of backward to
-            # arrive, so waiting for them here rarely stalls; its chunks then travel while
-            # backward goes on.  The launch points depend on the layout only: same on all ranks.
-            for sl in self._slices[:-1]:
+            # Send, in slice order, every slice whose global scores have arrived; never wait here.
+            # Ranks may send a slice at different launches: that is safe because scores travel on
+            # their own group, so on each group every rank still issues the same collectives in
+            # the same order.  Backward never stalls on a peer that is a few layers behind.
+            for sl in self._slices:
                 if sl.packed is None:
+                    if not sl.handle.poll():
+                        break
                     self._send_slice(sl, stats)
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
@@ -296,7 +304,7 @@ class SparseSync(SyncStrategy):
         """
         scores = self.scores[self.offsets[k] + lo : self.offsets[k] + hi]
         stats.record_collective(scores.numel() * scores.element_size())
-        handle = start_allreduce(scores, group=self.group, algorithm="native", watchdog=self.dense.watchdog,
+        handle = start_allreduce(scores, group=self.control_group, algorithm="native", watchdog=self.dense.watchdog,
                                  what=f"scores of pool {k} chunks {lo}-{hi}")
         self._slices.append(_Slice(k, lo, hi, handle))
 
@@ -330,6 +338,7 @@ class SparseSync(SyncStrategy):
         if self._last_dense:
             self.dense.finish(stats)
             stats.extra.update(selected_chunks=self.total_chunks, n_chunks=self.total_chunks, warmup=1, density=1.0)
+            self._clean_versions = None  # the pool holds a dense result
             self.step += 1
             return
         tail = self._end_of_backward(stats)
@@ -386,8 +395,7 @@ class SparseSync(SyncStrategy):
         """
         t0 = time.perf_counter()
         t_trace = phase_start(self.dense.watchdog)
-        for buf in self.pool.padded:
-            buf.zero_()
+        self._clear_pool()
         t0 = stats.phase("zero", t0)
         if not ok:
             # NaN on every rank: GradScaler.step skips everywhere (a plain optimizer would apply
@@ -408,8 +416,26 @@ class SparseSync(SyncStrategy):
             if self.res.u is not None:
                 self.res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
         self._sent = [(sl.pool, sl.idx) for sl in slices]
+        self._clean_versions = [b._version for b in self.pool.padded]
         stats.phase("zero", t0)
         phase_end(self.dense.watchdog, "csc.write-back", t_trace)
+
+    def _clear_pool(self) -> None:
+        """Zero the pool: only last step's chunks if nothing else has written to it since.
+
+        Direct pools never see this step's gradient (it went into v), so after a write-back the
+        pool holds the sent chunks and zeros.  The buffers' version counters (bumped by any
+        in-place write: a pool-path accumulation, ``GradScaler.unscale_``, a clipping, an
+        optimizer that edits ``.grad``) tell whether that is still so; if not, one memset.
+        """
+        versions = self._clean_versions
+        self._clean_versions = None
+        if versions is not None and versions == [b._version for b in self.pool.padded]:
+            for k, idx in self._sent:
+                self._pool_rows[k].index_fill_(0, idx, 0.0)
+            return
+        for buf in self.pool.padded:
+            buf.zero_()
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -217,6 +217,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_world_size = dist.get_world_size(group)
         self._gf_src = dist.get_global_rank(group, 0)
 
+    def _gf_control_group(self) -> dist.ProcessGroup:
+        """A second group over the same ranks for CSC's score exchanges (created once per wrapper).
+
+        On one group, a backend runs collectives one after another: a few-KB score allreduce
+        would queue behind the previous slice's megabytes of chunks, and backward would stall
+        waiting for it.  Only the group's members take part in creating it.
+        """
+        control = self.__dict__.get("_gf_control")
+        if control is None:
+            ranks = dist.get_process_group_ranks(self.process_group)
+            control = self._gf_control = dist.new_group(ranks, timeout=self._gf_watchdog.timeout,
+                                                        use_local_synchronization=True)
+        return control
+
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
         self._gf_names = [n for n, p in named if p.requires_grad]
@@ -240,7 +254,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
             self._gf_sync = SparseSync(self._gf_pool, dense, group=group, world_size=world, config=self.config,
-                                       shapes=[p.shape for p in self._gf_params])
+                                       shapes=[p.shape for p in self._gf_params],
+                                       control_group=self._gf_control_group())
         self._gf_hooks = [p.register_post_accumulate_grad_hook(self._gf_make_hook(i))
                           for i, p in enumerate(self._gf_params)]
         self._gf_sync_this_backward = True
@@ -572,7 +587,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         flags = torch.frombuffer(bytearray(self._gf_used), dtype=torch.uint8)
         flags = flags.to(self._gf_params[0].device)
         stats.control_bytes += flags.numel()
-        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True), flags
+        # CSC sends chunks at launches that may differ between ranks (see csc.py): only the
+        # control group has a fixed order of collectives at this point.
+        group = self._gf_control if self.config.sparse else self.process_group
+        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
 
     def _gf_release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
         """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
