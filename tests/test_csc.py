@@ -53,7 +53,8 @@ def _batch(gen: torch.Generator, n: int = 16) -> tuple[torch.Tensor, torch.Tenso
 def _sparse(module: nn.Module, **kw) -> gf.DistributedDataParallel:
     # θ = 1 KB: one bucket per weight/bias pair, so chunks straddle bucket boundaries.
     # dense_1d=False: these tests check the selection itself; test_dense_1d_* checks the 1-D rule.
-    opts = dict(fusion_threshold_mb=0.001, density=0.25, chunk_size=CHUNK, dense_1d=False)
+    # warmup_steps=0: no density ramp unless a test asks for one.
+    opts = dict(fusion_threshold_mb=0.001, density=0.25, chunk_size=CHUNK, dense_1d=False, warmup_steps=0)
     opts.update(kw)
     return gf.DistributedDataParallel(module, **opts)
 
@@ -322,7 +323,7 @@ def test_pool_clear_follows_in_place_edits_of_grad() -> None:
 def _dense_1d_worker(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(40 + rank)
     dense = gf.DistributedDataParallel(_mlp(), fusion_threshold_mb=0.001)
-    model = _sparse(_mlp(), dense_1d=True, density=0.1)
+    model = _sparse(_mlp(), dense_1d=True, density=0.1, csc_scope="global")  # one top-k: countable by hand
     sync = model._gf_sync
     layout = model.pool.layout
     params = list(model.module.parameters())

@@ -248,7 +248,8 @@ def test_scratch_hands_out_disjoint_views_and_keeps_its_buffer_between_steps() -
 
 def _resolved_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
-    model = gf.DistributedDataParallel(nn.Linear(300, 10), comm_dtype="half", density=0.5, dense_1d=False)
+    model = gf.DistributedDataParallel(nn.Linear(300, 10), comm_dtype="half", density=0.5, dense_1d=False,
+                                     warmup_steps=0)
     cfg = model.config
     x = torch.randn(4, 300, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()

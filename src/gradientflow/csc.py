@@ -15,9 +15,11 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower
      index, so every rank picks the same chunks from the same global scores).
      ``csc_scope="slice"`` (default): a slice is the chunks one bucket launch completed; its
-     scores travel while backward goes on and its chunks are packed and sent one launch later,
-     so the wire hides under backward.  ``"global"`` (the paper): one slice per pool buffer,
-     exchanged and selected after backward, one packed allreduce.
+     scores travel while backward goes on, on a process group of their own (the *control*
+     group: a few KB never queue behind megabytes of chunks), and its chunks are packed and
+     sent at the first launch that finds the scores arrived, so the wire hides under backward
+     and backward never waits for a slower peer.  ``"global"`` (the paper): one slice per pool
+     buffer, exchanged and selected after backward, one packed allreduce.
   4. Send: the selected rows of v are gathered into one packed buffer per slice and allreduced
      through :class:`~gradientflow.dense.DenseSync` (pre-divided, cast to the wire dtype).
   5. Write back, after one host read (the step's only one: is everything finite?): the pool is
@@ -51,6 +53,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +103,7 @@ class SparseSync(SyncStrategy):
         self.group = group
         # Score exchanges: a group of their own (the same ranks), never queued behind chunks, and
         # what lets ranks send slices at different launches (see launch).
-        self.control_group = control_group
+        self._control = weakref.ref(control_group)  # torch's registry owns it (see the engine)
         self.world_size = world_size
         self.density = float(config.density)
         self.chunk_size = config.chunk_size
@@ -304,7 +307,7 @@ class SparseSync(SyncStrategy):
         """
         scores = self.scores[self.offsets[k] + lo : self.offsets[k] + hi]
         stats.record_collective(scores.numel() * scores.element_size())
-        handle = start_allreduce(scores, group=self.control_group, algorithm="native", watchdog=self.dense.watchdog,
+        handle = start_allreduce(scores, group=self._control(), algorithm="native", watchdog=self.dense.watchdog,
                                  what=f"scores of pool {k} chunks {lo}-{hi}")
         self._slices.append(_Slice(k, lo, hi, handle))
 

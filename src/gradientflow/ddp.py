@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -105,7 +106,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size ["auto"], warmup_steps [0], momentum [0.0], dense_1d [True], csc_scope ["global"];
+        dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True], csc_scope ["slice"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -138,10 +139,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         algorithm: str = "native",
         density: float | None = None,
         chunk_size: int | str = "auto",
-        warmup_steps: int = 0,
+        warmup_steps: int = 100,
         momentum: float = 0.0,
         dense_1d: bool = True,
-        csc_scope: str = "global",
+        csc_scope: str = "slice",
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
         check_finite: bool = False,
@@ -222,13 +223,17 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         On one group, a backend runs collectives one after another: a few-KB score allreduce
         would queue behind the previous slice's megabytes of chunks, and backward would stall
-        waiting for it.  Only the group's members take part in creating it.
+        waiting for it.  Only the group's members take part in creating it.  Held by weak
+        reference: torch's registry owns it, so ``destroy_process_group()`` really frees it (a
+        group kept alive past that by a stray reference is torn down at interpreter exit, where
+        Gloo can abort the process).
         """
-        control = self.__dict__.get("_gf_control")
+        ref = self.__dict__.get("_gf_control")
+        control = ref() if ref is not None else None
         if control is None:
             ranks = dist.get_process_group_ranks(self.process_group)
-            control = self._gf_control = dist.new_group(ranks, timeout=self._gf_watchdog.timeout,
-                                                        use_local_synchronization=True)
+            control = dist.new_group(ranks, timeout=self._gf_watchdog.timeout, use_local_synchronization=True)
+            self._gf_control = weakref.ref(control)
         return control
 
     def _gf_collect_tensors(self) -> None:
@@ -589,7 +594,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         stats.control_bytes += flags.numel()
         # CSC sends chunks at launches that may differ between ranks (see csc.py): only the
         # control group has a fixed order of collectives at this point.
-        group = self._gf_control if self.config.sparse else self.process_group
+        group = self._gf_control_group() if self.config.sparse else self.process_group
         return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
 
     def _gf_release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:

@@ -70,7 +70,7 @@ def _to_worker(rank: int, world_size: int) -> None:
     assert_same_grads(ref, ours, atol=1e-12)
     assert_same_params(ref, ours, atol=1e-12)
     # Once CSC residuals exist, a dtype change would silently lose them: refused, with the way out.
-    _, sparse = pair(_net, {"density": 0.5, "chunk_size": 8})
+    _, sparse = pair(_net, {"density": 0.5, "chunk_size": 8, "warmup_steps": 0})
     _train([sparse], rank, 1)
     with pytest.raises(ValueError, match="comm_state_dict"):
         sparse.to(torch.float64)
@@ -99,7 +99,7 @@ def _copies_worker(rank: int, world_size: int) -> None:
     # The original was not touched by its copies' training (their hooks are their own).
     assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
     # CSC residuals travel with a copy.
-    _, sparse = pair(_net, {"density": 0.5, "chunk_size": 8})
+    _, sparse = pair(_net, {"density": 0.5, "chunk_size": 8, "warmup_steps": 0})
     _train([sparse], rank, 2)
     twin = copy.deepcopy(sparse)
     for a, b in zip(sparse.comm_state_dict()["v"], twin.comm_state_dict()["v"]):
