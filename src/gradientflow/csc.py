@@ -92,19 +92,15 @@ class SparseSync(SyncStrategy):
         pool: GradPool,
         dense: DenseSync,
         *,
-        group: dist.ProcessGroup,
-        world_size: int,
         config: GradientFlowConfig,
         shapes: Sequence[torch.Size],
         control_group: dist.ProcessGroup,
     ) -> None:
         assert config.density is not None
         self.dense = dense
-        self.group = group
         # Score exchanges: a group of their own (the same ranks), never queued behind chunks, and
         # what lets ranks send slices at different launches (see launch).
         self._control = weakref.ref(control_group)  # torch's registry owns it (see the engine)
-        self.world_size = world_size
         self.density = float(config.density)
         self.chunk_size = config.chunk_size
         self.warmup_steps = config.warmup_steps

@@ -258,7 +258,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.config.sparse:
             from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
-            self._gf_sync = SparseSync(self._gf_pool, dense, group=group, world_size=world, config=self.config,
+            self._gf_sync = SparseSync(self._gf_pool, dense, config=self.config,
                                        shapes=[p.shape for p in self._gf_params],
                                        control_group=self._gf_control_group())
         self._gf_hooks = [p.register_post_accumulate_grad_hook(self._gf_make_hook(i))

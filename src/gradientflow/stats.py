@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+PHASES = ("accumulate", "score", "select", "pack", "wire_wait", "unpack", "zero", "check")
+"""The phases of :attr:`StepStats.phases`, in the order a step runs them."""
+
 
 @dataclass
 class StepStats:

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.stats import PHASES
+
 SPEEDUP_DEF = (
     "speedup = N x t_1rank / t_Nrank (the paper's metric), where t_1rank is the median step time of the "
     "'compute' mode measured in the same launch: the same model and batch per rank with no communication "
@@ -32,7 +34,6 @@ SHARE_DEF = (
     "accumulate, score, select, pack, unpack, zero, check), and the rest (waiting on the network and on the "
     "slower rank, hooks, contention). '—' where a mode has no phase counters (torch DDP)."
 )
-PHASE_NAMES = ("accumulate", "score", "select", "pack", "wire_wait", "unpack", "zero", "check")
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
@@ -57,7 +58,7 @@ def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict
     stats = v.get("stats") or {}
     if ref_s:
         row["compute_share"] = min(1.0, ref_s / med)
-    phases = {p: stats[f"phase_{p}_s"] for p in PHASE_NAMES if f"phase_{p}_s" in stats}
+    phases = {p: stats[f"phase_{p}_s"] for p in PHASES if f"phase_{p}_s" in stats}
     if phases:
         row["phases_ms"] = {p: 1e3 * _pct(xs, 50) for p, xs in phases.items()}
         own = [sum(phases[p][i] for p in phases if p != "wire_wait") for i in range(len(steps))]
@@ -183,10 +184,10 @@ def markdown(summary: dict[str, Any]) -> str:
     if phased:
         lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
                   "comm_stats()' phase_*_s):", "",
-                  "| mode | " + " | ".join(PHASE_NAMES) + " | own CPU total | host syncs/step |",
-                  "|---|" + "---|" * (len(PHASE_NAMES) + 2)]
+                  "| mode | " + " | ".join(PHASES) + " | own CPU total | host syncs/step |",
+                  "|---|" + "---|" * (len(PHASES) + 2)]
         for r in phased:
-            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASE_NAMES)
+            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASES)
             syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
             lines.append(f"| {r['name']} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
     if summary["sweep"]:

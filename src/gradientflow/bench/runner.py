@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradientflow.selection import auto_chunk_size
+from gradientflow.stats import PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +125,6 @@ class _PeakRss:
         self.peak = max(self.peak, _rss_mb())
 
 
-PHASES = tuple(f"phase_{p}_s" for p in ("accumulate", "score", "select", "pack", "wire_wait", "unpack", "zero",
-                                         "check"))
-
-
 def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
     """Bytes torch's ``powerSGD_hook`` hands to allreduce per step, from its own rule.
 
@@ -211,7 +208,7 @@ def _stats_of(model: nn.Module) -> dict[str, float]:
         return {}
     s = model.comm_stats()
     out = {k: float(s[k]) for k in STAT_KEYS}
-    out.update({k: 0.0 for k in PHASES})
+    out.update({f"phase_{p}_s": 0.0 for p in PHASES})
     out.update({k: float(v) for k, v in s.items() if k.startswith("phase_")})
     return out
 
