@@ -265,3 +265,18 @@ def test_half_and_auto_resolve_for_the_model_and_device() -> None:
     st = r0["stats"]
     assert st["n_chunks"] == 189 and st["selected_chunks"] == 95  # ceil(0.5 * 189)
     assert st["payload_bytes"] == 4 * 189 + 2 * 16 * 95  # fp32 scores + bf16 rows
+
+
+def test_plan_layout_tail_bytes_cuts_the_last_bucket_to_its_trailing_parameters():
+    """CSC slices: the last bucket holds the most trailing parameters that fit in tail_bytes."""
+    f32 = (torch.float32, torch.device("cpu"))
+    numels = [100, 100, 30, 20, 10]  # fp32: 400, 400, 120, 80, 40 bytes
+    plain = plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], threshold_bytes=800)
+    assert [b.params for b in plain.buckets] == [(0, 1), (2, 3, 4)]
+    cut = plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], threshold_bytes=800, tail_bytes=130)
+    assert [b.params for b in cut.buckets] == [(0, 1), (2,), (3, 4)]  # 80 + 40 <= 130 < 120 + 80 + 40
+    assert [(b.start, b.end) for b in cut.buckets] == [(0, 200), (200, 230), (230, 260)]
+    assert [b.index for b in cut.buckets] == [0, 1, 2]
+    # a last bucket already within tail_bytes is left alone; a last parameter over it goes alone
+    assert [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, 240).buckets] == [(0, 1), (2, 3, 4)]
+    assert [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, 10).buckets] == [(0, 1), (2, 3), (4,)]

@@ -116,6 +116,7 @@ class SparseSync(SyncStrategy):
         self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
         self._slices: list[_Slice] = []
+        self._unsent = 0  # self._slices[:_unsent] are on the wire
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
         # re-layout that usually happens during them) then cost no residual memory at all.
         self.res: Residuals | None = None
@@ -271,15 +272,23 @@ class SparseSync(SyncStrategy):
         if self.per_slice:
             if scored is not None:
                 self._open_slice(k, *scored, stats)
-            # Send, in slice order, every slice whose global scores have arrived; never wait here.
-            # Ranks may send a slice at different launches: that is safe because scores travel on
-            # their own group, so on each group every rank still issues the same collectives in
-            # the same order.  Backward never stalls on a peer that is a few layers behind.
-            for sl in self._slices:
-                if sl.packed is None:
-                    if not sl.handle.poll():
-                        break
-                    self._send_slice(sl, stats)
+            self.progress(stats)
+
+    def progress(self, stats: StepStats) -> None:
+        """Send, in slice order, every slice whose global scores have arrived; never wait.
+
+        Called at each bucket launch and each time a parameter's gradient is ready, so a slice
+        goes on the wire within one layer's backward of its scores arriving.  Ranks may send a
+        slice at different moments: that is safe because scores travel on their own group, so
+        on each group every rank still issues the same collectives in the same order.  Backward
+        never stalls on a peer that is a few layers behind.
+        """
+        while self._unsent < len(self._slices):
+            sl = self._slices[self._unsent]
+            if not sl.handle.poll():
+                return
+            self._send_slice(sl, stats)
+            self._unsent += 1
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
         """Score the chunks of pool ``k`` that became complete; return their range, if any."""
@@ -347,10 +356,9 @@ class SparseSync(SyncStrategy):
         else:
             for k in range(len(self.sizes)):
                 self._open_slice(k, 0, self.n_chunks[k], stats)
-        slices, self._slices = self._slices, []
-        for sl in slices:
-            if sl.packed is None:
-                self._send_slice(sl, stats)
+        slices, sent, self._slices, self._unsent = self._slices, self._unsent, [], 0
+        for sl in slices[sent:]:
+            self._send_slice(sl, stats)
         self.dense.finish(stats)
 
         # 5. One host read: any non-finite local gradient shows in the summed scores; an fp16

@@ -318,7 +318,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The layout for a backward ``order`` (CSC with ``dense_1d``: 1-D parameters last)."""
         if self.config.sparse and self.config.dense_1d:
             order = small_last(order, [p.dim() <= 1 for p in self._gf_params])
-        return plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes)
+        # CSC slices: what the last bucket holds is scored, exchanged and sent only after backward
+        tail = self.config.threshold_bytes / 8 if self.config.sparse and self.config.csc_scope == "slice" else None
+        return plan_layout(self._gf_numels(), self._gf_keys(), order, self.config.threshold_bytes, tail)
 
     def _gf_adopt_order(self, order: list[int]) -> bool:
         """Re-lay the pool out for ``order``; False (nothing done) if the layout would not change."""
@@ -523,6 +525,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         buckets = self._gf_pool.layout.buckets
         while bw.next_bucket < len(buckets) and bw.remaining[bw.next_bucket] == 0:
             self._gf_launch(bw, bw.next_bucket)
+        self._gf_sync.progress(bw.stats)
 
     def _gf_launch(self, bw: _Backward, index: int) -> None:
         bucket = self._gf_pool.layout.buckets[index]

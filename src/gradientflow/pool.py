@@ -51,7 +51,8 @@ class Layout:
 
 
 def plan_layout(
-    numels: Sequence[int], keys: Sequence[PoolKey], order: Sequence[int], threshold_bytes: float
+    numels: Sequence[int], keys: Sequence[PoolKey], order: Sequence[int], threshold_bytes: float,
+    tail_bytes: float | None = None,
 ) -> Layout:
     """Lay gradients out in ``order`` (the order backward produces them) and cut buckets.
 
@@ -60,6 +61,9 @@ def plan_layout(
     2. Walking ``order``, a bucket closes as soon as it holds >= ``threshold_bytes`` (θ), or
        when the next parameter lives in another pool (a bucket is one contiguous slice).
        θ = 0 gives one bucket per parameter, θ = inf one bucket per pool.
+    3. ``tail_bytes``: a pool's last bucket is cut in two, the second holding as many trailing
+       parameters as fit in ``tail_bytes`` (at least one).  Whatever is in the last bucket can only be handled once backward ends;
+       CSC keeps that part small (see ``SparseSync``).
     """
     if sorted(order) != list(range(len(numels))):
         raise ValueError("order must be a permutation of the parameter indices")
@@ -93,7 +97,31 @@ def plan_layout(
             close(sizes[pool])
             open_start = sizes[pool]
     close(sizes[open_pool] if open_pool >= 0 else 0)
+    if tail_bytes is not None:
+        buckets = _split_tails(buckets, numels, [k[0].itemsize for k in pool_keys], tail_bytes)
     return Layout(tuple(pool_keys), tuple(sizes), tuple(slots), tuple(buckets), tuple(order))  # type: ignore[arg-type]
+
+
+def _split_tails(buckets: list[Bucket], numels: Sequence[int], itemsize: Sequence[int],
+                 tail_bytes: float) -> list[Bucket]:
+    """Cut each pool's last bucket so that its trailing part holds at most ``tail_bytes``."""
+    last = {b.pool: b.index for b in buckets}
+    out: list[Bucket] = []
+    for b in buckets:
+        keep = len(b.params)
+        if last[b.pool] == b.index and len(b.params) > 1 and b.numel * itemsize[b.pool] > tail_bytes:
+            size = 0
+            while keep > 1 and (size + numels[b.params[keep - 1]]) * itemsize[b.pool] <= tail_bytes:
+                keep -= 1
+                size += numels[b.params[keep]]
+            keep = min(keep, len(b.params) - 1)  # the tail holds at least one parameter
+        if keep == len(b.params):
+            out.append(Bucket(len(out), b.pool, b.start, b.end, b.params))
+            continue
+        cut = b.start + sum(numels[i] for i in b.params[:keep])
+        out.append(Bucket(len(out), b.pool, b.start, cut, b.params[:keep]))
+        out.append(Bucket(len(out), b.pool, cut, b.end, b.params[keep:]))
+    return out
 
 
 def small_last(order: Sequence[int], small: Sequence[bool]) -> list[int]:

@@ -39,6 +39,10 @@ class SyncStrategy(ABC):
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
         """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread."""
 
+    def progress(self, stats: StepStats) -> None:  # noqa: B027 — nothing pending by default
+        """A parameter's gradient is ready (called once per parameter during backward): a cheap
+        moment to start work that waits on an earlier collective, without ever blocking."""
+
     @abstractmethod
     def finish(self, stats: StepStats) -> None:
         """End of backward: complete every launched collective; the pool then holds the result."""

@@ -41,7 +41,7 @@ from gradientflow.stats import PHASES
 
 logger = logging.getLogger(__name__)
 
-MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd",
+MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "gf-bf16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd",
          "compute")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: PowerSGD's hook can abort the process or hang Gloo."""
@@ -157,16 +157,16 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
         wrapped: nn.Module = model
         wire = 0
     elif v.mode.startswith("gf-"):
-        csc = v.mode.startswith("gf-fp16-csc")
+        csc = "-csc" in v.mode
         wrapped = gf.DistributedDataParallel(
             model,
             fusion_threshold_mb=v.theta_mb,
-            comm_dtype={"gf-fp32": "fp32", "gf-bf16": "bf16"}.get(v.mode, "fp16"),
+            comm_dtype="fp32" if v.mode == "gf-fp32" else "bf16" if v.mode.startswith("gf-bf16") else "fp16",
             algorithm=spec.algorithm,
             density=CSC_DENSITY if csc else None,
             chunk_size=chunk_size,
             warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
-            csc_scope="slice" if v.mode == "gf-fp16-csc-slice" else "global",
+            csc_scope="slice" if v.mode.endswith("-slice") else "global",
         )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
@@ -213,6 +213,36 @@ def _stats_of(model: nn.Module) -> dict[str, float]:
     return out
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+def timing_allocator() -> None:
+    """Give malloc back its steady-state behaviour before anything is timed.
+
+    Workers start with ``MALLOC_MMAP_THRESHOLD_=131072`` (see :func:`launch_workers`): every
+    tensor over 128 KB is mmapped and unmapped on free, so the RSS each mode adds while it is
+    built is exact.  Timed like that, every step page-faults its activations (and a fresh
+    ``.grad`` per parameter where ``zero_grad(set_to_none=True)`` dropped them): on ResNet-50,
+    2 ranks, the compute-only step took 339 ms instead of 206, which dilutes every
+    communication overhead.  A long-running process with glibc's default (dynamic) threshold
+    reuses those blocks from its heap; 32 MB (the dynamic threshold's ceiling) and a trim
+    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD) and libc.mallopt(
+            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        logger.warning("bench: could not set malloc's thresholds; timing with the launcher's")
+
+
 def worker_main(spec_path: str) -> None:
     """One rank of the bench (run under torchrun): time every variant, rank 0 writes the results."""
     from gradientflow.bench.models import build_model, synthetic_batch
@@ -248,6 +278,11 @@ def worker_main(spec_path: str) -> None:
             say(f"{v.name}: {rec['error']}")
         runs.append(rec)
         say(f"built {v.name} (+{rec['mem_added_mb'] or 0:.0f} MB after {spec.warmup} warm-up steps)")
+    timing_allocator()
+    for rec in runs:  # one untimed round in that allocator: the heap grows once, here
+        if rec["status"] == "ok":
+            dist.barrier()
+            _step(*rec["_obj"], x, y)
     say(f"timing {spec.steps} rounds of {sum(r['status'] == 'ok' for r in runs)} variants")
     for step in range(spec.steps):
         for rec in runs:
@@ -440,7 +475,8 @@ def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: A
     Returns (None if every launcher exited 0, else a one-line reason; the log's path; seconds).
     Everything started is stopped before returning, also on timeout.
     """
-    # fixed mmap threshold: big tensors are mmapped and returned on free, so RSS deltas per mode are exact
+    # fixed mmap threshold: big tensors are mmapped and returned on free, so RSS deltas per mode are
+    # exact; workers switch to malloc's steady state before timing (timing_allocator)
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     log_path = out / f"launch-{name}.log"
     lock = threading.Lock()
