@@ -278,5 +278,8 @@ def test_plan_layout_tail_bytes_cuts_the_last_bucket_to_its_trailing_parameters(
     assert [(b.start, b.end) for b in cut.buckets] == [(0, 200), (200, 230), (230, 260)]
     assert [b.index for b in cut.buckets] == [0, 1, 2]
     # a last bucket already within tail_bytes is left alone; a last parameter over it goes alone
-    assert [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, 240).buckets] == [(0, 1), (2, 3, 4)]
-    assert [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, 10).buckets] == [(0, 1), (2, 3), (4,)]
+    def cut_at(tail: float) -> list[tuple[int, ...]]:
+        return [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, tail).buckets]
+
+    assert cut_at(240) == [(0, 1), (2, 3, 4)]
+    assert cut_at(10) == [(0, 1), (2, 3), (4,)]

@@ -62,8 +62,8 @@ def plan_layout(
        when the next parameter lives in another pool (a bucket is one contiguous slice).
        θ = 0 gives one bucket per parameter, θ = inf one bucket per pool.
     3. ``tail_bytes``: a pool's last bucket is cut in two, the second holding as many trailing
-       parameters as fit in ``tail_bytes`` (at least one).  Whatever is in the last bucket can only be handled once backward ends;
-       CSC keeps that part small (see ``SparseSync``).
+       parameters as fit in ``tail_bytes`` (at least one).  What the last bucket holds can only
+       be handled once backward ends; CSC keeps that part small (see ``SparseSync``).
     """
     if sorted(order) != list(range(len(numels))):
         raise ValueError("order must be a permutation of the parameter indices")

@@ -41,8 +41,8 @@ from gradientflow.stats import PHASES
 
 logger = logging.getLogger(__name__)
 
-MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "gf-bf16-csc-slice", "ddp", "ddp-fp16", "ddp-powersgd",
-         "compute")
+MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "gf-bf16-csc-slice", "ddp",
+         "ddp-fp16", "ddp-powersgd", "compute")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: PowerSGD's hook can abort the process or hang Gloo."""
 DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
