@@ -110,11 +110,12 @@ def test_density_ramp_falls_exponentially_from_dense_to_density() -> None:
     assert ratios == pytest.approx([0.1 ** 0.1] * 10)  # a constant factor per step
 
 
-def test_auto_chunk_size_is_the_papers_for_big_models_and_keeps_200_chunks_for_small() -> None:
+def test_auto_chunk_size_is_the_papers_for_big_models_and_gives_small_ones_2000_chunks() -> None:
     assert auto_chunk_size(25_557_032) == 32768  # ResNet-50
     assert auto_chunk_size(200 * 32768) == 32768
-    assert auto_chunk_size(200 * 32768 - 1) == 16384  # 32767 per chunk -> the power of two below
-    assert auto_chunk_size(9610) == 32  # 9610 // 200 = 48 -> 32: 301 chunks
+    assert auto_chunk_size(200 * 32768 - 1) == 2048  # 3276 per chunk -> the power of two below: 3200 chunks
+    assert auto_chunk_size(431_463) == 128  # the quality bench's transformer: 215 -> 128, 3371 chunks
+    assert auto_chunk_size(9610) == 16  # 9610 // 2000 = 4 -> the floor of 16: 601 chunks
     assert auto_chunk_size(100) == 16  # the floor
 
 

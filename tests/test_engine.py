@@ -257,10 +257,10 @@ def _resolved_worker(rank: int, world_size: int) -> dict:
 
 
 def test_half_and_auto_resolve_for_the_model_and_device() -> None:
-    """comm_dtype="half" is bf16 on CPU; chunk_size="auto" gives ~200 chunks for 3010 parameters."""
+    """comm_dtype="half" is bf16 on CPU; chunk_size="auto" gives 3010 parameters 16-element chunks."""
     r0, r1 = run_distributed(_resolved_worker, 2)
     assert r0["comm_dtype"] == r1["comm_dtype"] == "bf16"
-    # 3010 // 200 = 15 -> the power of two below is 8, raised to the floor of 16: 189 chunks.
+    # 3010 // 2000 = 1 -> raised to the floor of 16: 189 chunks.
     assert r0["chunk_size"] == r1["chunk_size"] == 16
     st = r0["stats"]
     assert st["n_chunks"] == 189 and st["selected_chunks"] == 95  # ceil(0.5 * 189)

@@ -149,3 +149,12 @@ def test_shard_is_equal_disjoint_and_strided():
     assert torch.equal(shards[1][1], torch.tensor([1, 5, 9, 13, 17]))
     with pytest.raises(ValueError):
         shard(x, y, 4, 4)
+
+
+def test_digits_wide_is_fully_connected_heavy():
+    """8.4M parameters for 8x8 digits, all but 320 of them in the three linear layers."""
+    m = build_model("digits_wide")
+    n = sum(p.numel() for p in m.parameters())
+    conv = 1 * 32 * 9 + 32
+    assert n == conv + (2048 * 2048 + 2048) * 2 + 2048 * 10 + 10
+    assert m(torch.randn(4, 1, 8, 8)).shape == (4, 10)

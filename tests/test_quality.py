@@ -61,13 +61,17 @@ def test_lr_factor_warmup_then_cosine_to_floor():
 
 def test_plan_jobs():
     jobs, tta = plan_jobs(QualityOptions(recipes=["gf-recommended", "ddp-sgd"], bandwidth="none"))
-    assert [j.name for j in jobs] == ["transformer", "digits"] and tta is None
+    assert [j.name for j in jobs] == ["transformer", "digits"] and tta == []
     assert jobs[0].recipes == ["ddp", "gf-recommended", "ddp-sgd"]  # the oracle is always added
     assert jobs[1].recipes == ["ddp", "gf-recommended"]  # ddp-sgd would be ddp again on digits
     assert jobs[0].eval_every == 20 and jobs[0].paper_warmup_steps == 20
     jobs, tta = plan_jobs(QualityOptions(workloads=["transformer"], tta_size=(64, 1), bandwidth="1gbit"))
-    assert tta is not None and tta.recipes == ["ddp", "gf-recommended"] and (tta.d_model, tta.n_layers) == (64, 1)
-    assert plan_jobs(QualityOptions(workloads=["digits"]))[1] is None  # time to accuracy is the transformer's
+    assert [t.name for t in tta] == ["tta"] and tta[0].recipes == ["ddp", "gf-recommended"]
+    assert (tta[0].d_model, tta[0].n_layers) == (64, 1)
+    # digits' time to accuracy trains the communication-bound digits_wide with the user's SGD momentum
+    (t,) = plan_jobs(QualityOptions(workloads=["digits"]))[1]
+    assert (t.name, t.workload, t.model, t.recipes, t.lr) == ("tta_digits", "digits", "digits_wide",
+                                                              ["ddp", "gf-recommended"], 0.05)
 
 
 def _run(recipe, step_s, losses, stats):
@@ -85,7 +89,7 @@ def test_tta_report_on_a_made_up_launch(tmp_path):
            "runs": [_run("ddp", [0.2] * 4, [4.0, 3.0, 2.0], [{}] * 4),
                     _run("gf-recommended", [0.1] * 4, [4.0, 2.5, 1.5], gf_stats)]}]}
     s = summarize({"tta": raw}, QualityOptions(), seconds=1.0, tta_skipped=None)
-    t = s["tta"]
+    (t,) = s["tta"]
     rows = {r["recipe"]: r for r in t["rows"]}
     assert t["target_val_loss"] == 2.0
     assert rows["ddp"]["curve"]["wall_s"] == pytest.approx([0.0, 0.4, 0.8])
@@ -117,7 +121,7 @@ def test_quality_end_to_end_tiny(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     for key in ("command", "date", "options", "library_defaults", "workloads", "tta", "seconds"):
         assert key in res
-    assert res["tta"] is None and res["world_size"] == 2
+    assert res["tta"] == [] and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}
     expected = {"transformer": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense", "ddp-sgd"},
                 "digits": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense"}}

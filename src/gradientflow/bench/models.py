@@ -141,6 +141,19 @@ def small_cnn(num_classes: int = 10) -> nn.Module:
     )
 
 
+def digits_wide(num_classes: int = 10, width: int = 2048) -> nn.Module:
+    """An AlexNet-shaped net for 1x8x8 images: one conv stage, then wide fully connected layers
+    holding nearly all of its 8.4M parameters.  Little compute per byte of gradient, as AlexNet's
+    FC layers: communication-bound on a 1 Gbit/s link (time to accuracy)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+        nn.Flatten(),  # 32 x 8 x 8 = 2048
+        nn.Linear(32 * 8 * 8, width), nn.ReLU(),
+        nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, num_classes),
+    )
+
+
 # ---- tiny causal transformer LM -----------------------------------------------------------
 class TinyTransformer(nn.Module):
     """Character-level causal LM: token + learned position embeddings, pre-norm encoder layers
@@ -201,6 +214,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "resnet50": resnet50,
     "alexnet": alexnet,
     "small_cnn": small_cnn,
+    "digits_wide": digits_wide,
     "tiny_transformer": tiny_transformer,
 }
 

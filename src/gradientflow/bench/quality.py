@@ -14,9 +14,10 @@ defaults otherwise, the user's optimizer untouched), ``gf-paper`` (fp16 + CSC 0.
 correction 0.9 with plain SGD and a short dense warm-up), ``gf-fp16-dense`` and ``ddp-sgd`` (torch
 DDP with gf-paper's SGD, the oracle of gf-paper where the user's optimizer differs from it).
 
-With ``--bandwidth`` (and root) a third launch, ``tta``, trains a bigger transformer with ``ddp`` and
-``gf-recommended`` on an emulated cluster and records the training wall clock at each validation
-point (validation itself is outside the clock), for time to accuracy.
+With ``--bandwidth`` (and root) a second launch, ``tta``, trains with ``ddp`` and ``gf-recommended`` on an
+emulated cluster and records the training wall clock at each validation point (validation itself is
+outside the clock), for time to accuracy: a bigger transformer (AdamW) and ``digits_wide`` (SGD momentum;
+AlexNet-shaped: nearly all of its 8.4M parameters in fully connected layers, so communication-bound).
 
 Worker (under torchrun): :mod:`gradientflow.bench.quality_worker`.
 Report and plots: :mod:`gradientflow.bench.quality_report`.
@@ -65,6 +66,7 @@ class Job:
     val_windows: int = 256
     lr_warmup_frac: float = 0.05
     probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
+    model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
 
 
 @dataclass
@@ -141,6 +143,7 @@ class QualityOptions:
     batch_size: int | None = None  # None: 16 windows (transformer), 32 images (digits), 8 windows (tta)
     transformer_size: tuple[int, int] = (128, 2)  # (d_model, layers)
     tta_size: tuple[int, int] = (256, 4)
+    tta_model: str = "digits_wide"  # digits' time-to-accuracy network
     bandwidth: str = "1gbit"
     threads: int = 1
     seed: int = 0
@@ -149,8 +152,8 @@ class QualityOptions:
     out: str = "benchmarks/quality"
 
 
-def plan_jobs(opts: QualityOptions) -> tuple[list[Job], Job | None]:
-    """The loopback jobs (quality) and the emulated-cluster job (time to accuracy, or None)."""
+def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
+    """The loopback jobs (quality) and the emulated-cluster jobs (time to accuracy; none on loopback)."""
 
     def every(steps: int) -> int:
         return max(1, min(steps, opts.eval_every or steps // 20))
@@ -178,9 +181,15 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], Job | None]:
     for job in jobs:
         if "ddp" not in job.recipes:
             job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against
-    tta = None
-    if "transformer" in opts.workloads and opts.bandwidth != "none":
-        tta = transformer("tta", opts.tta_size, opts.tta_steps, 8, ["ddp", "gf-recommended"])
+    tta = []
+    if opts.bandwidth != "none":
+        if "transformer" in opts.workloads:
+            tta.append(transformer("tta", opts.tta_size, opts.tta_steps, 8, ["ddp", "gf-recommended"]))
+        if "digits" in opts.workloads:
+            tta.append(Job(name="tta_digits", workload="digits", model=opts.tta_model, steps=opts.tta_steps,
+                           batch_size=opts.batch_size or 32, eval_every=every(opts.tta_steps),
+                           recipes=["ddp", "gf-recommended"], lr=0.05, paper_lr=0.05,
+                           paper_warmup_steps=max(1, opts.tta_steps // 20)))
     return jobs, tta
 
 
@@ -219,16 +228,16 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
                     opts.nproc, opts.steps, ", ".join(jobs[0].recipes))
         launches["quality"] = _launch_jobs("quality", jobs, opts, out, None)
     skipped = None
-    if tta is not None:
+    if tta:
         ok, why = can_emulate()
         if not ok:
             skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
             print(f"gradientflow bench --quality: {skipped}; no time-to-accuracy run", file=sys.stderr)
         else:
             with EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix) as cluster:
-                logger.info("quality: time to accuracy, transformer %dx%d, %d nodes at %s, %d steps",
-                            *opts.tta_size, opts.nproc, opts.bandwidth, opts.tta_steps)
-                launches["tta"] = _launch_jobs("tta", [tta], opts, out, cluster)
+                logger.info("quality: time to accuracy (%s), %d nodes at %s, %d steps",
+                            ", ".join(j.name for j in tta), opts.nproc, opts.bandwidth, opts.tta_steps)
+                launches["tta"] = _launch_jobs("tta", tta, opts, out, cluster)
     summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
     quality_report.write_all(summary, out)
     return summary

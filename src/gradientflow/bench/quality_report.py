@@ -132,9 +132,7 @@ def summarize(launches: dict[str, Any], opts: Any, seconds: float, tta_skipped: 
     """Everything ``results.json`` holds (see :data:`DEFINITIONS`)."""
     quality = launches.get("quality", {})
     workloads = {j["job"]["name"]: _summarize_job(j) for j in quality.get("jobs", [])}
-    tta = None
-    if "tta" in launches:
-        tta = _summarize_tta(_summarize_job(launches["tta"]["jobs"][0]), opts.bandwidth)
+    tta = [_summarize_tta(_summarize_job(j), opts.bandwidth) for j in launches.get("tta", {}).get("jobs", [])]
     argv = sys.argv[1:] if sys.argv[0].endswith(("gradientflow", "cli.py")) else None
     return {
         "command": " ".join(["gradientflow", *argv]) if argv is not None else None,
@@ -173,7 +171,8 @@ def _describe(w: dict[str, Any], world: int) -> str:
         what = (f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
                 f"characters of pydoc_data.topics, batch {j['batch_size']} x {j['seq_len']} tokens/rank")
     else:
-        what = f"small_cnn ({w['n_params']:,} parameters) on scikit-learn digits, batch {j['batch_size']}/rank"
+        what = f"{j.get('model', 'small_cnn')} ({w['n_params']:,} parameters) on scikit-learn digits, " \
+               f"batch {j['batch_size']}/rank"
     return (f"**{w['name']}**: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
             f"then cosine to 10%, validated every {j['eval_every']} steps")
 
@@ -201,16 +200,13 @@ def markdown(summary: dict[str, Any]) -> str:
                  f"{_f(r['final_val_loss'], '.3f')}" if digits else f"{_f(r['final_val_loss'], '.3f')} | {ratio}")
             lines.append(f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {mb} | {r['sparse_share']:.0%} |")
         lines.append("")
-    t = summary["tta"]
-    if t:
-        j = t["job"]
-        lines += [f"**time to accuracy**, emulated {t['bandwidth']} per node: TinyTransformer d_model {j['d_model']} "
-                  f"x {j['n_layers']} layers ({t['n_params']:,} parameters), batch {j['batch_size']} x "
-                  f"{j['seq_len']} tokens/rank, {world} ranks, {j['steps']} steps; target = ddp's final validation "
-                  f"loss {t['target_val_loss']:.3f}. Compute alone (ddp's step without communication, median of "
-                  f"{len(t['probe_s'])} spread over the run): {_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so "
-                  f"communication and its overheads are {_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense "
-                  "DDP step.", "",
+    for t in summary["tta"]:
+        lines += [_describe(t, world).replace(f"**{t['name']}**", f"**time to accuracy ({t['name']})**, emulated "
+                                              f"{t['bandwidth']} per node")
+                  + f"; target = ddp's final validation loss {t['target_val_loss']:.3f}. Compute alone (ddp's step "
+                  f"without communication, median of {len(t['probe_s'])} spread over the run): "
+                  f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so communication and its overheads are "
+                  f"{_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense DDP step.", "",
                   f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
                   f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
                   "| training s | MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -227,11 +223,11 @@ def markdown(summary: dict[str, Any]) -> str:
                          f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
                          f"{r['sparse_share']:.0%} |")
         lines.append("")
-    elif summary.get("tta_skipped"):
+    if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]
     lines += [f"- ratio: {d['ratio']}", f"- MB sent/step: {d['sent']}", f"- sparse steps: {d['sparse']}"]
-    if t:
+    if summary["tta"]:
         lines += [f"- {d['tta']}", f"- time: {d['time']}", f"- {d['exposed']}"]
     defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
     lines.append(f"- library defaults at run time: {defaults}")
@@ -240,7 +236,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
-    and ``tta.png`` (validation loss against training wall-clock seconds)."""
+    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,8 +269,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
         paths.append(out / f"quality_{w['name']}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    t = summary["tta"]
-    if t:
+    for t in summary["tta"]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in t["rows"]:
             c = r["curve"]
@@ -289,10 +284,10 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
         if finite:
             ax.set_ylim(min(finite) - 0.05, max(finite) + 0.1)
         ax.set(xlabel="training wall clock, s (validation excluded)", ylabel="validation loss",
-               title=f"time to accuracy, {t['n_params']:,} parameters, emulated {t['bandwidth']}")
+               title=f"time to accuracy, {t['name']}: {t['n_params']:,} parameters, emulated {t['bandwidth']}")
         ax.legend()
         fig.tight_layout()
-        paths.append(out / "tta.png")
+        paths.append(out / f"{t['name']}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths

@@ -73,7 +73,7 @@ class _Data:
         if self.job.workload == "transformer":
             return build_model("tiny_transformer", vocab_size=len(self.vocab), d_model=self.job.d_model,
                                n_layers=self.job.n_layers, n_heads=self.job.n_heads, seq_len=self.job.seq_len)
-        return build_model("small_cnn")
+        return build_model(self.job.model)
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

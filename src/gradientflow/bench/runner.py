@@ -73,7 +73,7 @@ class BenchSpec:
     out_path: str
     threads: int = 1
     algorithm: str = "native"
-    chunk_size: int | None = None  # None: 32768 (the paper's), or less so a small model has >= ~200 chunks
+    chunk_size: int | None = None  # None: "auto" (32768, the paper's, or less so a small model has ~2000 chunks)
     pg_timeout_s: float = 120.0
     lr: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
