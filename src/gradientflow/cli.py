@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quality options", "Train a character-level transformer (AdamW) and the digits CNN (SGD, momentum 0.9) with "
         "each recipe side by side from the same seed and batches, and report final validation loss / accuracy, its "
         "ratio to torch DDP, bytes sent per step and the share of sparse steps; with --bandwidth (root) also time to "
-        "accuracy of a bigger transformer on the emulated cluster, ddp vs gf-recommended. Writes results.json, "
-        "table.md, quality_*.png and tta.png to --out. See README 'Quality'.")
+        "accuracy of a bigger transformer and of digits_wide (AlexNet-shaped, 8.4M parameters) on the emulated "
+        "cluster, ddp vs gf-recommended. Writes results.json, table.md, quality_*.png and tta*.png to --out. "
+        "See README 'Quality'.")
     q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
     q.add_argument("--recipes", nargs="+", choices=RECIPES, default=None, metavar="RECIPE",
                    help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}")
