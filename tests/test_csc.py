@@ -511,3 +511,51 @@ def _three_rank_no_sync_worker(rank: int, world_size: int, steps: int) -> list[l
 def test_three_ranks_with_no_sync_lose_nothing_and_agree() -> None:
     results = run_distributed(_three_rank_no_sync_worker, 3, 6, timeout=120)
     assert results[0] == results[1] == results[2]
+
+
+class _SlowBackward(nn.Module):
+    """Identity whose backward takes 50 ms: gives a slice's scores time to arrive mid-backward."""
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            import time
+
+            time.sleep(0.05)
+            return g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._Fn.apply(x)
+
+
+def _early_slices_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(64, 64), nn.ReLU(), _SlowBackward()]
+    model = _sparse(nn.Sequential(*layers, nn.Linear(64, 8)), fusion_threshold_mb=0.01, chunk_size=64,
+                    density=0.25, csc_scope="slice")
+    gen = torch.Generator().manual_seed(rank)
+    stats = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()
+        stats.append(model.comm_stats())
+    return {"stats": stats, "buckets": len(model.pool.layout.buckets)}
+
+
+def test_slices_go_on_the_wire_during_backward_not_at_its_end() -> None:
+    """With csc_scope="slice" a slice is sent while backward goes on, once its scores have arrived.
+
+    Each weight is its own bucket (θ = 10 KB < a 64x64 weight's 16 KB) and 50 ms of backward follow
+    it, so every slice but those opened by the last hooks has its scores back before backward ends;
+    comm_stats()["slices_in_backward"] counts the slices sent before the end of backward.
+    """
+    for r in run_distributed(_early_slices_worker, 2, timeout=120):
+        assert r["buckets"] >= 4
+        for st in r["stats"][1:]:  # step 0 is the re-layout's dense step
+            assert st["slices"] >= 4 and st["slices_in_backward"] >= 2, st

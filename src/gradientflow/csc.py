@@ -374,7 +374,7 @@ class SparseSync(SyncStrategy):
         self._write_back(slices, ok, stats)
         stats.extra.update(n_chunks=self.total_chunks, warmup=0, overflow=int(not ok), density=self.density_now(),
                            selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,
-                           slices=len(slices))
+                           slices=len(slices), slices_in_backward=sent)
         self.last_slice_sizes = [sl.hi - sl.lo for sl in slices]
         self.step += 1
 
