@@ -17,7 +17,8 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      ``csc_scope="slice"`` (default): a slice is the chunks one bucket launch completed; its
      scores travel while backward goes on, on a process group of their own (the *control*
      group: a few KB never queue behind megabytes of chunks), and its chunks are packed and
-     sent at the first launch that finds the scores arrived, so the wire hides under backward
+     sent at the first gradient hook that finds the scores arrived (:meth:`SparseSync.progress`,
+     called by the engine after every parameter), so the wire hides under backward
      and backward never waits for a slower peer.  ``"global"`` (the paper): one slice per pool
      buffer, exchanged and selected after backward, one packed allreduce.
   4. Send: the selected rows of v are gathered into one packed buffer per slice and allreduced
@@ -269,16 +270,15 @@ class SparseSync(SyncStrategy):
         self._ready[k] = bucket.end
         scored = self._score_ready(k)
         stats.phase("score", t0)
-        if self.per_slice:
-            if scored is not None:
-                self._open_slice(k, *scored, stats)
-            self.progress(stats)
+        if self.per_slice and scored is not None:
+            self._open_slice(k, *scored, stats)  # sent by progress(), which the engine calls next
 
     def progress(self, stats: StepStats) -> None:
         """Send, in slice order, every slice whose global scores have arrived; never wait.
 
-        Called at each bucket launch and each time a parameter's gradient is ready, so a slice
-        goes on the wire within one layer's backward of its scores arriving.  Ranks may send a
+        The engine calls it each time a parameter's gradient is ready (after any bucket launch
+        that gradient completed), so a slice goes on the wire within one layer's backward of its
+        scores arriving.  Ranks may send a
         slice at different moments: that is safe because scores travel on their own group, so
         on each group every rank still issues the same collectives in the same order.  Backward
         never stalls on a peer that is a few layers behind.

@@ -165,7 +165,8 @@ def _times(x: float | None, k: float) -> float | None:
     return None if x is None else x * k
 
 
-def _describe(w: dict[str, Any], world: int) -> str:
+def _describe(w: dict[str, Any], world: int, head: str | None = None) -> str:
+    """One line on what was trained, led by ``head`` (default: the job's name in bold)."""
     j = w["job"]
     if j["workload"] == "transformer":
         what = (f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
@@ -173,7 +174,8 @@ def _describe(w: dict[str, Any], world: int) -> str:
     else:
         what = f"{j.get('model', 'small_cnn')} ({w['n_params']:,} parameters) on scikit-learn digits, " \
                f"batch {j['batch_size']}/rank"
-    return (f"**{w['name']}**: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
+    head = head or f"**{w['name']}**"
+    return (f"{head}: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
             f"then cosine to 10%, validated every {j['eval_every']} steps")
 
 
@@ -201,8 +203,8 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {mb} | {r['sparse_share']:.0%} |")
         lines.append("")
     for t in summary["tta"]:
-        lines += [_describe(t, world).replace(f"**{t['name']}**", f"**time to accuracy ({t['name']})**, emulated "
-                                              f"{t['bandwidth']} per node")
+        head = f"**time to accuracy ({t['name']})**, emulated {t['bandwidth']} per node"
+        lines += [_describe(t, world, head)
                   + f"; target = ddp's final validation loss {t['target_val_loss']:.3f}. Compute alone (ddp's step "
                   f"without communication, median of {len(t['probe_s'])} spread over the run): "
                   f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so communication and its overheads are "

@@ -218,7 +218,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
-def timing_allocator() -> None:
+def timing_allocator() -> bool:
     """Give malloc back its steady-state behaviour before anything is timed.
 
     Workers start with ``MALLOC_MMAP_THRESHOLD_=131072`` (see :func:`launch_workers`): every
@@ -228,7 +228,8 @@ def timing_allocator() -> None:
     2 ranks, the compute-only step took 339 ms instead of 206, which dilutes every
     communication overhead.  A long-running process with glibc's default (dynamic) threshold
     reuses those blocks from its heap; 32 MB (the dynamic threshold's ceiling) and a trim
-    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent.
+    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent;
+    returns whether the thresholds were set.
     """
     import ctypes
     import ctypes.util
@@ -241,6 +242,7 @@ def timing_allocator() -> None:
         ok = False
     if not ok:
         logger.warning("bench: could not set malloc's thresholds; timing with the launcher's")
+    return bool(ok)
 
 
 def worker_main(spec_path: str) -> None:
