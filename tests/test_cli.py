@@ -93,9 +93,7 @@ def _check_bench_json(out: Path) -> dict:
     rows = {r["name"]: r for r in res["rows"]}
     assert set(rows) == set(MODES), sorted(rows)
     for name, r in rows.items():
-        if r["status"] != "ok":  # only PowerSGD may fail (a known Gloo crash), and then it says why
-            assert name == "ddp-powersgd" and r["error"], r
-            continue
+        assert r["status"] == "ok", (name, r.get("error"))  # PowerSGD included: one bucket, no Gloo race
         assert r["steps"] == 2
         for key in ("median_s", "p10_s", "p90_s", "samples_per_s", "speedup", "exposed_s", "mem_added_mb"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (name, key, r[key])

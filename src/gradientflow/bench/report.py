@@ -156,7 +156,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks, {summary['network']}, batch "
         f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
-        "(ddp-powersgd: own launch with its own compute reference).",
+        "(ddp-powersgd: one bucket, own launch with its own compute reference).",
         "",
         f"| mode | θ MB | step ms median (p10–p90) | samples/s | speedup (ideal {n}) | wire MB/step "
         "| exposed comm ms | compute / own CPU / comm % | +mem MB |",
@@ -167,7 +167,7 @@ def markdown(summary: dict[str, Any]) -> str:
             continue
         theta = "—" if r.get("theta_mb") is None else f"{r['theta_mb']:g}"
         if r["mode"].startswith("ddp") and r.get("theta_mb") is None:
-            theta = "25"
+            theta = "all" if r["mode"] == "ddp-powersgd" else "25"
         if r["status"] != "ok":
             err = (r.get("error") or "failed").replace("|", "/")
             lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | |")
