@@ -54,35 +54,22 @@ from __future__ import annotations
 import math
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .collectives import PendingAllreduce, start_allreduce
 from .config import GradientFlowConfig
 from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout
-from .residual import Residuals, residual_dtype, validate_residual_state
+from .precision import loss_scale
+from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
 from .selection import chunk_scores, density_at, n_selected, score_scratch, select_chunks
+from .slices import Slice, SliceQueue
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .trace import phase_end, phase_start
-
-
-@dataclass
-class _Slice:
-    """Chunks [lo, hi) of pool ``pool`` whose scores are exchanged and selected together."""
-
-    pool: int
-    lo: int
-    hi: int
-    handle: PendingAllreduce
-    idx: torch.Tensor | None = None     # selected chunks, pool-local indices, ascending
-    packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
 
 
 class SparseSync(SyncStrategy):
@@ -100,8 +87,8 @@ class SparseSync(SyncStrategy):
         assert config.density is not None
         self.dense = dense
         # Score exchanges: a group of their own (the same ranks), never queued behind chunks, and
-        # what lets ranks send slices at different launches (see launch).
-        self._control = weakref.ref(control_group)  # torch's registry owns it (see the engine)
+        # what lets ranks send slices at different moments (see progress).
+        self._queue = SliceQueue(control_group)
         self.density = float(config.density)
         self.chunk_size = config.chunk_size
         self.warmup_steps = config.warmup_steps
@@ -116,8 +103,6 @@ class SparseSync(SyncStrategy):
         self._sent: list[tuple[int, torch.Tensor]] = []  # (pool, chunk indices) of the last step
         self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
-        self._slices: list[_Slice] = []
-        self._unsent = 0  # self._slices[:_unsent] are on the wire
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
         # re-layout that usually happens during them) then cost no residual memory at all.
         self.res: Residuals | None = None
@@ -209,20 +194,10 @@ class SparseSync(SyncStrategy):
         """A step whose density is 1: plain dense communication (the first step of a ramp)."""
         return self.density_now() >= 1.0
 
-    def _loss_scale(self) -> float | torch.Tensor:
-        """The scale of this step's gradients; a device tensor on accelerators (no host read)."""
-        sc = self._scaler
-        if sc is None or not sc.is_enabled():
-            return 1.0
-        t = sc._get_scale_async()
-        if t is None:  # before the first scaler.scale(): the initial scale, a host float
-            return float(sc.get_scale())
-        return float(t) if t.device.type == "cpu" else t
-
     def _begin_step(self) -> None:
         if self.res is None:
             self.res = Residuals(self.pool.layout, self.chunk_size, self.momentum > 0, self._shapes)
-        self.res.rescale(self._loss_scale())
+        self.res.rescale(loss_scale(self._scaler))
         self._in_step = True
         self._ready = [0] * len(self.sizes)
         self._scored = [0] * len(self.sizes)
@@ -283,12 +258,7 @@ class SparseSync(SyncStrategy):
         on each group every rank still issues the same collectives in the same order.  Backward
         never stalls on a peer that is a few layers behind.
         """
-        while self._unsent < len(self._slices):
-            sl = self._slices[self._unsent]
-            if not sl.handle.poll():
-                return
-            self._send_slice(sl, stats)
-            self._unsent += 1
+        self._queue.send_arrived(lambda sl: self._send_slice(sl, stats))
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
         """Score the chunks of pool ``k`` that became complete; return their range, if any."""
@@ -306,17 +276,11 @@ class SparseSync(SyncStrategy):
         return lo, upto
 
     def _open_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
-        """Start the (async, fp32 SUM) allreduce of the scores of chunks [lo, hi) of pool k.
+        """Start the exchange of the scores of chunks [lo, hi) of pool k."""
+        self._queue.open(k, lo, hi, self.scores[self.offsets[k] + lo : self.offsets[k] + hi], stats,
+                         self.dense.watchdog)
 
-        "native" whatever the algorithm: a few KB are latency-bound, a ring would pay 2(N-1) hops.
-        """
-        scores = self.scores[self.offsets[k] + lo : self.offsets[k] + hi]
-        stats.record_collective(scores.numel() * scores.element_size())
-        handle = start_allreduce(scores, group=self._control(), algorithm="native", watchdog=self.dense.watchdog,
-                                 what=f"scores of pool {k} chunks {lo}-{hi}")
-        self._slices.append(_Slice(k, lo, hi, handle))
-
-    def _send_slice(self, sl: _Slice, stats: StepStats) -> None:
+    def _send_slice(self, sl: Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
         t0 = time.perf_counter()
         sl.handle.wait()
@@ -327,10 +291,7 @@ class SparseSync(SyncStrategy):
         scores = self.scores[off + sl.lo : off + sl.hi]
         forced = max(0, sl.hi - max(sl.lo, self.forced_from[sl.pool]))  # chunks of 1-D parameters
         m = forced + n_selected(self.density_now(), sl.hi - sl.lo - forced)
-        if forced:  # first in the stable sort; the finite check still reads the real scores
-            scores = scores.clone()
-            scores[-forced:] = float("inf")
-        sl.idx = select_chunks(scores, m) + sl.lo
+        sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
         # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
         rows = self.res.rows(sl.pool)
@@ -356,9 +317,7 @@ class SparseSync(SyncStrategy):
         else:
             for k in range(len(self.sizes)):
                 self._open_slice(k, 0, self.n_chunks[k], stats)
-        slices, sent, self._slices, self._unsent = self._slices, self._unsent, [], 0
-        for sl in slices[sent:]:
-            self._send_slice(sl, stats)
+        slices, sent = self._queue.drain(lambda sl: self._send_slice(sl, stats))
         self.dense.finish(stats)
 
         # 5. One host read: any non-finite local gradient shows in the summed scores; an fp16
@@ -394,7 +353,7 @@ class SparseSync(SyncStrategy):
         stats.phase("score", t0)
         return scored
 
-    def _write_back(self, slices: list[_Slice], ok: bool, stats: StepStats) -> None:
+    def _write_back(self, slices: list[Slice], ok: bool, stats: StepStats) -> None:
         """The pool gets the reduced chunks and zeros elsewhere; sent chunks leave u and v.
 
         The pool is zeroed first: it may hold this step's local gradient (pool-path pools) or
@@ -447,34 +406,19 @@ class SparseSync(SyncStrategy):
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Residuals (unpadded, unscaled, in the current pool layout) and the step counter."""
-        res = self.res
-        return {
-            "step": self.step,
-            "chunk_size": self.chunk_size,
-            "sizes": list(self.sizes),
-            "v": res.unscaled("v") if res is not None else None,
-            "u": res.unscaled("u") if res is not None else None,
-        }
+        return {"step": self.step, **residual_state(self.res, self.chunk_size, self.sizes)}
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         """Everything :meth:`load_state_dict` needs, checked before anything changes."""
-        missing = {"step", "chunk_size", "sizes", "v", "u"} - set(state)
-        if missing:
-            raise ValueError(f"gradientflow CSC: the communication state lacks {sorted(missing)} (truncated?)")
-        if state["chunk_size"] != self.chunk_size or list(state["sizes"]) != self.sizes:
-            raise ValueError(
-                f"gradientflow CSC: checkpoint has chunk_size={state['chunk_size']} and pool sizes "
-                f"{state['sizes']}, this model has chunk_size={self.chunk_size} and {self.sizes}. "
-                "Load it into the same model with the same chunk_size."
-            )
-        validate_residual_state(state, self.sizes, self.momentum > 0)
+        if "step" not in state:
+            raise ValueError("gradientflow CSC: the communication state lacks ['step'] (truncated?)")
+        validate_residual_state(state, self.chunk_size, self.sizes, self.momentum > 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the engine has already adopted the saved pool layout)."""
         self.validate_state_dict(state)
-        if state["v"] is None:
-            self.res = None
-        else:
+        self.res = None
+        if state["v"] is not None:
             self.res = Residuals(self.pool.layout, self.chunk_size, self.momentum > 0, self._shapes)
             self.res.load(state)
         self.step = int(state["step"])

@@ -1,10 +1,13 @@
-"""Casts between the fp32 gradient pool and the wire dtype, with pre-division by world size.
+"""Casts between the fp32 gradient pool and the wire dtype, with pre-division by world size;
+and the loss scale a GradScaler applied to this step's gradients.
 
 Dividing *before* the sum keeps an fp16 wire from overflowing when N ranks add up large
 gradients; no pass at all is spent on a cast when the wire dtype is the pool's dtype.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -31,3 +34,17 @@ def from_wire(flat: torch.Tensor, wire: torch.Tensor) -> None:
     """Write the reduced wire buffer back into the pool slice (no-op when it is the slice)."""
     if wire is not flat:
         flat.copy_(wire)
+
+
+def loss_scale(scaler: Any) -> float | torch.Tensor:
+    """The scale ``scaler`` (a GradScaler, or ``None``) put on this step's gradients.
+
+    A host float on CPU; on accelerators the scaler's device tensor, so reading it costs no host
+    synchronisation.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    t = scaler._get_scale_async()
+    if t is None:  # before the first scaler.scale(): the initial scale, a host float
+        return float(scaler.get_scale())
+    return float(t) if t.device.type == "cpu" else t

@@ -116,8 +116,28 @@ class Residuals:
                 dst[:n].copy_(src)
 
 
-def validate_residual_state(state: dict[str, Any], sizes: Sequence[int], momentum: bool) -> None:
-    """Raise ``ValueError`` unless ``state``'s residuals fit pools of ``sizes``; change nothing."""
+def residual_state(res: Residuals | None, chunk_size: int, sizes: Sequence[int]) -> dict[str, Any]:
+    """What a checkpoint holds of the residuals: unpadded, unscaled v and u (``None`` before any)."""
+    return {
+        "chunk_size": chunk_size,
+        "sizes": list(sizes),
+        "v": res.unscaled("v") if res is not None else None,
+        "u": res.unscaled("u") if res is not None else None,
+    }
+
+
+def validate_residual_state(state: dict[str, Any], chunk_size: int, sizes: Sequence[int], momentum: bool) -> None:
+    """Raise ``ValueError`` unless ``state`` (a :func:`residual_state`) fits pools of ``sizes``
+    cut into chunks of ``chunk_size``; change nothing."""
+    missing = {"chunk_size", "sizes", "v", "u"} - set(state)
+    if missing:
+        raise ValueError(f"gradientflow CSC: the communication state lacks {sorted(missing)} (truncated?)")
+    if state["chunk_size"] != chunk_size or list(state["sizes"]) != list(sizes):
+        raise ValueError(
+            f"gradientflow CSC: checkpoint has chunk_size={state['chunk_size']} and pool sizes "
+            f"{state['sizes']}, this model has chunk_size={chunk_size} and {list(sizes)}. "
+            "Load it into the same model with the same chunk_size."
+        )
     if state["v"] is not None and (state["u"] is None) == momentum:
         raise ValueError("gradientflow CSC: checkpoint and model disagree on momentum correction (u)")
     for name in ("v", "u"):

@@ -87,11 +87,16 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_chunks(scores: torch.Tensor, k: int, forced: int = 0) -> torch.Tensor:
     """Indices (ascending) of the ``k`` highest scores; equal scores go to the lower index.
 
-    A stable descending sort keeps equal scores in index order, so the result is a pure
-    function of the score values: identical on ranks holding identical scores.
+    The last ``forced`` entries are always among them (chunks sent every step, e.g. those of
+    1-D parameters); ``scores`` itself is left as it is.  A stable descending sort keeps equal
+    scores in index order, so the result is a pure function of the score values: identical on
+    ranks holding identical scores.
     """
+    if forced:
+        scores = scores.clone()
+        scores[-forced:] = float("inf")
     order = torch.sort(scores, descending=True, stable=True).indices[:k]
     return torch.sort(order).values

@@ -1,0 +1,71 @@
+"""CSC's slices: groups of chunks whose scores are exchanged, and whose top chunks are sent, together.
+
+A slice is opened when its chunks are scored: the SUM-allreduce of their scores starts on the
+*control* group (a process group of its own, so a few KB never queue behind megabytes of
+chunks).  It is sent — select its top chunks, pack them, start their allreduce — once its global
+scores have arrived.  Slices are sent strictly in the order they were opened, so on each group
+every rank issues the same collectives in the same order even when ranks send a slice at
+different moments (one rank a layer behind the other).
+
+:class:`SliceQueue` keeps that order; what a send does (select and pack) is the strategy's
+(:class:`gradientflow.csc.SparseSync`), handed in as a callable.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .collectives import PendingAllreduce, start_allreduce
+from .stats import StepStats
+from .watchdog import Watchdog
+
+
+@dataclass
+class Slice:
+    """Chunks [lo, hi) of pool ``pool`` whose scores are exchanged and selected together."""
+
+    pool: int
+    lo: int
+    hi: int
+    handle: PendingAllreduce
+    idx: torch.Tensor | None = None     # selected chunks, pool-local indices, ascending
+    packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
+
+
+class SliceQueue:
+    """The slices of one step, in the order they were opened; the first ``sent`` are on the wire."""
+
+    def __init__(self, control_group: dist.ProcessGroup) -> None:
+        self._control = weakref.ref(control_group)  # torch's registry owns it (see the engine)
+        self.slices: list[Slice] = []
+        self.sent = 0
+
+    def open(self, pool: int, lo: int, hi: int, scores: torch.Tensor, stats: StepStats,
+             watchdog: Watchdog | None) -> None:
+        """Start the (async, fp32 SUM) allreduce of ``scores``, the local scores of chunks [lo, hi).
+
+        "native" whatever the algorithm: a few KB are latency-bound, a ring would pay 2(N-1) hops.
+        """
+        stats.record_collective(scores.numel() * scores.element_size())
+        handle = start_allreduce(scores, group=self._control(), algorithm="native", watchdog=watchdog,
+                                 what=f"scores of pool {pool} chunks {lo}-{hi}")
+        self.slices.append(Slice(pool, lo, hi, handle))
+
+    def send_arrived(self, send: Callable[[Slice], None]) -> None:
+        """``send`` every unsent slice whose global scores have arrived, in order; never wait."""
+        while self.sent < len(self.slices) and self.slices[self.sent].handle.poll():
+            send(self.slices[self.sent])
+            self.sent += 1
+
+    def drain(self, send: Callable[[Slice], None]) -> tuple[list[Slice], int]:
+        """``send`` the rest (waiting for their scores); return every slice and how many went early."""
+        slices, early = self.slices, self.sent
+        for sl in slices[early:]:
+            send(sl)
+        self.slices, self.sent = [], 0
+        return slices, early
