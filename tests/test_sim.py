@@ -75,10 +75,13 @@ def test_local_passes_are_charged_per_config():
     cfg = _cfg(bandwidth=1e4, latency=0.01, pass_bytes_per_s=16000.0)  # one pass over 16 KB = 1 s
     assert simulate(HAND, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 1.0)
     assert simulate(HAND, cfg, 2, "fp16").iteration_s == pytest.approx(0.75 + 0.61 + 0.21 + 3.0)  # div, cast, back
-    measured = dataclasses.replace(HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3})
+    half = dataclasses.replace(cfg, density=0.5, chunk_size=1000)  # 2 of the 4 chunks sent
+    # one score pass over the pool, and clear/pack/unpack/mask over half of it: 1 + 4 * 0.5 passes
+    assert simulate(HAND, half, 2, "csc").iteration_s == pytest.approx(1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 3.0)
+    measured = dataclasses.replace(HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3, "csc_chunks": 0.2})
     assert simulate(measured, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 0.1)
-    assert simulate(measured, dataclasses.replace(cfg, density=0.5, chunk_size=1000), 2, "csc").iteration_s == \
-        pytest.approx(1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3)
+    assert simulate(measured, half, 2, "csc").iteration_s == \
+        pytest.approx(1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3 + 0.5 * 0.2)
     assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
 
 
@@ -188,7 +191,7 @@ def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
 def test_cli_profile_measures_here(capsys):
     prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
     assert prof.times is not None and all(t > 0 for t in prof.times)
-    assert set(prof.local_s) == {"fp32", "fp16", "csc"} and all(t > 0 for t in prof.local_s.values())
+    assert set(prof.local_s) == {"fp32", "fp16", "csc", "csc_chunks"} and all(t > 0 for t in prof.local_s.values())
     assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--profile",
                  "--bandwidth", "1gbit", "--gpus", "1,2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["profile"] == "profile"

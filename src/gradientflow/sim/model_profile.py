@@ -115,20 +115,28 @@ def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple
 def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     """Seconds of the engine's own per-step CPU passes over a pool of ``numel`` fp32 gradients.
 
-    The engine's own functions (precision.py, selection.py), timed here: "fp32" pre-divide in
-    place; "fp16" pre-divide, cast into the wire buffer, copy back; "csc" (the default recipe:
-    autograd accumulates into the residual, no momentum correction) the per-chunk L1 score and
-    the memset of the pool before the selected chunks are written back.
+    The engine's own functions and ops (precision.py, selection.py, csc.py), timed here: "fp32"
+    pre-divide in place; "fp16" pre-divide, cast into the wire buffer, copy back; "csc" (the
+    default recipe: autograd accumulates into the residual, no momentum correction) the per-chunk
+    L1 score of the whole pool; "csc_chunks" what CSC does to the *selected* chunks only (clear
+    last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
+    the cost model scales it by the fraction of chunks selected.
     """
     from gradientflow.precision import from_wire, to_wire  # noqa: PLC0415
     from gradientflow.selection import chunk_scores  # noqa: PLC0415
 
     g = torch.randn(numel)
     rows = g[: (numel // 32768) * 32768].view(-1, 32768)
+    every = torch.arange(rows.shape[0])
+    packed = torch.empty_like(rows)
     wire = torch.empty(numel, dtype=torch.float16)  # the engine keeps its wire buffers between steps
     ops = {"fp32": [lambda: to_wire(g, None, 2)],
            "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
-           "csc": [lambda: chunk_scores(rows), lambda: g.zero_()]}
+           "csc": [lambda: chunk_scores(rows)],
+           "csc_chunks": [lambda: rows.index_fill_(0, every, 0.0),
+                          lambda: torch.index_select(rows, 0, every, out=packed),
+                          lambda: rows.index_copy_(0, every, packed),
+                          lambda: rows.index_fill_(0, every, 0.0)]}
     out = {}
     for kind, calls in ops.items():
         total = 0.0

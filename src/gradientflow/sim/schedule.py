@@ -37,8 +37,10 @@ class Technique:
                        # out and back, 3 passes); CSC selecting k < n chunks: "csc" (2 passes)
 
 
-PASSES = {"fp32": 1, "fp16": 3, "csc": 2}
-"""Elementwise passes over the fp32 pool per kind, when they are costed at cfg.pass_bytes_per_s."""
+PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_chunks": 4}
+"""Elementwise passes over the fp32 pool per kind, when they are costed at cfg.pass_bytes_per_s.
+"csc": the score pass; "csc_chunks": clear, pack, write back, mask — over the selected chunks
+only, so scaled by the fraction selected (the engine's write-back touches nothing else)."""
 
 TECHNIQUES: dict[str, Technique] = {
     "baseline": Technique("tree", False, 4, False, False, "fp32"),
@@ -46,7 +48,8 @@ TECHNIQUES: dict[str, Technique] = {
     "overlap": Technique("ring", True, 4, False, False, "fp32"),
     "fp16": Technique("ring", True, 2, False, False, "fp16"),
     "lazy": Technique("ring", True, 2, True, False, "fp16"),
-    # CSC: score, zero the pool (autograd accumulates into v; the fp16 cast touches only k chunks)
+    # CSC: one score pass; clear/pack/unpack/mask touch only the k selected chunks (autograd
+    # accumulates into v; the fp16 cast touches only the packed chunks)
     "csc": Technique("ring", True, 2, True, True, "fp16"),
 }
 assert tuple(TECHNIQUES) == CONFIGS
@@ -100,7 +103,8 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
     4. CSC with k < n chunks selected: after backward, one fp32 score per chunk is allreduced,
        then the k chunks, packed, in fp16.  With k == n there is nothing to choose: every chunk
        is sent, so CSC is lazy allreduce (same buckets, no scores, no residual passes).
-    5. Local passes over the pool (casts, CSC's accumulate/score/zero) run after the last
+    5. Local passes over the pool (casts; CSC's score, and its clear/pack/unpack/mask of the k
+       selected chunks) run after the last
        collective, then the update: t(N) = max(backward end, link free) + passes + update.
     """
     if technique is None and config not in TECHNIQUES:
@@ -133,11 +137,12 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
             nbytes = b.numel * tech.wire_bytes
             link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
             sent, count = sent + nbytes, count + 1
-    kind = "csc" if sparse else tech.local
-    if profile.local_s is not None:  # measured here (--profile)
-        passes_s = profile.local_s[kind]
-    else:
-        passes_s = PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
+    def cost(kind: str) -> float:
+        if profile.local_s is not None:  # measured here (--profile)
+            return profile.local_s[kind]
+        return PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
+
+    passes_s = cost("csc") + k / chunks * cost("csc_chunks") if sparse else cost(tech.local)
     comm_end = max(bwd_end, link_free)
     t_n = comm_end + passes_s + t_upd
     return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, sent, count, comm_end - bwd_end)
