@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "gf-bf16-csc-slice", "ddp",
          "ddp-fp16", "ddp-powersgd", "compute")
 ISOLATED = ("ddp-powersgd",)
-"""Modes run in their own launch: PowerSGD's hook can abort the process or hang Gloo."""
+"""Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
+must not take the other modes with it."""
 DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
 CSC_DENSITY = 0.1
 POWERSGD_RANK = 1  # torch's default matrix_approximation_rank
@@ -572,7 +573,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             # healthy, it takes about as long per variant as the main launch; a hang must not take forever
             per_variant = secs / max(1, len(main))
             limit = min(opts.timeout_s, 90 + 3 * per_variant * 2)
-            logger.info("bench: %s in its own launch (timeout %.0f s): it crashes or hangs Gloo here at times",
+            logger.info("bench: %s in its own launch (timeout %.0f s): torch's hook, kept apart in case it fails",
                         ", ".join(v.name for v in isolated), limit)
             iso = [Variant("compute", "compute"), *isolated]
             raw, err, secs = _launch("isolated", iso, opts, out, cluster, limit)
