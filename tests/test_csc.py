@@ -13,6 +13,7 @@ from torch import nn
 
 import gradientflow as gf
 from gradientflow.selection import auto_chunk_size, chunk_scores, density_at, n_selected, select_chunks
+from gradientflow.slices import Slice, SliceQueue
 
 from _dist import run_distributed
 
@@ -90,6 +91,46 @@ def test_select_top_k_ties_go_to_lower_index() -> None:
     assert select_chunks(scores, 4).tolist() == [1, 2, 3, 5]
     assert select_chunks(torch.zeros(6), 3).tolist() == [0, 1, 2]
     assert select_chunks(torch.ones(10_000), 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_forced_chunks_are_selected_first_and_the_scores_stay_as_they_were() -> None:
+    scores = torch.tensor([5.0, 4.0, 3.0, 0.0, 0.5])
+    before = scores.clone()
+    # the last 2 (chunks of 1-D parameters) always go; the one free place goes to the best score
+    assert select_chunks(scores, 3, forced=2).tolist() == [0, 3, 4]
+    assert torch.equal(scores, before)  # the finite check reads the real scores afterwards
+
+
+class _Arrival:
+    """A score exchange whose arrival the test decides."""
+
+    def __init__(self) -> None:
+        self.arrived = False
+
+    def poll(self) -> bool:
+        return self.arrived
+
+
+class _Group:  # stands for the control process group (SliceQueue keeps a weak reference)
+    pass
+
+
+def test_slices_go_out_in_opening_order_and_a_late_one_holds_back_the_rest() -> None:
+    group = _Group()
+    queue = SliceQueue(group)
+    arrivals = [_Arrival() for _ in range(3)]
+    queue.slices = [Slice(0, 2 * i, 2 * i + 2, a) for i, a in enumerate(arrivals)]
+    sent: list[int] = []
+    arrivals[1].arrived = True  # the second slice's scores came back before the first's
+    queue.send_arrived(lambda sl: sent.append(sl.lo))
+    # nothing overtakes the first: every rank must issue the chunk allreduces in one order
+    assert sent == [] and queue.sent == 0
+    arrivals[0].arrived = True
+    queue.send_arrived(lambda sl: sent.append(sl.lo))
+    assert sent == [0, 2] and queue.sent == 2
+    slices, early = queue.drain(lambda sl: sent.append(sl.lo))  # the end of backward: the rest, waiting
+    assert sent == [0, 2, 4] and early == 2 and [sl.lo for sl in slices] == [0, 2, 4]
+    assert queue.slices == [] and queue.sent == 0  # ready for the next step
 
 
 def test_number_selected_is_ceil_of_density_times_n() -> None:
