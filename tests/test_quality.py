@@ -123,8 +123,8 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert key in res
     assert res["tta"] == [] and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}
-    expected = {"transformer": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense", "ddp-sgd"},
-                "digits": {"ddp", "gf-recommended", "gf-paper", "gf-fp16-dense"}}
+    expected = {"transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd"},
+                "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense"}}
     for name, w in res["workloads"].items():
         rows = {r["recipe"]: r for r in w["rows"]}
         assert set(rows) == expected[name]
@@ -141,6 +141,9 @@ def test_quality_end_to_end_tiny(tmp_path):
                 assert r["bytes_source"] == "measured" and 0 < r["bytes_per_step"] < ddp["bytes_per_step"]
         assert rows["gf-fp16-dense"]["bytes_per_step"] == ddp["bytes_per_step"] / 2
         assert rows["gf-recommended"]["sparse_share"] > 0.5 and rows["gf-fp16-dense"]["sparse_share"] == 0
+        # density 0.3 sends more than 0.1 (both still ramping down from dense after 12 of 100 steps;
+        # not less than dense fp16 here: at ~0.87 of tiny chunks, whole chunks + scores outweigh it)
+        assert rows["gf-recommended"]["bytes_per_step"] < rows["gf-density-0.3"]["bytes_per_step"]
         # gf-paper's dense warm-up: max(1, 12 // 20) = 1 step of 12
         assert rows["gf-paper"]["sparse_share"] == pytest.approx(11 / 12)
         if w["metric"] == "val_acc":

@@ -16,6 +16,7 @@ import numpy as np
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
     "gf-recommended": "gradientflow fp16 + CSC density 0.1, library defaults otherwise, the user's optimizer",
+    "gf-density-0.3": "gradientflow fp16 + CSC density 0.3 (3x the bytes of 0.1), the user's optimizer",
     "gf-paper": "gradientflow fp16 + CSC 0.1 + momentum correction 0.9, plain SGD, dense warm-up",
     "gf-fp16-dense": "gradientflow fp16 wire, dense, the user's optimizer",
     "ddp-sgd": "torch DDP, dense fp32, gf-paper's SGD with momentum 0.9 in the optimizer (gf-paper's oracle)",
@@ -247,7 +248,8 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     paths = []
     # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
     style = {"ddp": {"color": "black", "lw": 3, "alpha": 0.5}, "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
-             "gf-recommended": {"color": "tab:orange"}, "gf-paper": {"color": "tab:green"},
+             "gf-recommended": {"color": "tab:orange"}, "gf-density-0.3": {"color": "tab:blue"},
+             "gf-paper": {"color": "tab:green"},
              "ddp-sgd": {"color": "tab:purple", "ls": ":"}}
     for w in summary["workloads"].values():
         digits = w["metric"] == "val_acc"
