@@ -34,7 +34,7 @@ class Technique:
     fused: bool        # θ fusion (lazy allreduce) instead of one collective per tensor
     csc: bool          # coarse-grained sparse communication at cfg.density
     local: str         # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
-                       # out and back, 3 passes); CSC selecting k < n chunks: "csc" (2 passes)
+                       # out and back, 3 passes); CSC selecting k < n chunks: see PASSES
 
 
 PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_chunks": 4}
@@ -90,6 +90,14 @@ def n_chunks(pool_sizes: tuple[int, ...], chunk_size: int) -> int:
     return sum(math.ceil(s / chunk_size) for s in pool_sizes)
 
 
+def _passes_s(profile: ModelProfile, cfg: SimConfig, kind: str) -> float:
+    """Seconds of the local passes ``kind`` (see :data:`PASSES`): timed here with ``--profile``,
+    else costed at ``cfg.pass_bytes_per_s`` over the fp32 pool."""
+    if profile.local_s is not None:
+        return profile.local_s[kind]
+    return PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
+
+
 def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
              technique: Technique | None = None) -> Iteration:
     """One iteration of ``config`` (or of ``technique``, named ``config``) on ``gpus`` GPUs.
@@ -104,8 +112,8 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
        then the k chunks, packed, in fp16.  With k == n there is nothing to choose: every chunk
        is sent, so CSC is lazy allreduce (same buckets, no scores, no residual passes).
     5. Local passes over the pool (casts; CSC's score, and its clear/pack/unpack/mask of the k
-       selected chunks) run after the last
-       collective, then the update: t(N) = max(backward end, link free) + passes + update.
+       selected chunks) run after the last collective, then the update:
+       t(N) = max(backward end, link free) + passes + update.
     """
     if technique is None and config not in TECHNIQUES:
         raise ValueError(f"unknown configuration {config!r}; choose one of {list(CONFIGS)}")
@@ -137,12 +145,10 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
             nbytes = b.numel * tech.wire_bytes
             link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
             sent, count = sent + nbytes, count + 1
-    def cost(kind: str) -> float:
-        if profile.local_s is not None:  # measured here (--profile)
-            return profile.local_s[kind]
-        return PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
-
-    passes_s = cost("csc") + k / chunks * cost("csc_chunks") if sparse else cost(tech.local)
+    if sparse:
+        passes_s = _passes_s(profile, cfg, "csc") + k / chunks * _passes_s(profile, cfg, "csc_chunks")
+    else:
+        passes_s = _passes_s(profile, cfg, tech.local)
     comm_end = max(bwd_end, link_free)
     t_n = comm_end + passes_s + t_upd
     return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, sent, count, comm_end - bwd_end)
