@@ -121,14 +121,18 @@ def test_slices_go_out_in_opening_order_and_a_late_one_holds_back_the_rest() -> 
     arrivals = [_Arrival() for _ in range(3)]
     queue.slices = [Slice(0, 2 * i, 2 * i + 2, a) for i, a in enumerate(arrivals)]
     sent: list[int] = []
+
+    def record(sl: Slice, stats: object) -> None:
+        sent.append(sl.lo)
+
     arrivals[1].arrived = True  # the second slice's scores came back before the first's
-    queue.send_arrived(lambda sl: sent.append(sl.lo))
+    queue.send_arrived(record, None)
     # nothing overtakes the first: every rank must issue the chunk allreduces in one order
     assert sent == [] and queue.sent == 0
     arrivals[0].arrived = True
-    queue.send_arrived(lambda sl: sent.append(sl.lo))
+    queue.send_arrived(record, None)
     assert sent == [0, 2] and queue.sent == 2
-    slices, early = queue.drain(lambda sl: sent.append(sl.lo))  # the end of backward: the rest, waiting
+    slices, early = queue.drain(record, None)  # the end of backward: the rest, waiting
     assert sent == [0, 2, 4] and early == 2 and [sl.lo for sl in slices] == [0, 2, 4]
     assert queue.slices == [] and queue.sent == 0  # ready for the next step
 

@@ -253,12 +253,11 @@ class SparseSync(SyncStrategy):
 
         The engine calls it each time a parameter's gradient is ready (after any bucket launch
         that gradient completed), so a slice goes on the wire within one layer's backward of its
-        scores arriving.  Ranks may send a
-        slice at different moments: that is safe because scores travel on their own group, so
-        on each group every rank still issues the same collectives in the same order.  Backward
-        never stalls on a peer that is a few layers behind.
+        scores arriving.  Ranks may send a slice at different moments: that is safe because
+        scores travel on their own group, so on each group every rank still issues the same
+        collectives in the same order.  Backward never stalls on a peer that is a few layers behind.
         """
-        self._queue.send_arrived(lambda sl: self._send_slice(sl, stats))
+        self._queue.send_arrived(self._send_slice, stats)
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
         """Score the chunks of pool ``k`` that became complete; return their range, if any."""
@@ -317,7 +316,7 @@ class SparseSync(SyncStrategy):
         else:
             for k in range(len(self.sizes)):
                 self._open_slice(k, 0, self.n_chunks[k], stats)
-        slices, sent = self._queue.drain(lambda sl: self._send_slice(sl, stats))
+        slices, sent = self._queue.drain(self._send_slice, stats)
         self.dense.finish(stats)
 
         # 5. One host read: any non-finite local gradient shows in the summed scores; an fp16

@@ -37,6 +37,10 @@ class Slice:
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
 
 
+Send = Callable[[Slice, StepStats], None]
+"""What sending a slice does: select its top chunks, pack them, start their allreduce."""
+
+
 class SliceQueue:
     """The slices of one step, in the order they were opened; the first ``sent`` are on the wire."""
 
@@ -56,16 +60,16 @@ class SliceQueue:
                                  what=f"scores of pool {pool} chunks {lo}-{hi}")
         self.slices.append(Slice(pool, lo, hi, handle))
 
-    def send_arrived(self, send: Callable[[Slice], None]) -> None:
+    def send_arrived(self, send: Send, stats: StepStats) -> None:
         """``send`` every unsent slice whose global scores have arrived, in order; never wait."""
         while self.sent < len(self.slices) and self.slices[self.sent].handle.poll():
-            send(self.slices[self.sent])
+            send(self.slices[self.sent], stats)
             self.sent += 1
 
-    def drain(self, send: Callable[[Slice], None]) -> tuple[list[Slice], int]:
+    def drain(self, send: Send, stats: StepStats) -> tuple[list[Slice], int]:
         """``send`` the rest (waiting for their scores); return every slice and how many went early."""
         slices, early = self.slices, self.sent
         for sl in slices[early:]:
-            send(sl)
+            send(sl, stats)
         self.slices, self.sent = [], 0
         return slices, early
