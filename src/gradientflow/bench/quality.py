@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 RECIPES = ("ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd")
 DENSITY = 0.1
-DENSER = 0.3  # gf-density-0.3: what a user whose optimizer loses quality at 0.1 (AdamW) can turn to
+USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
+"""fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
+0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
 WORKLOAD_OF_CLI = {"tiny_transformer": "transformer", "small_cnn": "digits"}
 """``--workload`` names (the bench's models) of the quality workloads."""
@@ -103,11 +105,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     if recipe in ("ddp", "ddp-sgd"):
         wrapped: nn.Module = TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
-    elif recipe == "gf-recommended":
-        options = {"comm_dtype": "fp16", "density": DENSITY}  # everything else: the library's defaults
-        wrapped = gf.DistributedDataParallel(model, **options)
-    elif recipe == "gf-density-0.3":
-        options = {"comm_dtype": "fp16", "density": DENSER}
+    elif recipe in USER_OPTIMIZER_DENSITY:
+        options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
         wrapped = gf.DistributedDataParallel(model, **options)
     elif recipe == "gf-paper":
         options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
@@ -171,6 +170,11 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
                    paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
                    paper_warmup_steps=max(1, steps // 20), d_model=d, n_layers=layers, n_heads=max(1, d // 32))
 
+    def digits(name: str, model: str, steps: int, recipes: list[str]) -> Job:
+        return Job(name=name, workload="digits", model=model, steps=steps, batch_size=opts.batch_size or 32,
+                   eval_every=every(steps), recipes=recipes, lr=0.05, paper_lr=0.05,
+                   paper_warmup_steps=max(1, steps // 20))
+
     def chosen(default: list[str]) -> list[str]:
         return [r for r in default if opts.recipes is None or r in opts.recipes]
 
@@ -179,10 +183,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(list(RECIPES))))
     if "digits" in opts.workloads:
         # the user's optimizer is already the paper's SGD with momentum 0.9: ddp-sgd would be ddp again
-        recipes = chosen([r for r in RECIPES if r != "ddp-sgd"])
-        jobs.append(Job(name="digits", workload="digits", steps=opts.steps, batch_size=opts.batch_size or 32,
-                        eval_every=every(opts.steps), recipes=recipes, lr=0.05, paper_lr=0.05,
-                        paper_warmup_steps=max(1, opts.steps // 20)))
+        jobs.append(digits("digits", "small_cnn", opts.steps, chosen([r for r in RECIPES if r != "ddp-sgd"])))
     for job in jobs:
         if "ddp" not in job.recipes:
             job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against
@@ -191,10 +192,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         if "transformer" in opts.workloads:
             tta.append(transformer("tta", opts.tta_size, opts.tta_steps, 8, ["ddp", "gf-recommended"]))
         if "digits" in opts.workloads:
-            tta.append(Job(name="tta_digits", workload="digits", model=opts.tta_model, steps=opts.tta_steps,
-                           batch_size=opts.batch_size or 32, eval_every=every(opts.tta_steps),
-                           recipes=["ddp", "gf-recommended"], lr=0.05, paper_lr=0.05,
-                           paper_warmup_steps=max(1, opts.tta_steps // 20)))
+            tta.append(digits("tta_digits", opts.tta_model, opts.tta_steps, ["ddp", "gf-recommended"]))
     return jobs, tta
 
 
