@@ -15,6 +15,7 @@ reference and a short timeout; a failure there is recorded in the JSON and the o
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -291,6 +292,7 @@ def worker_main(spec_path: str) -> None:
             say(f"{v.name}: {rec['error']}")
         runs.append(rec)
         say(f"built {v.name} (+{rec['mem_added_mb'] or 0:.0f} MB after {spec.warmup} warm-up steps)")
+    model = opt = None  # only `runs` holds the models (they are freed before the exit, below)
     timing_allocator()
     for rec in runs:  # one untimed round in that allocator: the heap grows once, here
         if rec["status"] == "ok":
@@ -301,20 +303,22 @@ def worker_main(spec_path: str) -> None:
         for rec in runs:
             if rec["status"] != "ok":
                 continue
-            model, opt = rec["_obj"]
             dist.barrier()
             t0 = time.perf_counter()
             try:
-                _step(model, opt, x, y)
+                _step(*rec["_obj"], x, y)
             except Exception as exc:  # noqa: BLE001
                 rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
                 say(f"{rec['name']}: {rec['error']}")
                 continue
             rec["step_s"].append(time.perf_counter() - t0)
-            rec["stats"].append(_stats_of(model))
+            rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
+    # Free every model while the process group still exists: a wrapper destroyed after
+    # destroy_process_group (torch DDP with the PowerSGD hook) can hang the exit (1 in ~5 launches).
     for rec in runs:
         rec.pop("_obj", None)
+    gc.collect()
     maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     mine = {"runs": runs, "base_rss_mb": base_rss, "maxrss_mb": maxrss_mb}
     gathered: list[Any] = [None] * world
