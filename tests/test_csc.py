@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.selection import auto_chunk_size, chunk_scores, density_at, n_selected, select_chunks
+from gradientflow.selection import auto_chunk_size, chunk_scores, dense_from, density_at, n_selected, select_chunks
 from gradientflow.slices import Slice, SliceQueue
 
 from _dist import run_distributed
@@ -153,6 +153,39 @@ def test_density_ramp_falls_exponentially_from_dense_to_density() -> None:
     ramp = [density_at(t, 0.1, 10) for t in range(11)]
     ratios = [b / a for a, b in zip(ramp, ramp[1:])]
     assert ratios == pytest.approx([0.1 ** 0.1] * 10)  # a constant factor per step
+
+
+def test_dense_from_is_where_chunks_plus_scores_stop_being_fewer_bytes() -> None:
+    # Per chunk: 4 score bytes + density * C * w chunk bytes against C * w dense.
+    assert dense_from(16, 2) == 1 - 4 / 32 == 0.875  # fp16, 16-element chunks
+    assert dense_from(64, 4) == 1 - 4 / 256  # fp32, 64
+    assert dense_from(32768, 2) == 1 - 4 / 65536  # the paper's chunks: only density 1 is dense
+    d = dense_from(16, 2)
+    assert 4 + d * 16 * 2 == 16 * 2  # at the threshold: equal bytes
+
+
+def _ramp_worker(rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    # fp16, 16-element chunks, ramp to 0.1 over 100 steps: 0.1 ** (t / 100) >= 0.875 for t <= 5.
+    model = _sparse(_mlp(), chunk_size=16, comm_dtype="fp16", density=0.1, warmup_steps=100)
+    gen = torch.Generator().manual_seed(40 + rank)
+    out = []
+    for _ in range(8):
+        x, y = _batch(gen)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        st = model.comm_stats()
+        out.append((st["warmup"], st["payload_bytes"], st["dense_bytes"] // 2))
+    return out
+
+
+def test_ramp_steps_that_would_not_save_bytes_are_sent_dense() -> None:
+    steps = run_distributed(_ramp_worker, 2, timeout=60)[0]
+    fp16_dense = steps[0][2]
+    assert [w for w, _, _ in steps] == [1] * 6 + [0, 0]
+    assert all(payload == fp16_dense for _, payload, _ in steps[:6])
+    # Sparse from step 6 (0.871); a slice sends ceil(density x its chunks), and this model's slices
+    # hold ~16 chunks, so step 6 still rounds up to the dense size; step 7 (0.851) saves bytes.
+    assert steps[7][1] < fp16_dense
 
 
 def test_auto_chunk_size_is_the_papers_for_big_models_and_gives_small_ones_2000_chunks() -> None:

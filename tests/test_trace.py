@@ -32,7 +32,7 @@ def _trace_worker(rank: int, world_size: int, tmp: str, options: dict) -> None:
         model(torch.randn(4, 32, generator=gen)).square().mean().backward()
 
 
-@pytest.mark.parametrize("options", [{}, {"density": 0.5, "chunk_size": 64, "comm_dtype": "fp16"}],
+@pytest.mark.parametrize("options", [{}, {"density": 0.5, "chunk_size": 64, "comm_dtype": "fp16", "warmup_steps": 1}],
                          ids=["dense", "csc"])
 def test_trace_holds_the_chosen_steps_only(tmp_path, capsys, options: dict) -> None:
     run_distributed(_trace_worker, 2, str(tmp_path), options, timeout=90)

@@ -45,6 +45,7 @@ class GradientFlowConfig:
         at least 200 such chunks, else a power of two giving ~2000 chunks, at least 16).
     warmup_steps: CSC — length of the density ramp: step t < warmup_steps sends
         ``density ** (t / warmup_steps)`` of the chunks (step 0 dense), later steps ``density``.
+        A ramp step whose chunks and scores would be no fewer bytes than a dense step is sent dense.
     momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
         apply momentum again.
     dense_1d: CSC — 1-D parameters (biases, normalisation scales) are laid out together at the

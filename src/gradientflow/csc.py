@@ -27,8 +27,9 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      zeroed, gets the reduced chunks, and the sent chunks leave v and u (momentum factor
      masking).  ``.grad`` point at the pool again, ready for the optimizer.
   6. Warm-up: a density ramp (:func:`~gradientflow.selection.density_at`): step t of the first
-     ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks; step 0 (density 1)
-     is a plain dense step on the pool (v and u untouched).
+     ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks; step 0 (density 1),
+     and any step whose chunks and scores would be no fewer bytes than a dense step
+     (:func:`~gradientflow.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
 
 Loss scaling: v and u are kept in units of the current loss scale
 (:class:`~gradientflow.residual.Residuals`); ``model.register_grad_scaler(scaler)`` lets CSC
@@ -65,7 +66,7 @@ from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout
 from .precision import loss_scale
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
-from .selection import chunk_scores, density_at, n_selected, score_scratch, select_chunks
+from .selection import chunk_scores, dense_from, density_at, n_selected, score_scratch, select_chunks
 from .slices import Slice, SliceQueue
 from .stats import StepStats
 from .strategy import SyncStrategy
@@ -98,6 +99,8 @@ class SparseSync(SyncStrategy):
         self.dense_1d = config.dense_1d
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
         self._check_wire = config.wire_dtype == torch.float16
+        wire = config.wire_dtype or (pool.buffers[0].dtype if pool.buffers else torch.float32)
+        self._dense_from = dense_from(self.chunk_size, wire.itemsize)  # scores travel as fp32
         self.step = 0
         self.last_slice_sizes: list[int] = []
         self._sent: list[tuple[int, torch.Tensor]] = []  # (pool, chunk indices) of the last step
@@ -191,8 +194,12 @@ class SparseSync(SyncStrategy):
         return density_at(self.step, self.density, self.warmup_steps)
 
     def _warmup(self) -> bool:
-        """A step whose density is 1: plain dense communication (the first step of a ramp)."""
-        return self.density_now() >= 1.0
+        """A step sent dense: density 1, or so close to it that the sparse step would be no fewer bytes.
+
+        The ramp only falls, so such steps all come before the first sparse one: v and u are
+        still empty and the dense step loses nothing by leaving them untouched.
+        """
+        return self.density_now() >= self._dense_from
 
     def _begin_step(self) -> None:
         if self.res is None:

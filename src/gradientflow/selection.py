@@ -51,6 +51,19 @@ def density_at(step: int, density: float, warmup_steps: int) -> float:
     return density ** (step / warmup_steps)
 
 
+def dense_from(chunk_size: int, wire_itemsize: int, score_itemsize: int = 4) -> float:
+    """The density from which a step is sent dense: its chunks plus scores would not be fewer bytes.
+
+    A sparse step hands over one score per chunk and the selected chunks; per chunk of the pool
+    that is ``score_itemsize + density * chunk_size * wire_itemsize`` bytes against a dense
+    step's ``chunk_size * wire_itemsize``.  At or above ``1 - score_itemsize / (chunk_size *
+    wire_itemsize)`` the dense step is no more bytes, and it skips the score pass, the selection
+    and the packing.  Only the first steps of a ramp with small chunks get there (fp16, 16-element
+    chunks: density >= 0.875; the paper's 32768: >= 0.99994).
+    """
+    return 1.0 - score_itemsize / (chunk_size * wire_itemsize)
+
+
 def n_selected(density: float, n_chunks: int) -> int:
     """``ceil(density * n_chunks)``, at least 1; the product is rounded first so 0.1*30 gives 3."""
     if n_chunks == 0:
