@@ -782,7 +782,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._gf_finite_check.scaler_registered = True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too."""
+        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
+        Adam-type optimizer meets a CSC density below 0.3 (measured to lose quality)."""
         self._gf_sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------

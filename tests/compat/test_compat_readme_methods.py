@@ -60,6 +60,14 @@ def _readme_worker(rank: int, world_size: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mc.check_optimizer(torch.optim.SGD(mc.parameters(), lr=0.1))
+    # ... and when an Adam-type optimizer meets a density below 0.3 (the quality bench's finding).
+    for density, warns in ((0.1, True), (0.3, False)):
+        lo = gf.DistributedDataParallel(nn.Linear(6, 4), density=density)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            lo.check_optimizer(torch.optim.AdamW(lo.parameters(), lr=1e-3))
+            lo.check_optimizer(torch.optim.SGD(lo.parameters(), lr=0.1, momentum=0.9))  # never
+        assert [("Adam-type" in str(w.message) and "AdamW" in str(w.message)) for w in seen] == [True] * warns
     # join(), as in the README's compatibility table.
     with model.join():
         opt.zero_grad()
