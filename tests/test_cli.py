@@ -124,6 +124,9 @@ def _check_bench_json(out: Path) -> dict:
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (name, key, r[key])
         assert r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
         assert r["wire_bytes"] is not None
+        # one thread's CPU time cannot exceed the wall time it ran (per step, slowest rank, median)
+        assert 0 < r["thread_cpu_s"] <= r["median_s"], (name, r["thread_cpu_s"], r["median_s"])
+        assert ("thread_cpu_added_s" in r) == (name != "compute"), name  # against its own launch's compute
     assert rows["gf-fp32"]["wire_source"] == "measured" and rows["ddp"]["wire_source"] == "computed"
     # fp16 halves the measured payload; CSC at density 0.1 sends far less again
     assert rows["gf-fp16"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"] / 2
@@ -131,6 +134,7 @@ def _check_bench_json(out: Path) -> dict:
     assert rows["ddp"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"]  # both: 4 bytes per gradient
     assert (out / "bench.png").stat().st_size > 0
     assert "| gf-fp16-csc |" in (out / "table.md").read_text()
+    assert "thread CPU ms (vs compute)" in (out / "table.md").read_text()
     return res
 
 

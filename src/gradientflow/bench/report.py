@@ -34,6 +34,12 @@ SHARE_DEF = (
     "accumulate, score, select, pack, unpack, zero, check), and the rest (waiting on the network and on the "
     "slower rank, hooks, contention). '—' where a mode has no phase counters (torch DDP)."
 )
+CPU_DEF = (
+    "thread CPU = CPU time of the training thread per step (time.thread_time(); on CPU it runs forward, "
+    "backward with every gradient hook and the optimizer), median, slowest rank per step; in brackets the "
+    "difference to the compute mode's: the CPU a mode adds to the training thread, gradientflow's own work "
+    "and autograd's accumulation included. Gloo's and the kernel's threads are not in it."
+)
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
@@ -54,6 +60,8 @@ def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict
     med = _pct(steps, 50)
     row.update(median_s=med, p10_s=_pct(steps, 10), p90_s=_pct(steps, 90), samples_per_s=world * batch / med)
     row["ref_compute_s"] = ref_s
+    if v.get("cpu_s"):
+        row["thread_cpu_s"] = _pct(v["cpu_s"], 50)
     row["speedup"] = world * ref_s / med if ref_s else None
     stats = v.get("stats") or {}
     if ref_s:
@@ -91,12 +99,15 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
     for launch in launches:
         comp = [v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")]
         ref = _pct(comp[0]["step_s"], 50) if comp else None
+        ref_cpu = _pct(comp[0]["cpu_s"], 50) if comp and comp[0].get("cpu_s") else None
         refs[launch["name"]] = ref
         for v in launch["variants"]:
             if launch["name"] != "main" and v["mode"] == "compute":
                 continue  # the isolated launch's own reference; shown as ref_compute_s of its modes
             row = _row(v, ref, world, opts.batch_size)
             row["launch"] = launch["name"]
+            if v["mode"] != "compute" and ref_cpu is not None and row.get("thread_cpu_s") is not None:
+                row["thread_cpu_added_s"] = row["thread_cpu_s"] - ref_cpu
             rows.append(row)
     sweep = []
     for theta in opts.theta_sweep:
@@ -121,7 +132,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "base_rss_mb": main.get("base_rss_mb"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
         "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF,
-                        "shares": SHARE_DEF},
+                        "shares": SHARE_DEF, "thread_cpu": CPU_DEF},
         "rows": rows,
         "sweep": sweep,
         "launches": launches,
@@ -136,6 +147,14 @@ def _torch_version() -> str:
 
 def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def _cpu(r: dict[str, Any]) -> str:
+    """ "thread CPU ms (+ over the compute mode)"; the compute mode itself has no bracket."""
+    cpu, added = r.get("thread_cpu_s"), r.get("thread_cpu_added_s")
+    if cpu is None:
+        return "—"
+    return _ms(cpu) if r.get("mode") == "compute" or added is None else f"{_ms(cpu)} ({added * 1e3:+.0f})"
 
 
 def _shares(r: dict[str, Any]) -> str:
@@ -159,8 +178,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "(ddp-powersgd: one bucket, own launch with its own compute reference).",
         "",
         f"| mode | θ MB | step ms median (p10–p90) | samples/s | speedup (ideal {n}) | wire MB/step "
-        "| exposed comm ms | compute / own CPU / comm % | +mem MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| exposed comm ms | compute / own CPU / comm % | thread CPU ms (vs compute) | +mem MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
         if r.get("sweep"):
@@ -170,7 +189,7 @@ def markdown(summary: dict[str, Any]) -> str:
             theta = "all" if r["mode"] == "ddp-powersgd" else "25"
         if r["status"] != "ok":
             err = (r.get("error") or "failed").replace("|", "/")
-            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | |")
+            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | | |")
             continue
         wire = r.get("wire_bytes")
         wire_s = "—" if wire is None else f"{wire / 2**20:.2f}" + (" c" if r["wire_source"] == "computed" else "")
@@ -179,7 +198,8 @@ def markdown(summary: dict[str, Any]) -> str:
         speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
         mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
         lines.append(f"| {r['name']} | {theta} | {_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])}) "
-                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {mem} |")
+                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
+                     f"| {mem} |")
     phased = [r for r in summary["rows"] if r.get("phases_ms") and not r.get("sweep")]
     if phased:
         lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
@@ -208,7 +228,8 @@ def markdown(summary: dict[str, Any]) -> str:
             coll = f"{g['collectives']:.0f}" if g and g.get("collectives") is not None else "—"
             lines.append(f"| {pair['theta_mb']:g} | {cell(g)} | {coll} | {cell(d)} | {ratio} |")
     d = summary["definitions"]
-    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}", f"- {d['memory']} "
+    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}",
+              f"- {d['thread_cpu']}", f"- {d['memory']} "
               f"Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB."]
     return "\n".join(lines).strip() + "\n"
 

@@ -277,7 +277,7 @@ def worker_main(spec_path: str) -> None:
     runs: list[dict[str, Any]] = []
     for vd in spec.variants:
         v = Variant(**vd)
-        rec: dict[str, Any] = {**vd, "status": "ok", "error": None, "step_s": [], "stats": [],
+        rec: dict[str, Any] = {**vd, "status": "ok", "error": None, "step_s": [], "cpu_s": [], "stats": [],
                                "computed_wire_bytes": None, "mem_added_mb": None}
         before = _rss_mb()
         try:
@@ -304,7 +304,7 @@ def worker_main(spec_path: str) -> None:
             if rec["status"] != "ok":
                 continue
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _step(*rec["_obj"], x, y)
             except Exception as exc:  # noqa: BLE001
@@ -312,6 +312,7 @@ def worker_main(spec_path: str) -> None:
                 say(f"{rec['name']}: {rec['error']}")
                 continue
             rec["step_s"].append(time.perf_counter() - t0)
+            rec["cpu_s"].append(time.thread_time() - c0)  # this thread runs forward, backward (CPU) and step
             rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
     # Free every model while the process group still exists: a wrapper destroyed after
@@ -335,11 +336,12 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
     for i, rec in enumerate(per_rank[0]["runs"]):
         ranks = [r["runs"][i] for r in per_rank]
         n = min(len(r["step_s"]) for r in ranks)
-        out = {k: v for k, v in rec.items() if k not in ("step_s", "stats")}
+        out = {k: v for k, v in rec.items() if k not in ("step_s", "cpu_s", "stats")}
         errors = [r["error"] for r in ranks if r["error"]]
         out["status"] = "error" if errors else "ok"
         out["error"] = errors[0] if errors else None
         out["step_s"] = [max(r["step_s"][s] for r in ranks) for s in range(n)]
+        out["cpu_s"] = [max(r["cpu_s"][s] for r in ranks) for s in range(n)]
         keys = ranks[0]["stats"][0].keys() if n and ranks[0]["stats"] else []
         out["stats"] = {k: [max(r["stats"][s].get(k, 0.0) for r in ranks) for s in range(n)] for k in keys}
         out["mem_added_mb"] = max((r["mem_added_mb"] or 0.0) for r in ranks)
