@@ -340,7 +340,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
         (:meth:`_gf_adopt_grad`), one pass where zeroing the pool and letting autograd add into it
-        takes two (AlexNet, one thread: backward 176 ms against 201).  A parameter that got no
+        takes two (AlexNet, one thread, measured once: backward 176 ms against 201).  A parameter that got no
         gradient is zeroed when its bucket is launched (:meth:`_gf_launch`).
         """
         pool_views, fresh = self._gf_pool.views, self._gf_fresh

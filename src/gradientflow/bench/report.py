@@ -35,10 +35,12 @@ SHARE_DEF = (
     "slower rank, hooks, contention). '—' where a mode has no phase counters (torch DDP)."
 )
 CPU_DEF = (
-    "thread CPU = CPU time of the training thread per step (time.thread_time(); on CPU it runs forward, "
+    "thread CPU = CPU time charged to the training thread per step (time.thread_time(); on CPU it runs forward, "
     "backward with every gradient hook and the optimizer), median, slowest rank per step; in brackets the "
     "difference to the compute mode's: the CPU a mode adds to the training thread, gradientflow's own work "
-    "and autograd's accumulation included. Gloo's and the kernel's threads are not in it."
+    "and autograd's accumulation included. Gloo's threads are not in it; interrupts are: on a kernel without "
+    "IRQ time accounting the network processing that lands while the thread runs is charged to it, so on an "
+    "emulated link the bracket also holds part of the network's cost."
 )
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
