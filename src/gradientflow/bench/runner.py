@@ -311,8 +311,9 @@ def worker_main(spec_path: str) -> None:
                 rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
                 say(f"{rec['name']}: {rec['error']}")
                 continue
+            cpu = time.thread_time() - c0  # read first: the CPU interval lies inside the wall interval
             rec["step_s"].append(time.perf_counter() - t0)
-            rec["cpu_s"].append(time.thread_time() - c0)  # this thread runs forward, backward (CPU) and step
+            rec["cpu_s"].append(cpu)  # this thread runs forward, backward (on CPU) and the optimizer
             rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
     # Free every model while the process group still exists: a wrapper destroyed after
