@@ -350,9 +350,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_bind_pending = False
         with torch.no_grad():
             if all(p.grad is None for p in params):
+                fresh[:] = b"\x01" * len(params)
                 if targets is None and sync:
                     self._gf_unbound = True
-                    fresh[:] = b"\x01" * len(params)
                     return
                 if targets is None:
                     for buf in self._gf_pool.buffers:
@@ -363,7 +363,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                             view.zero_()
                 for p, view in zip(params, views):
                     p.grad = view
-                fresh[:] = b"\x01" * len(params)
                 return
             self._gf_check_result_consumed()
             for i, (p, view) in enumerate(zip(params, views)):
@@ -540,7 +539,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _gf_launch(self, bw: _Backward, index: int) -> None:
         bucket = self._gf_pool.layout.buckets[index]
         flat = self._gf_pool.bucket_view(bucket)
-        if self._gf_unbound:  # parameters without a gradient here: zeros, as a zeroed pool would hold
+        if self._gf_unbound and bw.remaining[index]:  # some gradients never came: zeros, as a bound pool holds
             with torch.no_grad():
                 for i in bucket.params:
                     p = self._gf_params[i]
@@ -801,7 +800,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below 0.3 (measured to lose quality)."""
+        Adam-type optimizer meets a CSC density below ``csc.ADAPTIVE_MIN_DENSITY`` (measured to lose quality)."""
         self._gf_sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict[str, Any]:
+def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world: int, batch: int) -> dict[str, Any]:
     steps = v.get("step_s") or []
     row: dict[str, Any] = {k: v.get(k) for k in ("name", "mode", "theta_mb", "sweep", "status", "error")}
     row["steps"] = len(steps)
@@ -64,6 +64,8 @@ def _row(v: dict[str, Any], ref_s: float | None, world: int, batch: int) -> dict
     row["ref_compute_s"] = ref_s
     if v.get("cpu_s"):
         row["thread_cpu_s"] = _pct(v["cpu_s"], 50)
+        if ref_cpu_s is not None and v.get("mode") != "compute":
+            row["thread_cpu_added_s"] = row["thread_cpu_s"] - ref_cpu_s
     row["speedup"] = world * ref_s / med if ref_s else None
     stats = v.get("stats") or {}
     if ref_s:
@@ -106,10 +108,8 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         for v in launch["variants"]:
             if launch["name"] != "main" and v["mode"] == "compute":
                 continue  # the isolated launch's own reference; shown as ref_compute_s of its modes
-            row = _row(v, ref, world, opts.batch_size)
+            row = _row(v, ref, ref_cpu, world, opts.batch_size)
             row["launch"] = launch["name"]
-            if v["mode"] != "compute" and ref_cpu is not None and row.get("thread_cpu_s") is not None:
-                row["thread_cpu_added_s"] = row["thread_cpu_s"] - ref_cpu
             rows.append(row)
     sweep = []
     for theta in opts.theta_sweep:
@@ -156,7 +156,7 @@ def _cpu(r: dict[str, Any]) -> str:
     cpu, added = r.get("thread_cpu_s"), r.get("thread_cpu_added_s")
     if cpu is None:
         return "—"
-    return _ms(cpu) if r.get("mode") == "compute" or added is None else f"{_ms(cpu)} ({added * 1e3:+.0f})"
+    return _ms(cpu) if added is None else f"{_ms(cpu)} ({added * 1e3:+.0f})"
 
 
 def _shares(r: dict[str, Any]) -> str:
