@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gradientflow.bench.cluster import can_emulate, leftovers
+from gradientflow.bench.report import reference_warnings
 from gradientflow.bench.runner import MODES, plan_variants, powersgd_wire_bytes
 from gradientflow.cli import main
 
@@ -136,6 +137,19 @@ def _check_bench_json(out: Path) -> dict:
     assert "| gf-fp16-csc |" in (out / "table.md").read_text()
     assert "thread CPU ms (vs compute)" in (out / "table.md").read_text()
     return res
+
+
+def test_bench_flags_a_noisy_compute_reference():
+    # Speedups divide by the compute mode's median: one that sits > 10% above its own p10 is flagged.
+    def launch(name: str, compute_ms: list[float]) -> dict:
+        return {"name": name, "variants": [{"mode": "compute", "step_s": [t / 1e3 for t in compute_ms]},
+                                           {"mode": "gf-fp32", "step_s": [0.3] * len(compute_ms)}]}
+
+    quiet = [200, 202, 204, 206, 208, 210, 212, 214, 216, 240]  # median 209, p10 201.8: +3.6%
+    noisy = [215, 215, 248, 250, 251, 251, 252, 255, 256, 258]  # median 251, p10 215: +16.7%
+    assert reference_warnings([launch("main", quiet)]) == []
+    (w,) = reference_warnings([launch("main", quiet), launch("isolated", noisy)])
+    assert w.startswith("launch 'isolated': the compute reference was noisy (median 251 ms, p10 215 ms, +17%)")
 
 
 BENCH_ARGS = ["bench", "--steps", "2", "--warmup", "1", "--workload", "small_cnn", "--nproc", "2"]

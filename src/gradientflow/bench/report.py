@@ -42,6 +42,12 @@ CPU_DEF = (
     "IRQ time accounting the network processing that lands while the thread runs is charged to it, so on an "
     "emulated link the bracket also holds part of the network's cost."
 )
+NOISY_REFERENCE = 1.10
+"""A compute reference whose median step is more than 10% above its own p10 sat in a slow phase of
+the machine (another process, a busy core) for much of the run: every speedup is relative to it, so
+the report says so.  The README's runs stayed within 1.08; a run flagged at 1.17 (251 vs 215 ms)
+had inflated every speedup by ~15%."""
+
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
@@ -123,6 +129,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
             pair[kind] = named[0]["name"] if named else None
         sweep.append(pair)
     return {
+        "reference_warnings": reference_warnings(launches),
         "command": " ".join(["gradientflow", *sys.argv[1:]]) if sys.argv[0].endswith(("gradientflow", "cli.py"))
         else None,
         "options": asdict(opts) if is_dataclass(opts) else dict(vars(opts)),
@@ -139,6 +146,23 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "sweep": sweep,
         "launches": launches,
     }
+
+
+def reference_warnings(launches: list[dict[str, Any]]) -> list[str]:
+    """One line per launch whose compute reference was noisy (median > ``NOISY_REFERENCE`` x p10)."""
+    out = []
+    for launch in launches:
+        comp = [v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")]
+        if not comp:
+            continue
+        med, p10 = _pct(comp[0]["step_s"], 50), _pct(comp[0]["step_s"], 10)
+        if med > NOISY_REFERENCE * p10:
+            out.append(
+                f"launch '{launch['name']}': the compute reference was noisy (median {med * 1e3:.0f} ms, p10 "
+                f"{p10 * 1e3:.0f} ms, +{(med / p10 - 1) * 100:.0f}%): the speedups are relative to it and may be "
+                "inflated; re-run with nothing else running"
+            )
+    return out
 
 
 def _torch_version() -> str:
@@ -171,9 +195,11 @@ def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     o = summary["options"]
     n = summary["world_size"]
+    warnings = [f"**Warning**: {w}." for w in summary.get("reference_warnings", [])]
     lines = [
         f"`{summary['command']}`" if summary["command"] else "",
         "",
+        *([*warnings, ""] if warnings else []),
         f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks, {summary['network']}, batch "
         f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "

@@ -591,6 +591,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             launches.append({"name": "isolated", "seconds": secs, **raw})
     summary = report.summarize(launches, opts, emulated=cluster is not None)
     report.write_all(summary, out)
+    for warning in summary["reference_warnings"]:
+        logger.warning("bench: %s", warning)
     return summary
 
 
