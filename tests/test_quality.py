@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import asdict
 
 import pytest
 
-from gradientflow.bench.quality import Job, QualityOptions, lr_factor, plan_jobs
+from gradientflow.bench.quality import Job, QualityOptions, lr_factor, parse_recipe, plan_jobs
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
 from gradientflow.cli import main
 from gradientflow.selection import auto_chunk_size, dense_from, density_at
@@ -75,6 +76,23 @@ def test_plan_jobs():
                                                               ["ddp", "gf-recommended"], 0.05)
 
 
+def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
+    assert parse_recipe("gf-paper") == ("gf-paper", {})
+    assert parse_recipe("gf-recommended:warmup_steps=300, dense_1d=False,csc_scope=global") == (
+        "gf-recommended", {"warmup_steps": 300, "dense_1d": False, "csc_scope": "global"})
+    for bad, says in [("gf-x", "unknown recipe 'gf-x'"), ("ddp:density=0.1", "only gradientflow recipes"),
+                      ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"), ("gf-paper:density", "is not OPTION=VALUE"),
+                      ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_recipe(bad)
+    with pytest.raises(SystemExit) as exc:  # the command refuses it before any rank starts
+        main(["bench", "--quality", "--recipes", "gf-recommended:density=2"])
+    assert exc.value.code == 2
+    # variants follow the plain recipes, on every workload their recipe applies to
+    jobs, _ = plan_jobs(QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended"], bandwidth="none"))
+    assert [j.recipes for j in jobs] == [["ddp", "gf-recommended", "gf-paper:momentum=0.5"]] * 2
+
+
 def _run(recipe, step_s, losses, stats):
     evals = [{"step": 2 * i, "val_loss": v, "val_acc": None, "train_loss": None} for i, v in enumerate(losses)]
     return {"recipe": recipe, "options": {"optimizer": "AdamW"}, "status": "ok", "error": None, "step_s": step_s,
@@ -114,8 +132,10 @@ def test_quality_rejects_other_workloads(capsys):
 
 
 def test_quality_end_to_end_tiny(tmp_path):
+    variant = "gf-recommended:warmup_steps=0"  # an ablation: the same recipe without the density ramp
     args = ["bench", "--quality", "--steps", "12", "--eval-every", "4", "--transformer-size", "32x1",
-            "--bandwidth", "none", "--timeout", "150", "--out", str(tmp_path)]
+            "--bandwidth", "none", "--timeout", "150", "--out", str(tmp_path),
+            "--recipes", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd", variant]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
@@ -124,8 +144,9 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert key in res
     assert res["tta"] == [] and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}
-    expected = {"transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd"},
-                "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense"}}
+    expected = {"transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd",
+                                variant},
+                "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", variant}}
     for name, w in res["workloads"].items():
         rows = {r["recipe"]: r for r in w["rows"]}
         assert set(rows) == expected[name]
@@ -149,10 +170,13 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert 0 < dense_steps < 12 and rows["gf-fp16-dense"]["sparse_share"] == 0
         # density 0.3 sends more than 0.1 (both still ramping down from dense after 12 of 100 steps)
         assert rows["gf-recommended"]["bytes_per_step"] < rows["gf-density-0.3"]["bytes_per_step"]
+        # the variant reached the wrapper: no ramp, so every step sends 10% of the chunks
+        assert rows[variant]["options"]["warmup_steps"] == 0 and rows[variant]["sparse_share"] == 1.0
+        assert rows[variant]["bytes_per_step"] < rows["gf-recommended"]["bytes_per_step"]
         # gf-paper's dense warm-up: max(1, 12 // 20) = 1 step of 12
         assert rows["gf-paper"]["sparse_share"] == pytest.approx(11 / 12)
         if w["metric"] == "val_acc":
             assert all(0 <= r["final_val_acc"] <= 1 for r in rows.values())
         assert (tmp_path / f"quality_{name}.png").stat().st_size > 0
     table = (tmp_path / "table.md").read_text()
-    assert "| gf-recommended |" in table and "ratio to ddp" in table
+    assert "| gf-recommended |" in table and f"| {variant} |" in table and "ratio to ddp" in table

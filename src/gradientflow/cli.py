@@ -74,6 +74,16 @@ def _size(text: str) -> tuple[int, int]:
     return d, layers
 
 
+def _recipe(text: str) -> str:
+    from gradientflow.bench.quality import parse_recipe
+
+    try:
+        parse_recipe(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gradientflow`` and its subcommands."""
     from gradientflow.bench.quality import RECIPES
@@ -154,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster, ddp vs gf-recommended. Writes results.json, table.md, quality_*.png and tta*.png to --out. "
         "See README 'Quality'.")
     q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
-    q.add_argument("--recipes", nargs="+", choices=RECIPES, default=None, metavar="RECIPE",
-                   help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}")
+    q.add_argument("--recipes", nargs="+", type=_recipe, default=None, metavar="RECIPE",
+                   help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}; "
+                   "a gf-* recipe may change wrapper options, e.g. gf-recommended:warmup_steps=300,dense_1d=False "
+                   "(an ablation, trained beside the others on the same seed and batches)")
     q.add_argument("--transformer-size", type=_size, default=(128, 2), metavar="DxL",
                    help="d_model x layers of the quality transformer (default 128x2: 0.43M parameters)")
     q.add_argument("--tta-size", type=_size, default=(256, 4), metavar="DxL",

@@ -26,6 +26,8 @@ Report and plots: :mod:`gradientflow.bench.quality_report`.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import logging
 import math
@@ -95,28 +97,61 @@ def lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
 
 
 # ==== recipes =================================================================================
+def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
+    """``"gf-recommended:warmup_steps=300,dense_1d=False"`` -> ``("gf-recommended", {...})``.
+
+    A *variant* of a gradientflow recipe: the recipe with some of the wrapper's options changed, to
+    measure what an option does to quality (an ablation) on the same seed and batches.  Values are
+    Python literals (``300``, ``0.3``, ``False``, ``None``); anything else is taken as a string
+    (``csc_scope=global``).  Raises ``ValueError`` for an unknown recipe or option or a bad value.
+    """
+    from gradientflow.config import GradientFlowConfig
+
+    base, _, rest = recipe.partition(":")
+    if base not in RECIPES:
+        raise ValueError(f"unknown recipe {base!r}; choose from {', '.join(RECIPES)}")
+    if not rest:
+        return base, {}
+    if not base.startswith("gf-"):
+        raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
+    names = {f.name for f in dataclasses.fields(GradientFlowConfig)}
+    overrides: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq or key not in names:
+            raise ValueError(f"{recipe!r}: {item!r} is not OPTION=VALUE with OPTION one of {', '.join(sorted(names))}")
+        try:
+            overrides[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            overrides[key] = text
+    try:
+        GradientFlowConfig(**overrides)  # the wrapper's own validation, before any rank starts
+    except ValueError as exc:
+        raise ValueError(f"{recipe!r}: {exc}") from None
+    return base, overrides
+
+
 def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-    """Wrapper + optimizer of one recipe, and what was passed (for the report)."""
+    """Wrapper + optimizer of one recipe (or variant, see :func:`parse_recipe`), and what was passed."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import gradientflow as gf
 
+    recipe, overrides = parse_recipe(recipe)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
     if recipe in ("ddp", "ddp-sgd"):
         wrapped: nn.Module = TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
-    elif recipe in USER_OPTIMIZER_DENSITY:
-        options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
-        wrapped = gf.DistributedDataParallel(model, **options)
-    elif recipe == "gf-paper":
-        options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
-                   "warmup_steps": job.paper_warmup_steps}
-        wrapped = gf.DistributedDataParallel(model, **options)
-    elif recipe == "gf-fp16-dense":
-        options = {"comm_dtype": "fp16"}
-        wrapped = gf.DistributedDataParallel(model, **options)
     else:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+        if recipe in USER_OPTIMIZER_DENSITY:
+            options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
+        elif recipe == "gf-paper":
+            options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
+                       "warmup_steps": job.paper_warmup_steps}
+        else:  # gf-fp16-dense
+            options = {"comm_dtype": "fp16"}
+        options.update(overrides)
+        wrapped = gf.DistributedDataParallel(model, **options)
     params = wrapped.parameters()
     if paper_sgd:
         # gf-paper: momentum lives in CSC's momentum correction, so the optimizer applies none;
@@ -176,7 +211,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
                    paper_warmup_steps=max(1, steps // 20))
 
     def chosen(default: list[str]) -> list[str]:
-        return [r for r in default if opts.recipes is None or r in opts.recipes]
+        # the plain recipes in their table order, then the variants (gf-…:option=value) of those
+        plain = [r for r in default if opts.recipes is None or r in opts.recipes]
+        return plain + [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in default]
 
     jobs = []
     if "transformer" in opts.workloads:

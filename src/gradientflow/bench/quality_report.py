@@ -87,7 +87,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
         exposed = [s["exposed_seconds"] for s in run["stats"] if "exposed_seconds" in s]
         chunks = [s["n_chunks"] for s in run["stats"] if "n_chunks" in s]
         rows.append({
-            "recipe": run["recipe"], "what": RECIPE_WHAT.get(run["recipe"], ""), "options": run["options"],
+            "recipe": run["recipe"], "what": _what(run["recipe"]), "options": run["options"],
             "status": run["status"], "error": run["error"], "steps": len(run["step_s"]),
             "final_val_loss": evals[-1]["val_loss"] if evals else None,
             "final_val_acc": evals[-1]["val_acc"] if evals else None,
@@ -235,6 +235,11 @@ def markdown(summary: dict[str, Any]) -> str:
     defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
     lines.append(f"- library defaults at run time: {defaults}")
     return "\n".join(lines).strip() + "\n"
+
+
+def _what(recipe: str) -> str:
+    base, _, changed = recipe.partition(":")
+    return RECIPE_WHAT.get(base, "") + (f"; variant with {changed}" if changed else "")
 
 
 def plot(summary: dict[str, Any], out: Path) -> list[Path]:
