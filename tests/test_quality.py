@@ -89,7 +89,8 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
         main(["bench", "--quality", "--recipes", "gf-recommended:density=2"])
     assert exc.value.code == 2
     # variants follow the plain recipes, on every workload their recipe applies to
-    jobs, _ = plan_jobs(QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended"], bandwidth="none"))
+    jobs, _ = plan_jobs(QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended", "gf-paper:momentum=0.5"],
+                                       bandwidth="none"))
     assert [j.recipes for j in jobs] == [["ddp", "gf-recommended", "gf-paper:momentum=0.5"]] * 2
 
 

@@ -213,7 +213,8 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
     def chosen(default: list[str]) -> list[str]:
         # the plain recipes in their table order, then the variants (gf-…:option=value) of those
         plain = [r for r in default if opts.recipes is None or r in opts.recipes]
-        return plain + [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in default]
+        variants = [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in default]
+        return plain + list(dict.fromkeys(variants))  # a variant named twice is trained once
 
     jobs = []
     if "transformer" in opts.workloads:

@@ -45,8 +45,8 @@ CPU_DEF = (
 NOISY_REFERENCE = 1.10
 """A compute reference whose median step is more than 10% above its own p10 sat in a slow phase of
 the machine (another process, a busy core) for much of the run: every speedup is relative to it, so
-the report says so.  The README's runs stayed within 1.08; a run flagged at 1.17 (251 vs 215 ms)
-had inflated every speedup by ~15%."""
+the report says so.  The main launches of the README's tables stay within 1.08; a run that would
+have been flagged at 1.17 (251 vs 215 ms) had inflated every speedup by ~15%."""
 
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
