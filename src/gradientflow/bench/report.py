@@ -300,10 +300,57 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+MODE_LABELS = {
+    "compute": "compute (no communication)", "gf-fp32": "gradientflow fp32", "gf-fp16": "gradientflow fp16",
+    "gf-bf16": 'gradientflow bf16 (`"half"` on CPU)',
+    "gf-fp16-csc": 'gradientflow fp16 + CSC 0.1, `csc_scope="global"`',
+    "gf-fp16-csc-slice": 'gradientflow fp16 + CSC 0.1 (default `"slice"`)',
+    "gf-bf16-csc-slice": 'gradientflow bf16 + CSC 0.1, `"slice"` (`"half"` on CPU)',
+    "ddp": "torch DDP", "ddp-fp16": "DDP + fp16_compress_hook",
+    "ddp-powersgd": "DDP + PowerSGD hook (rank 1, one bucket; own launch)",
+}
+"""The README's names of the bench's modes."""
+HEADLINE_MODE = "gf-fp16-csc-slice"
+"""What ``comm_dtype="fp16", density=0.1`` does on the defaults: bold in the README's tables."""
+
+
+def readme_tables(summary: dict[str, Any]) -> str:
+    """The README's form of the step-time and own-work tables: fewer columns than :func:`markdown`,
+    plain-language mode names, the headline mode in bold.  ``readme.md`` holds it; a test checks that
+    the README's tables are exactly this, made from the committed ``results.json``."""
+    def label(r: dict[str, Any]) -> str:
+        name = MODE_LABELS.get(r["name"], r["name"])
+        return f"**{name}**" if r["name"] == HEADLINE_MODE else name
+
+    def bold(r: dict[str, Any], text: str) -> str:
+        return f"**{text}**" if r["name"] == HEADLINE_MODE else text
+
+    rows = [r for r in summary["rows"] if not r.get("sweep") and r["status"] == "ok"]
+    out = ["| mode | step ms (p10–p90) | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
+           "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        step = bold(r, f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})")
+        speed = "—" if r.get("speedup") is None else bold(r, f"{r['speedup']:.2f}")
+        wire = "—" if r.get("wire_bytes") is None else f"{r['wire_bytes'] / 2**20:.2f}"
+        mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
+        out.append(f"| {label(r)} | {step} | {speed} | {wire} | {_ms(r.get('exposed_s'))} | {_shares(r)} "
+                   f"| {_cpu(r)} | {mem} |")
+    phased = [r for r in rows if r.get("phases_ms")]
+    if phased:
+        out += ["", "| own work, ms/step | " + " | ".join(p.replace("_", " ") for p in PHASES)
+                + " | own CPU | host syncs |", "|---|" + "---|" * (len(PHASES) + 2)]
+        for r in phased:
+            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASES)
+            syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
+            out.append(f"| {label(r)} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
+    return "\n".join(out) + "\n"
+
+
 def write_all(summary: dict[str, Any], out: Path) -> None:
-    """``results.json``, ``table.md`` and ``bench.png`` in ``out``; the table is also printed."""
+    """``results.json``, ``table.md``, ``readme.md`` and ``bench.png`` in ``out``; the table is also printed."""
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     table = markdown(summary)
     (out / "table.md").write_text(table)
+    (out / "readme.md").write_text(readme_tables(summary))
     plot(summary, out / "bench.png")
     print(table)
