@@ -155,6 +155,39 @@ def test_bench_flags_a_noisy_compute_reference():
 BENCH_ARGS = ["bench", "--steps", "2", "--warmup", "1", "--workload", "small_cnn", "--nproc", "2"]
 
 
+def test_bench_times_the_users_own_model(tmp_path):
+    # tests/_user_model.py:build, found from the working directory as `python -m` would; its outputs (a
+    # tuple holding a dict and an integer tensor) are trained on the mean square of the float ones
+    args = ["bench", "--workload", "_user_model:build", "--input-shape", "3,4,4", "--steps", "2", "--warmup", "1",
+            "--nproc", "2", "--bandwidth", "none", "--modes", "gf-fp32", "gf-fp16-csc-slice", "ddp",
+            "--out", str(tmp_path)]
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["n_params"] == 48 * 32 + 32 + 32 * 8 + 8 + 32 * 2 + 2
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"compute", "gf-fp32", "gf-fp16-csc-slice", "ddp"}
+    assert all(r["status"] == "ok" and r["steps"] == 2 for r in rows.values())
+    assert rows["gf-fp32"]["wire_bytes"] == 4 * res["n_params"]  # every gradient reached the wire
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workload", "_user_model:build"], "needs --input-shape"),
+    (["--workload", "resnet50", "--input-shape", "3,32,32"], "--input-shape is for your own model"),
+])
+def test_bench_input_shape_goes_with_a_users_model(args, says, capsys):
+    assert main(["bench", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload, says", [("nope", "package.module:factory"),
+                                            ("no_such_module_here:build", "No module named")])
+def test_bench_refuses_a_model_it_cannot_load(workload, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--workload", workload, "--input-shape", "3"])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_bench_loopback_two_steps(tmp_path):
     proc = _run([*BENCH_ARGS, "--bandwidth", "none", "--out", str(tmp_path)], 150)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -74,6 +74,32 @@ def _size(text: str) -> tuple[int, int]:
     return d, layers
 
 
+def _workload(text: str) -> str:
+    """A built-in model, or the user's ``package.module:factory`` (imported here, so a typo fails now)."""
+    if text in WORKLOAD_CHOICES:
+        return text
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(WORKLOAD_CHOICES)} or your model as package.module:factory, got {text!r}")
+    from gradientflow.sim.presets import resolve_model
+
+    try:
+        resolve_model(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--model", "--workload")) from None
+    return text
+
+
+def _input_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected one sample's shape like 3,224,224, got {text!r}")
+    return shape
+
+
 def _recipe(text: str) -> str:
     from gradientflow.bench.quality import parse_recipe
 
@@ -125,8 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         "namespace, links shaped with tc. Writes results.json, table.md and bench.png to --out. "
         "With --quality: model quality instead of step time (see the --quality options below).",
     )
-    b.add_argument("--workload", choices=WORKLOAD_CHOICES, default=None,
-                   help="model (default resnet50; with --quality tiny_transformer or small_cnn alone, default both)")
+    b.add_argument("--workload", type=_workload, default=None, metavar="MODEL",
+                   help=f"{' | '.join(WORKLOAD_CHOICES)} | package.module:factory (your model: a zero-argument "
+                   "callable returning an nn.Module; give --input-shape) (default resnet50; with --quality "
+                   "tiny_transformer or small_cnn alone, default both)")
+    b.add_argument("--input-shape", type=_input_shape, default=None, metavar="C,H,W",
+                   help="one sample's input shape for your model (--workload package.module:factory); it is fed "
+                   "N(0, 1) inputs and trained on the mean square of its outputs")
     b.add_argument("--nproc", type=_positive_int, default=2, help="ranks (= emulated nodes) (default 2)")
     b.add_argument("--steps", type=_positive_int, default=None,
                    help="timed steps per mode (default 20); with --quality training steps per workload (default 400)")
@@ -239,7 +270,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.quality:
         return _quality(args)
     args.workload = args.workload or "resnet50"
-    opts = BenchOptions(workload=args.workload, nproc=args.nproc, steps=args.steps or 20, warmup=args.warmup,
+    custom = ":" in args.workload
+    err = None
+    if custom and args.input_shape is None:
+        err = f"--workload {args.workload} (your model) needs --input-shape, one sample's shape (e.g. 3,224,224)"
+    elif not custom and args.input_shape is not None:
+        err = f"--input-shape is for your own model (--workload package.module:factory); {args.workload} has its own"
+    if err:
+        print(f"gradientflow bench: error: {err}", file=sys.stderr)
+        return 2
+    opts = BenchOptions(workload=args.workload, input_shape=args.input_shape, nproc=args.nproc,
+                        steps=args.steps or 20, warmup=args.warmup,
                         modes=list(dict.fromkeys(args.modes)), bandwidth=args.bandwidth,
                         batch_size=args.batch_size or 8,
                         fusion_mb=args.fusion_mb, theta_sweep=list(dict.fromkeys(args.theta_sweep)),

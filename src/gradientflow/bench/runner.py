@@ -87,6 +87,29 @@ class BenchSpec:
     pg_timeout_s: float = 120.0
     lr: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
+    input_shape: list[int] | None = None  # a user's model (workload "module:factory"): one sample's shape
+
+
+def make_model(workload: str) -> nn.Module:
+    """A built-in model by name, or the user's: ``"package.module:factory"`` (a zero-argument callable)."""
+    from gradientflow.bench.models import build_model
+    from gradientflow.sim.presets import resolve_model
+
+    if ":" in workload:
+        return resolve_model(workload)[1]()
+    return build_model(workload)
+
+
+def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's fixed batch: the built-in workload's, or N(0, 1) inputs of ``input_shape`` for a
+    user's model, which is then trained on :func:`_loss`'s synthetic objective (no labels)."""
+    from gradientflow.bench.models import synthetic_batch
+
+    if ":" not in spec.workload:
+        return synthetic_batch(spec.workload, spec.batch_size, seed=rank)
+    assert spec.input_shape is not None
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn((spec.batch_size, *spec.input_shape), generator=gen), None
 
 
 def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float]) -> list[Variant]:
@@ -155,10 +178,9 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import gradientflow as gf
-    from gradientflow.bench.models import build_model
 
     torch.manual_seed(0)
-    model = build_model(spec.workload)
+    model = make_model(spec.workload)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     momentum = 0.9
@@ -201,11 +223,32 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
     return wrapped, opt, wire
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+def _loss(out: Any, y: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy on the built-in workloads; for a user's model (no labels, ``y`` None) the mean
+    square of every floating-point tensor it returns (in tuples, lists, dicts): a synthetic objective
+    that reaches every parameter the output depends on, which is all a timing needs."""
+    if y is not None:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    leaves: list[torch.Tensor] = []
+
+    def collect(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.is_floating_point():
+                leaves.append(o.float().square().mean())
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v)
+
+    collect(out)
+    if not leaves:
+        raise ValueError(f"the model returned no floating-point tensor to train on ({type(out).__name__})")
+    return torch.stack(leaves).sum()
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor | None) -> None:
     opt.zero_grad(set_to_none=True)
     _loss(model(x), y).backward()
     opt.step()
@@ -259,15 +302,13 @@ def timing_allocator() -> bool:
 
 def worker_main(spec_path: str) -> None:
     """One rank of the bench (run under torchrun): time every variant, rank 0 writes the results."""
-    from gradientflow.bench.models import build_model, synthetic_batch
-
     spec = BenchSpec(**json.loads(Path(spec_path).read_text()))
     torch.set_num_threads(spec.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda msg: print(MARK + msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
-    x, y = synthetic_batch(spec.workload, spec.batch_size, seed=rank)
-    probe = build_model(spec.workload)
+    x, y = make_batch(spec, rank)
+    probe = make_model(spec.workload)
     n_params = sum(p.numel() for p in probe.parameters())
     chunk = spec.chunk_size or auto_chunk_size(n_params)
     # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode
@@ -470,7 +511,8 @@ def error_from_log(path: Path) -> str | None:
 class BenchOptions:
     """Options of ``gradientflow bench`` (see ``gradientflow bench --help``)."""
 
-    workload: str = "resnet50"
+    workload: str = "resnet50"  # a built-in model, or "package.module:factory" with input_shape
+    input_shape: tuple[int, ...] | None = None
     nproc: int = 2
     steps: int = 20
     warmup: int = 3
@@ -536,7 +578,8 @@ def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, c
     raw_path.unlink(missing_ok=True)
     spec = BenchSpec(workload=opts.workload, batch_size=opts.batch_size, steps=opts.steps, warmup=opts.warmup,
                      variants=[asdict(v) for v in variants], out_path=str(raw_path.resolve()), threads=threads,
-                     algorithm=opts.algorithm, chunk_size=opts.chunk_size)
+                     algorithm=opts.algorithm, chunk_size=opts.chunk_size,
+                     input_shape=list(opts.input_shape) if opts.input_shape else None)
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, timeout, threads)

@@ -8,6 +8,8 @@ target: each value was written down from its source before the model was run.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +97,8 @@ def resolve_model(spec: str) -> tuple[str, Callable[[], nn.Module]]:
     if ":" not in spec:
         raise ValueError(f"--model must be alexnet, resnet50 or module:factory (e.g. mypkg.nets:build), got {spec!r}")
     mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module beside the user is found
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as exc:
