@@ -177,7 +177,7 @@ class SparseSync(SyncStrategy):
         """Follow ``scaler``'s loss scale so residuals keep their unscaled value across changes."""
         self._scaler = scaler
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:
         """Warn about two measured pitfalls.
 
         1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
@@ -191,7 +191,7 @@ class SparseSync(SyncStrategy):
                 f"({type(optimizer).__name__}) trains to a worse loss than dense (README, Quality: "
                 f"`gradientflow bench --quality`). density={ADAPTIVE_MIN_DENSITY} loses less; "
                 "comm_dtype='fp16' without density loses nothing measurable.",
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         if self.momentum <= 0:
             return
@@ -202,7 +202,7 @@ class SparseSync(SyncStrategy):
                     f"gradientflow: CSC applies momentum correction (momentum={self.momentum}); the "
                     "optimizer applies momentum again. Use SGD(momentum=0), or momentum=0 in "
                     "gradientflow.DistributedDataParallel to keep the optimizer's momentum.",
-                    stacklevel=3,
+                    stacklevel=stacklevel,
                 )
                 return
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .compat import check_no_sparse_gradients, iter_tensors, move_to_device, resolve_ddp_args
 from .config import GradientFlowConfig
@@ -280,6 +281,36 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_watchdog.trace = self._gf_trace
         if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
             self.register_grad_scaler(self._gf_scaler)
+        self._gf_watch_optimizers()
+
+    def _gf_watch_optimizers(self) -> None:
+        """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
+        first ``step()``, so the measured pitfalls are reported without the user knowing the method.
+
+        One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it;
+        after an optimizer's first step it costs one WeakSet lookup per step.
+        """
+        old = self.__dict__.get("_gf_optimizer_hook")
+        if old is not None:
+            old.remove()
+        self._gf_optimizer_hook = None
+        self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        if not self.config.sparse:
+            return  # check_optimizer has nothing to say about dense synchronisation
+        me = weakref.ref(self)
+
+        def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            model = me()
+            if model is None or optimizer in model._gf_checked_optimizers:
+                return
+            model._gf_checked_optimizers.add(optimizer)
+            own = {id(p) for p in model._gf_params}
+            if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
+                model._gf_sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
+
+        handle = register_optimizer_step_pre_hook(first_step)
+        weakref.finalize(self, handle.remove)
+        self._gf_optimizer_hook = handle
 
     # ---- layout -------------------------------------------------------------------------
     def _gf_numels(self) -> list[int]:
@@ -800,7 +831,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below ``csc.ADAPTIVE_MIN_DENSITY`` (measured to lose quality)."""
+        Adam-type optimizer meets a CSC density below ``csc.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
+
+        Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
+        calling it first (to see the warnings before training) keeps that from repeating them."""
+        self._gf_checked_optimizers.add(optimizer)
         self._gf_sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------

@@ -78,3 +78,49 @@ def _readme_worker(rank: int, world_size: int) -> None:
 
 def test_readme_methods_on_the_wrapper() -> None:
     run_distributed(_readme_worker, 2)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch(0, step)).pow(2).mean().backward()
+        opt.step()  # the line a warning from the automatic check must name
+
+
+def _auto_check_worker(rank: int, world_size: int) -> None:
+    def warnings_of(make_model, make_opt, explicit: bool = False) -> list[warnings.WarningMessage]:
+        model = make_model()
+        opt = make_opt(model)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if explicit:
+                model.check_optimizer(opt)
+            _train(model, opt)
+        return [w for w in seen if "gradientflow" in str(w.message)]
+
+    # Never calling check_optimizer: momentum twice (CSC's correction and SGD's) is reported at the
+    # first step, once, pointing at the user's opt.step() line.
+    (w,) = warnings_of(lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.5, momentum=0.9),
+                       lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    assert "momentum" in str(w.message) and w.filename == __file__
+    # AdamW below density 0.3, likewise; an explicit call first is not repeated at the first step.
+    for explicit in (False, True):
+        (w,) = warnings_of(lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.1),
+                           lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), explicit)
+        assert "Adam-type" in str(w.message) and w.filename == __file__
+    # Nothing to say: a dense wrapper (no hook at all), or an optimizer of other parameters.
+    dense = gf.DistributedDataParallel(nn.Linear(6, 4))
+    assert dense._gf_optimizer_hook is None
+    assert warnings_of(lambda: dense, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)) == []
+    sparse = gf.DistributedDataParallel(nn.Linear(6, 4), density=0.1)
+    other = nn.Linear(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            other(batch(0, 0)).sum().backward()
+            torch.optim.AdamW(other.parameters(), lr=1e-3).step()
+        sparse(batch(0, 0)).sum().backward()  # the sparse wrapper lives on, its hook registered
+
+
+def test_check_optimizer_runs_by_itself_at_the_first_step() -> None:
+    run_distributed(_auto_check_worker, 2)
