@@ -189,8 +189,9 @@ class SparseSync(SyncStrategy):
             warnings.warn(
                 f"gradientflow: CSC at density={self.density} with an Adam-type optimizer "
                 f"({type(optimizer).__name__}) trains to a worse loss than dense (README, Quality: "
-                f"`gradientflow bench --quality`). density={ADAPTIVE_MIN_DENSITY} loses less; "
-                "comm_dtype='fp16' without density loses nothing measurable.",
+                f"`gradientflow bench --quality`). density={ADAPTIVE_MIN_DENSITY} loses less, and so does "
+                "csc_scope='global' on a model cut into several slices; comm_dtype='fp16' without density "
+                "loses nothing measurable.",
                 stacklevel=stacklevel,
             )
         if self.momentum <= 0:
