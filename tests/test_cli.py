@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gradientflow.bench.cluster import can_emulate, leftovers
-from gradientflow.bench.report import reference_warnings
+from gradientflow.bench.report import readme_tables, reference_warnings
 from gradientflow.bench.runner import MODES, plan_variants, powersgd_wire_bytes
 from gradientflow.cli import main
 
@@ -136,6 +136,9 @@ def _check_bench_json(out: Path) -> dict:
     assert (out / "bench.png").stat().st_size > 0
     assert "| gf-fp16-csc |" in (out / "table.md").read_text()
     assert "thread CPU ms (vs compute)" in (out / "table.md").read_text()
+    # the README's form of the tables, made from the same results (what test_readme_numbers compares)
+    assert (out / "readme.md").read_text() == readme_tables(res)
+    assert '| **gradientflow fp16 + CSC 0.1 (default `"slice"`)** |' in (out / "readme.md").read_text()
     return res
 
 
