@@ -90,16 +90,6 @@ def _workload(text: str) -> str:
     return text
 
 
-def _input_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        shape = ()
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected one sample's shape like 3,224,224, got {text!r}")
-    return shape
-
-
 def _recipe(text: str) -> str:
     from gradientflow.bench.quality import parse_recipe
 
@@ -114,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gradientflow`` and its subcommands."""
     from gradientflow.bench.quality import RECIPES
     from gradientflow.bench.runner import MODES
+    from gradientflow.sim.command import add_arguments as add_simulate_arguments
+    from gradientflow.sim.command import parse_shape
 
     p = argparse.ArgumentParser(
         prog="gradientflow",
@@ -155,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{' | '.join(WORKLOAD_CHOICES)} | package.module:factory (your model: a zero-argument "
                    "callable returning an nn.Module; give --input-shape) (default resnet50; with --quality "
                    "tiny_transformer or small_cnn alone, default both)")
-    b.add_argument("--input-shape", type=_input_shape, default=None, metavar="C,H,W",
+    b.add_argument("--input-shape", type=parse_shape, default=None, metavar="C,H,W",
                    help="one sample's input shape for your model (--workload package.module:factory); it is fed "
                    "N(0, 1) inputs and trained on the mean square of its outputs")
     b.add_argument("--nproc", type=_positive_int, default=2, help="ranks (= emulated nodes) (default 2)")
@@ -207,8 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval-every", type=_positive_int, default=None,
                    help="steps between validations (default steps/20)")
     q.add_argument("--seed", type=_nonneg_int, default=0, help="seed of models and batches (default 0)")
-
-    from gradientflow.sim.command import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(sub.add_parser(
         "simulate", help="cost model: predicted speedup of each technique on 1..512 GPUs, and a planner",

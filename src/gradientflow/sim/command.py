@@ -48,11 +48,15 @@ def _ints(text: str) -> list[int]:
     return sorted(set(vals))
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: one sample's shape, e.g. ``3,224,224`` (positive ints); shared with ``bench``."""
     try:
-        return tuple(int(t) for t in text.split(","))
+        shape = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a per-sample shape like 3,224,224, got {text!r}") from None
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected a per-sample shape like 3,224,224, got {text!r}")
+    return shape
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, help="CSC: gradients per chunk (default 32768)")
     p.add_argument("--pass-gbps", type=float, help="GB/s of one elementwise pass over the fp32 gradient pool "
                    "(default: free; --preset paper: 450; --profile times the engine's own passes here instead)")
-    p.add_argument("--input-shape", type=_shape, help="per-sample input shape (default 3,224,224; with "
+    p.add_argument("--input-shape", type=parse_shape, help="per-sample input shape (default 3,224,224; with "
                    "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)")
     p.add_argument("--profile", action="store_true", help="time forward/backward/update of the model here "
                    "(CPU, 1 thread, --batch) instead of scaling FLOP shares to --gpu-images-per-s")
