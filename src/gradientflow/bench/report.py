@@ -100,6 +100,11 @@ def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world:
     return row
 
 
+def _compute_variant(launch: dict[str, Any]) -> dict[str, Any] | None:
+    """A launch's compute mode (the reference its speedups divide by), if it timed any steps."""
+    return next((v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")), None)
+
+
 def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict[str, Any]:
     """Statistics per variant (see the *_DEF strings), the θ sweep pairs, and the raw data."""
     main = launches[0]
@@ -107,9 +112,9 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
     rows: list[dict[str, Any]] = []
     refs: dict[str, float | None] = {}
     for launch in launches:
-        comp = [v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")]
-        ref = _pct(comp[0]["step_s"], 50) if comp else None
-        ref_cpu = _pct(comp[0]["cpu_s"], 50) if comp and comp[0].get("cpu_s") else None
+        comp = _compute_variant(launch)
+        ref = _pct(comp["step_s"], 50) if comp else None
+        ref_cpu = _pct(comp["cpu_s"], 50) if comp and comp.get("cpu_s") else None
         refs[launch["name"]] = ref
         for v in launch["variants"]:
             if launch["name"] != "main" and v["mode"] == "compute":
@@ -152,10 +157,10 @@ def reference_warnings(launches: list[dict[str, Any]]) -> list[str]:
     """One line per launch whose compute reference was noisy (median > ``NOISY_REFERENCE`` x p10)."""
     out = []
     for launch in launches:
-        comp = [v for v in launch["variants"] if v["mode"] == "compute" and v.get("step_s")]
-        if not comp:
+        comp = _compute_variant(launch)
+        if comp is None:
             continue
-        med, p10 = _pct(comp[0]["step_s"], 50), _pct(comp[0]["step_s"], 10)
+        med, p10 = _pct(comp["step_s"], 50), _pct(comp["step_s"], 10)
         if med > NOISY_REFERENCE * p10:
             out.append(
                 f"launch '{launch['name']}': the compute reference was noisy (median {med * 1e3:.0f} ms, p10 "
@@ -173,6 +178,21 @@ def _torch_version() -> str:
 
 def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def _step_cell(r: dict[str, Any]) -> str:
+    """``median (p10–p90)`` in ms."""
+    return f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})"
+
+
+def _own_work_rows(rows: list[dict[str, Any]], label: Any) -> list[str]:
+    """One table row per mode with phase counters: ms per phase, own CPU total, host syncs."""
+    out = []
+    for r in rows:
+        cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASES)
+        syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
+        out.append(f"| {label(r)} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
+    return out
 
 
 def _cpu(r: dict[str, Any]) -> str:
@@ -225,7 +245,7 @@ def markdown(summary: dict[str, Any]) -> str:
         exp_s = "—" if exp is None else _ms(exp) + (" d" if r.get("exposed_source") == "derived" else "")
         speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
         mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
-        lines.append(f"| {r['name']} | {theta} | {_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])}) "
+        lines.append(f"| {r['name']} | {theta} | {_step_cell(r)} "
                      f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
                      f"| {mem} |")
     phased = [r for r in summary["rows"] if r.get("phases_ms") and not r.get("sweep")]
@@ -234,10 +254,7 @@ def markdown(summary: dict[str, Any]) -> str:
                   "comm_stats()' phase_*_s):", "",
                   "| mode | " + " | ".join(PHASES) + " | own CPU total | host syncs/step |",
                   "|---|" + "---|" * (len(PHASES) + 2)]
-        for r in phased:
-            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASES)
-            syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
-            lines.append(f"| {r['name']} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
+        lines += _own_work_rows(phased, lambda r: r["name"])
     if summary["sweep"]:
         by_name = {r["name"]: r for r in summary["rows"]}
         lines += ["", "θ sweep (gradientflow fusion_threshold_mb vs DDP bucket_cap_mb, same run):", "",
@@ -249,7 +266,7 @@ def markdown(summary: dict[str, Any]) -> str:
             def cell(r: dict[str, Any] | None) -> str:
                 if r is None or r["status"] != "ok":
                     return "failed" if r else "—"
-                return f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})"
+                return _step_cell(r)
 
             ratio = (f"{g['median_s'] / d['median_s']:.2f}" if g and d and g.get("median_s") and d.get("median_s")
                      else "—")
@@ -318,18 +335,17 @@ def readme_tables(summary: dict[str, Any]) -> str:
     """The README's form of the step-time and own-work tables: fewer columns than :func:`markdown`,
     plain-language mode names, the headline mode in bold.  ``readme.md`` holds it; a test checks that
     the README's tables are exactly this, made from the committed ``results.json``."""
-    def label(r: dict[str, Any]) -> str:
-        name = MODE_LABELS.get(r["name"], r["name"])
-        return f"**{name}**" if r["name"] == HEADLINE_MODE else name
-
     def bold(r: dict[str, Any], text: str) -> str:
         return f"**{text}**" if r["name"] == HEADLINE_MODE else text
+
+    def label(r: dict[str, Any]) -> str:
+        return bold(r, MODE_LABELS.get(r["name"], r["name"]))
 
     rows = [r for r in summary["rows"] if not r.get("sweep") and r["status"] == "ok"]
     out = ["| mode | step ms (p10–p90) | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
            "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        step = bold(r, f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})")
+        step = bold(r, _step_cell(r))
         speed = "—" if r.get("speedup") is None else bold(r, f"{r['speedup']:.2f}")
         wire = "—" if r.get("wire_bytes") is None else f"{r['wire_bytes'] / 2**20:.2f}"
         mem = "—" if r.get("mem_added_mb") is None else f"{r['mem_added_mb']:.0f}"
@@ -339,10 +355,7 @@ def readme_tables(summary: dict[str, Any]) -> str:
     if phased:
         out += ["", "| own work, ms/step | " + " | ".join(p.replace("_", " ") for p in PHASES)
                 + " | own CPU | host syncs |", "|---|" + "---|" * (len(PHASES) + 2)]
-        for r in phased:
-            cells = " | ".join(f"{r['phases_ms'].get(p, 0.0):.1f}" for p in PHASES)
-            syncs = "—" if r.get("host_syncs") is None else f"{r['host_syncs']:.0f}"
-            out.append(f"| {label(r)} | {cells} | {r['own_cpu_s'] * 1e3:.1f} | {syncs} |")
+        out += _own_work_rows(phased, label)
     return "\n".join(out) + "\n"
 
 
