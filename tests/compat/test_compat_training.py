@@ -268,3 +268,89 @@ def _no_sync_worker(rank: int, world_size: int) -> None:
 
 def test_no_sync_accumulation() -> None:
     run_distributed(_no_sync_worker, 2)
+
+
+# ---- gradient clipping after backward (the user's clip_grad_norm_, plain and under GradScaler) --------
+_CLIP = 0.05  # below every step's gradient norm in these workers (asserted), so clipping acts each step
+
+
+def _clip_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    return m(batch(rank, step)).pow(2).mean()
+
+
+def _clip_dense_worker(rank: int, world_size: int) -> None:
+    """Dense: the user's loop with clipping gives torch DDP's gradients and parameters."""
+    make = lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # noqa: E731
+    ref, ours = pair(make)
+    ref_s, ours_s = pair(make)  # the AMP recipe: scale, unscale_, clip, scaler.step
+    runs = [(ref, None), (ours, None), (ref_s, torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+            (ours_s, torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m, _ in runs]
+    for step in range(4):
+        norms = []
+        for (m, scaler), opt in zip(runs, opts):
+            opt.zero_grad()
+            loss = _clip_loss(m, rank, step)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), _CLIP)))
+            (opt.step() if scaler is None else scaler.step(opt))
+            if scaler is not None:
+                scaler.update()
+        assert min(norms) > _CLIP, norms  # the clip acted
+        # The norm is taken of the averaged gradient, so it is DDP's (1e-6: Gloo's sum grouping).
+        torch.testing.assert_close(torch.tensor(norms[1::2]), torch.tensor(norms[0::2]), atol=1e-6, rtol=1e-6)
+        assert_same_grads(ref, ours, what=f"step {step}")
+        assert_same_grads(ref_s, ours_s, what=f"GradScaler, step {step}")
+    assert_same_params(ref, ours)
+    assert_same_params(ref_s, ours_s)
+
+
+def test_clip_grad_norm_after_backward_matches_ddp() -> None:
+    run_distributed(_clip_dense_worker, 2)
+
+
+def _clip_csc_worker(rank: int, world_size: int) -> None:
+    """CSC: clipping scales what this step sent and nothing else; later steps are unaffected.
+
+    Three wrappers see the same batches and never step (the optimizer is the user's; here its
+    effect would only make the models differ): ``plain`` is not clipped, ``clipped`` is, ``amp``
+    runs the AMP recipe with a registered GradScaler.  Each step the clipped gradient must be the
+    plain one times clip_grad_norm_'s coefficient, and the residuals must stay equal: a clip that
+    leaked into the pool's next step, or into what is kept back, would break both.
+    """
+    make = lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))  # noqa: E731
+    kw = dict(density=0.25, chunk_size=8, warmup_steps=0, fusion_threshold_mb=0.001)
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        models.append(gf.DistributedDataParallel(make(), **kw))
+    plain, clipped, amp = models
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # a power of two: unscale_ is exact
+    amp.register_grad_scaler(scaler)
+    opt = torch.optim.SGD(amp.parameters(), lr=0.0)  # unscale_ needs the optimizer holding the grads
+    for step in range(6):
+        for m in models:
+            m.zero_grad()
+        _clip_loss(plain, rank, step).backward()
+        _clip_loss(clipped, rank, step).backward()
+        scaler.scale(_clip_loss(amp, rank, step)).backward()
+        scaler.unscale_(opt)
+        sent = [p.grad.clone() for p in plain.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in sent]))
+        assert norm > _CLIP, float(norm)
+        coef = _CLIP / (norm + 1e-6)  # clip_grad_norm_'s coefficient
+        assert float(torch.nn.utils.clip_grad_norm_(clipped.parameters(), _CLIP)) == float(norm)
+        torch.nn.utils.clip_grad_norm_(amp.parameters(), _CLIP)
+        scaler.update()
+        for g, a, b in zip(sent, clipped.parameters(), amp.parameters()):
+            torch.testing.assert_close(a.grad, g * coef, atol=0, rtol=1e-6)  # one multiply's rounding
+            assert torch.equal(b.grad, a.grad)  # the scale is a power of two: same bits
+        for x, y, z in zip(*(m._gf_sync.res.unscaled("v") for m in models)):
+            assert torch.equal(x, y) and torch.equal(x, z), f"residual differs at step {step}"
+    assert plain.comm_stats()["payload_bytes"] == clipped.comm_stats()["payload_bytes"] > 0
+
+
+def test_clip_grad_norm_with_csc_scales_only_what_was_sent() -> None:
+    run_distributed(_clip_csc_worker, 2)
