@@ -12,7 +12,16 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.selection import auto_chunk_size, chunk_scores, dense_from, density_at, n_selected, select_chunks
+from gradientflow.selection import (
+    auto_chunk_size,
+    chunk_scores,
+    dense_from,
+    density_at,
+    n_selected,
+    samples_chunks,
+    score_scratch,
+    select_chunks,
+)
 from gradientflow.slices import Slice, SliceQueue
 
 from _dist import run_distributed
@@ -71,6 +80,32 @@ def _residual(model: gf.DistributedDataParallel, which: str) -> list[torch.Tenso
 
 
 # ---- pure functions ---------------------------------------------------------------------------
+def test_sampled_l1_scores_16_of_every_128_elements_times_8() -> None:
+    C = 1024  # 8 periods of 128: 8 runs of 16 sampled elements per chunk
+    sampled_pos = torch.zeros(C, dtype=torch.bool).view(8, 128)
+    sampled_pos[:, :16] = True
+    sampled_pos = sampled_pos.view(-1)
+    rows = torch.stack([
+        torch.ones(C),                          # uniform: the estimate is exact, 1024
+        sampled_pos.float(),                    # 128 ones, all sampled: 8 * 128
+        (~sampled_pos).float(),                 # 896 ones, none sampled: the estimator's blind spot
+        -2.0 * sampled_pos.float(),             # signs do not matter: 8 * 256
+    ])
+    assert chunk_scores(rows, sampled=True).tolist() == [1024.0, 1024.0, 0.0, 2048.0]
+    assert chunk_scores(rows).tolist() == [1024.0, 128.0, 896.0, 256.0]
+    # The CPU pass in blocks of 3 rows (the scratch sets the block) = one pass over all rows.
+    many = torch.randn(10, C, generator=torch.Generator().manual_seed(0))
+    whole = many.view(10, 8, 128)[:, :, :16].abs().sum((1, 2)) * 8
+    blocked = chunk_scores(many, scratch=torch.empty(3, C // 8), sampled=True)
+    torch.testing.assert_close(blocked, whole, atol=0, rtol=1e-6)  # summation order only
+    assert score_scratch(C, sampled=True).shape[1] == C // 8
+    # Which chunk sizes are sampled: the option, >= 1024 and whole periods of 128.
+    assert samples_chunks("sampled_l1", 1024) and samples_chunks("sampled_l1", 32768)
+    assert samples_chunks("sampled_l1", 1152)
+    assert not samples_chunks("sampled_l1", 512) and not samples_chunks("sampled_l1", 1000)
+    assert not samples_chunks("l1", 32768)
+
+
 def test_chunk_scores_are_l1_per_chunk() -> None:
     v = torch.randn(5 * 8)
     expected = v.view(5, 8).abs().sum(1)
@@ -332,6 +367,51 @@ def test_sparse_selection_conservation_density_one_and_warmup(scope: str) -> Non
     results = run_distributed(_sparse_worker, 2, 8, scope, timeout=120)
     assert results[0]["selected"] == results[1]["selected"]
     assert any(r["short_chunk_selected"] for r in results), results[0]  # the short chunk path ran
+
+
+def _sampled_worker(rank: int, world_size: int, steps: int) -> list[list[int]]:
+    """chunk_score="sampled_l1": the chunks sent are the top-k of the allreduced sampled scores of
+    v + g (recomputed here from the residual and the local gradient), and nothing is lost."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 8))  # 9352 = 9 chunks of 1024 + 136
+    model = _sparse(net, chunk_size=1024, chunk_score="sampled_l1", csc_scope="global")
+    sync = model._gf_sync
+    assert sync.sampled
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.module.parameters())
+    ledger = _Ledger(params, world_size)
+    gen = torch.Generator().manual_seed(40 + rank)
+    selected = []
+    for step in range(steps):
+        x = torch.randn(16, 64, generator=gen)
+        y = torch.randint(0, 8, (16,), generator=gen)
+        local = torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params)
+        before = [t.clone() for t in _residual(model, "v")] if step > 0 else None
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        ledger.add_local(local)
+        ledger.add_applied()
+        sel = sync.last_selected.tolist()
+        if before is not None:  # step 0 re-lays the pool out (its v had no layout to compare)
+            v = [t.clone() for t in before]
+            for i, g in enumerate(local):
+                _param_view(model, v, i).add_(g.reshape(-1))
+            (flat,) = v
+            padded = torch.zeros(math.ceil(flat.numel() / 1024) * 1024)
+            padded[: flat.numel()] = flat
+            scores = padded.view(-1, 8, 128)[:, :, :16].abs().sum((1, 2)) * 8
+            dist.all_reduce(scores)
+            expected = select_chunks(scores, n_selected(0.25, scores.numel())).tolist()
+            assert sel == expected, (step, sel, expected)
+        selected.append(sel)
+        opt.step()
+    ledger.check(model, 2 * steps)
+    return selected
+
+
+def test_sampled_l1_selects_the_top_sampled_chunks_and_loses_nothing() -> None:
+    r0, r1 = run_distributed(_sampled_worker, 2, 5, timeout=120)
+    assert r0 == r1  # the same chunks on every rank
 
 
 # ---- checkpoint / resume ------------------------------------------------------------------------
@@ -637,3 +717,33 @@ def test_slices_go_on_the_wire_during_backward_not_at_its_end() -> None:
         assert r["buckets"] >= 4
         for st in r["stats"][1:]:  # step 0 is the re-layout's dense step
             assert st["slices"] >= 4 and st["slices_in_backward"] >= 2, st
+
+
+# ---- the score-agreement bench ---------------------------------------------------------------------
+def test_score_agreement_by_hand() -> None:
+    from gradientflow.bench.score_agreement import agreement
+
+    C = 1024
+    rows = torch.arange(1.0, 11.0)[:, None].expand(10, C).clone()  # chunk i: uniform i + 1
+    assert agreement(rows) == {"overlap": 1.0, "mass": 1.0}  # uniform chunks: the estimate is exact
+    # Chunk 0 gets 20 on every unsampled element: exact L1 20 * 896 = 17920, the largest by far, but
+    # its sample still reads 1s.  k = ceil(0.1 * 10) = 1: exact sends chunk 0, sampled chunk 9.
+    blind = rows[0].view(8, 128)
+    blind[:, 16:] = 20.0
+    assert agreement(rows) == {"overlap": 0.0, "mass": pytest.approx(10 * C / (128 + 17920), rel=1e-6)}  # fp32
+
+
+def test_score_agreement_bench_end_to_end(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "gradientflow.bench.score_agreement", "--workloads", "resnet50", "--steps", "2",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (res,) = json.loads((tmp_path / "results.json").read_text())
+    assert res["chunk_size"] == 32768 and res["n_chunks"] == 780 and len(res["per_step"]) == 2
+    assert all(0 < s["overlap"] <= 1 and 0 < s["mass"] <= 1 for s in res["per_step"])
+    assert res["exact_ms"] > 0 and res["sampled_ms"] > 0
+    assert "| resnet50 | 780 x 32768 |" in (tmp_path / "table.md").read_text()

@@ -7,6 +7,7 @@ in the README.  A re-run that changes the results without the README (or the oth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -36,3 +37,26 @@ def test_readme_quality_and_sweep_tables_are_the_committed_table_md(name: str) -
     assert blocks, table
     for block in blocks:
         assert block in README, block
+
+
+def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
+    """The options table lists each of the wrapper's own keyword options once, with the signature's default."""
+    import inspect
+
+    import gradientflow as gf
+    from gradientflow.config import DEFAULT_TRACE_STEPS, GradientFlowConfig
+
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", README, re.M))
+    # defaults the signature spells as None (resolved at construction): the README says what they become
+    special = {"fusion_threshold_mb": "`25.0` (= `bucket_cap_mb`)", "timeout": "the process group's",
+               "trace_steps": f"`{DEFAULT_TRACE_STEPS}`"}
+    sig = inspect.signature(gf.DistributedDataParallel.__init__).parameters
+    own = [f.name for f in dataclasses.fields(GradientFlowConfig) if f.name != "broadcast_buffers"]
+    for name in own:
+        assert name in rows, f"README options table lacks `{name}`"
+        shown = rows[name].strip()
+        assert sig[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        expected = special.get(name, f"`{sig[name].default!r}`".replace("'", '"'))
+        assert shown == expected, f"`{name}`: README says {shown}, the signature's default is {expected}"
+        if name not in special:
+            assert sig[name].default == getattr(GradientFlowConfig(), name), name

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 
 from .collectives import ALGORITHMS
+from .selection import CHUNK_SCORES, auto_chunk_size
 
 # "fp32" is full precision: no cast, the gradient travels in its own dtype (fp32 for fp32
 # parameters, fp64 for a float64 model, as torch DDP sends it).
@@ -50,6 +51,9 @@ class GradientFlowConfig:
         apply momentum again.
     dense_1d: CSC — 1-D parameters (biases, normalisation scales) are laid out together at the
         end of the pool and their chunks are sent every step (few bytes, often decisive).
+    chunk_score: CSC — how a chunk is scored: "l1" (the paper: the L1 norm of its accumulated
+        gradient) or "sampled_l1" (8x the L1 of 16 of every 128 elements, read from 1/8 of the
+        pool; chunks under 1024 gradients are scored exactly).
     csc_scope: CSC — where the top chunks are chosen.  "slice" (default, measured faster): a
         top-k per fused slice as backward produces it, so the packed allreduces overlap
         backward; every slice sends ceil(density * its chunks), so the total can exceed the
@@ -76,6 +80,7 @@ class GradientFlowConfig:
     warmup_steps: int = 100
     momentum: float = 0.0
     dense_1d: bool = True
+    chunk_score: str = "l1"
     csc_scope: str = "slice"
     timeout: float | timedelta | None = None
     check_consistency: bool = False
@@ -106,6 +111,8 @@ class GradientFlowConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
             raise ValueError(f"momentum must be a number in [0, 1) (0 = no momentum correction), got {m!r}")
 
+        if self.chunk_score not in CHUNK_SCORES:
+            raise ValueError(f"chunk_score must be one of {list(CHUNK_SCORES)}, got {self.chunk_score!r}")
         if self.csc_scope not in ("global", "slice"):
             raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
         self._validate_fault_options()
@@ -148,8 +155,6 @@ class GradientFlowConfig:
     def resolved(self, n_elements: int, device: torch.device) -> GradientFlowConfig:
         """This config for a model of ``n_elements`` on ``device``: ``chunk_size="auto"`` and
         ``comm_dtype="half"`` replaced by what they mean there."""
-        from .selection import auto_chunk_size  # noqa: PLC0415 — selection imports torch only
-
         changes: dict[str, object] = {}
         if self.chunk_size == "auto":
             changes["chunk_size"] = auto_chunk_size(n_elements)

@@ -66,7 +66,7 @@ from .dense import DenseSync
 from .pool import Bucket, GradPool, Layout
 from .precision import loss_scale
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
-from .selection import chunk_scores, dense_from, density_at, n_selected, score_scratch, select_chunks
+from .selection import chunk_scores, dense_from, density_at, n_selected, samples_chunks, score_scratch, select_chunks
 from .slices import Slice, SliceQueue
 from .stats import StepStats
 from .strategy import SyncStrategy
@@ -99,6 +99,7 @@ class SparseSync(SyncStrategy):
         self.warmup_steps = config.warmup_steps
         self.momentum = float(config.momentum)
         self.per_slice = config.csc_scope == "slice"
+        self.sampled = samples_chunks(config.chunk_score, self.chunk_size)
         self._shapes = list(shapes)
         self.dense_1d = config.dense_1d
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
@@ -295,8 +296,9 @@ class SparseSync(SyncStrategy):
         off = self.offsets[k]
         rows = self.res.rows(k)
         if rows.device.type == "cpu" and (self._score_scratch is None or self._score_scratch.dtype != rows.dtype):
-            self._score_scratch = score_scratch(C, rows.dtype)
-        chunk_scores(rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch)
+            self._score_scratch = score_scratch(C, rows.dtype, self.sampled)
+        chunk_scores(rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch,
+                     sampled=self.sampled)
         self._scored[k] = upto
         return lo, upto
 

@@ -107,7 +107,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True], csc_scope ["slice"];
+        dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
+        chunk_score ["l1"], csc_scope ["slice"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -143,6 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         warmup_steps: int = 100,
         momentum: float = 0.0,
         dense_1d: bool = True,
+        chunk_score: str = "l1",
         csc_scope: str = "slice",
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
@@ -170,6 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             warmup_steps=warmup_steps,
             momentum=momentum,
             dense_1d=dense_1d,
+            chunk_score=chunk_score,
             csc_scope=csc_scope,
             timeout=timeout,
             check_consistency=check_consistency,

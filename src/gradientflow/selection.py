@@ -71,14 +71,35 @@ def n_selected(density: float, n_chunks: int) -> int:
     return min(n_chunks, max(1, math.ceil(round(density * n_chunks, 9))))
 
 
-def score_scratch(chunk_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+SAMPLE_PERIOD = 128
+"""``sampled_l1`` scores the first :data:`SAMPLE_RUN` elements of every ``SAMPLE_PERIOD``."""
+SAMPLE_RUN = 16
+"""16 fp32 = one 64-byte cache line: the pass reads 1/8 of the chunk's lines, not all of them."""
+MIN_SAMPLED_CHUNK = 1024
+"""Smaller chunks are scored exactly under ``sampled_l1``: 128 samples would be too few to rank
+them, and their models are small enough that the exact pass costs little."""
+CHUNK_SCORES = ("l1", "sampled_l1")
+
+
+def samples_chunks(method: str, chunk_size: int) -> bool:
+    """Whether ``method`` scores chunks of ``chunk_size`` from a sample (else exactly)."""
+    return method == "sampled_l1" and chunk_size >= MIN_SAMPLED_CHUNK and chunk_size % SAMPLE_PERIOD == 0
+
+
+def score_scratch(chunk_size: int, dtype: torch.dtype = torch.float32, sampled: bool = False) -> torch.Tensor:
     """The CPU scratch :func:`chunk_scores` works in (keep one to avoid an allocation per call)."""
-    return torch.empty(max(1, _CPU_BLOCK_ELEMENTS // chunk_size), chunk_size, dtype=dtype)
+    width = chunk_size // SAMPLE_PERIOD * SAMPLE_RUN if sampled else chunk_size
+    return torch.empty(max(1, _CPU_BLOCK_ELEMENTS // width), width, dtype=dtype)
 
 
 def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
-                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+                 scratch: torch.Tensor | None = None, sampled: bool = False) -> torch.Tensor:
     """L1 norm of each row of ``rows`` ([n_chunks, chunk_size]): the paper's chunk score.
+
+    ``sampled=True`` (``chunk_score="sampled_l1"``, see :func:`samples_chunks`): 8 times the L1
+    of the first 16 elements of every 128, an estimate of the L1 that reads 1/8 of the pool.  On
+    ResNet-50 and AlexNet residuals the top 10% it picks carry >= 99% of the L1 mass the exact
+    top 10% carry (README); what it misses stays in the residual, as every unsent chunk does.
 
     On CPU the rows are scored in cache-sized blocks (abs into a small scratch, then a row sum):
     2.6x faster than one ``vector_norm`` call and the same value up to summation order.  On an
@@ -87,16 +108,24 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
     n, c = rows.shape
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=rows.device)
-    if rows.device.type != "cpu" or n == 0:
-        return torch.linalg.vector_norm(rows, ord=1, dim=1, out=out)
-    if scratch is None or scratch.dtype != rows.dtype or scratch.shape[1] != c:
-        scratch = score_scratch(c, rows.dtype)
-    block = scratch.shape[0]
-    for lo in range(0, n, block):
-        part = rows[lo : lo + block]
-        tmp = scratch[: part.shape[0]]
-        torch.abs(part, out=tmp)
-        torch.sum(tmp, dim=1, out=out[lo : lo + part.shape[0]])
+    if n == 0:
+        return out
+    if sampled:
+        rows = rows.view(n, c // SAMPLE_PERIOD, SAMPLE_PERIOD)[:, :, :SAMPLE_RUN]
+    if rows.device.type != "cpu":
+        torch.linalg.vector_norm(rows, ord=1, dim=(1, 2) if sampled else 1, out=out)
+    else:
+        width = rows[0].numel()
+        if scratch is None or scratch.dtype != rows.dtype or scratch.shape[1] != width:
+            scratch = score_scratch(c, rows.dtype, sampled)
+        block = scratch.shape[0]
+        for lo in range(0, n, block):
+            part = rows[lo : lo + block]
+            tmp = scratch[: part.shape[0]]
+            torch.abs(part, out=tmp.view(part.shape))
+            torch.sum(tmp, dim=1, out=out[lo : lo + part.shape[0]])
+    if sampled:
+        out.mul_(SAMPLE_PERIOD / SAMPLE_RUN)
     return out
 
 
