@@ -19,8 +19,10 @@ Deterministic apart from the timings.  Writes ``results.json`` and ``table.md`` 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
+    command = " ".join(["python -m gradientflow.bench.score_agreement", *(argv if argv is not None else sys.argv[1:])])
+    table = f"`{command}` ({datetime.date.today().isoformat()})\n\n" + markdown(results)
     (args.out / "table.md").write_text(table)
     print(table, end="")
 
