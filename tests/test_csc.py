@@ -747,3 +747,19 @@ def test_score_agreement_bench_end_to_end(tmp_path) -> None:
     assert all(0 < s["overlap"] <= 1 and 0 < s["mass"] <= 1 for s in res["per_step"])
     assert res["exact_ms"] > 0 and res["sampled_ms"] > 0
     assert "| resnet50 | 780 x 32768 |" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_accelerator_score_pass_writes_fp32_scores_for_every_param_dtype(dtype: torch.dtype, sampled: bool) -> None:
+    # The GPU branch of chunk_scores, run here on CPU tensors: a half or double model's residual
+    # must give fp32 scores (the scores buffer and its allreduce are fp32), not an out= dtype error.
+    from gradientflow.selection import fused_scores
+
+    rows = torch.randn(6, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
+    view = rows.view(6, 8, 128)[:, :, :16] if sampled else rows
+    out = torch.empty(6)
+    fused_scores(view, out, dims=(1, 2) if sampled else 1)
+    expected = view.double().abs().sum((1, 2) if sampled else 1)
+    # fp32 accumulation of up to 1024 terms: relative error < 1024 * 2**-24 ~ 6e-5; the inputs are exact
+    torch.testing.assert_close(out.double(), expected, atol=0, rtol=1e-4)

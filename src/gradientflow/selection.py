@@ -113,7 +113,7 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
     if sampled:
         rows = rows.view(n, c // SAMPLE_PERIOD, SAMPLE_PERIOD)[:, :, :SAMPLE_RUN]
     if rows.device.type != "cpu":
-        torch.linalg.vector_norm(rows, ord=1, dim=(1, 2) if sampled else 1, out=out)
+        fused_scores(rows, out, dims=(1, 2) if sampled else 1)
     else:
         width = rows[0].numel()
         if scratch is None or scratch.dtype != rows.dtype or scratch.shape[1] != width:
@@ -127,6 +127,20 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
     if sampled:
         out.mul_(SAMPLE_PERIOD / SAMPLE_RUN)
     return out
+
+
+def fused_scores(rows: torch.Tensor, out: torch.Tensor, dims: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """The accelerator's score pass: one ``vector_norm(ord=1)`` kernel writing fp32 ``out``.
+
+    ``out=`` must have the result's dtype, so fp16/bf16 rows are reduced in fp32 (``dtype=``, which
+    also keeps a 32768-element sum from overflowing fp16) and fp64 rows reduce in fp64 and are
+    copied into ``out`` (a per-chunk vector, tiny next to the rows).
+    """
+    if rows.dtype == out.dtype:
+        return torch.linalg.vector_norm(rows, ord=1, dim=dims, out=out)
+    if rows.dtype.itemsize < out.dtype.itemsize:
+        return torch.linalg.vector_norm(rows, ord=1, dim=dims, dtype=out.dtype, out=out)
+    return out.copy_(torch.linalg.vector_norm(rows, ord=1, dim=dims))
 
 
 def select_chunks(scores: torch.Tensor, k: int, forced: int = 0) -> torch.Tensor:
