@@ -763,3 +763,48 @@ def test_accelerator_score_pass_writes_fp32_scores_for_every_param_dtype(dtype: 
     expected = view.double().abs().sum((1, 2) if sampled else 1)
     # fp32 accumulation of up to 1024 terms: relative error < 1024 * 2**-24 ~ 6e-5; the inputs are exact
     torch.testing.assert_close(out.double(), expected, atol=0, rtol=1e-4)
+
+
+# ---- the accelerator's loss-scale path, run on CPU ------------------------------------------------------
+def _device_scale_worker(rank: int, world_size: int) -> None:
+    """On a GPU, a registered GradScaler's scale reaches CSC as a device tensor (no host read) and
+    the residuals are rescaled by tensor arithmetic.  Here ``loss_scale`` is made to return the same
+    value as a tensor: the residuals and gradients must equal those of the host-float path, bit for
+    bit (powers of two), across growing and shrinking scales."""
+    import gradientflow.csc as csc
+
+    gen = torch.Generator().manual_seed(50 + rank)
+    batches = [_batch(gen) for _ in range(6)]
+    host_loss_scale = csc.loss_scale
+
+    def run(as_tensor: bool) -> list[list[torch.Tensor]]:
+        if as_tensor:
+            csc.loss_scale = lambda scaler: torch.tensor(float(host_loss_scale(scaler)))
+        try:
+            model = _sparse(_mlp(), momentum=0.9)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_factor=2.0, growth_interval=2)
+            model.register_grad_scaler(scaler)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            seen = []
+            for step, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+                seen.append([*_residual(model, "v"), *_residual(model, "u"),
+                             *(p.grad.clone() for p in model.parameters())])
+                scaler.step(opt)
+                scaler.update()
+                if step == 3:
+                    scaler.update(2.0**9)  # a shrinking scale too
+            assert isinstance(model._gf_sync.res.scale, torch.Tensor) == as_tensor
+            return seen
+        finally:
+            csc.loss_scale = host_loss_scale
+
+    host, device = run(False), run(True)
+    for step, (a, b) in enumerate(zip(host, device)):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"step {step}"
+
+
+def test_device_tensor_loss_scale_path_equals_the_host_path() -> None:
+    run_distributed(_device_scale_worker, 2, timeout=120)
