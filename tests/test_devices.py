@@ -1,0 +1,156 @@
+"""The engine's contracts on every device this machine has: CPU always, CUDA where present.
+
+The same workers run on CPU tensors here and on CUDA tensors on a GPU machine (Gloo carries CUDA
+tensors: two ranks may share one GPU), so the device paths (fused score kernel, a GradScaler's
+scale as a device tensor, no host reads) are checked by the very assertions that pass on CPU:
+
+1. dense: gradients equal torch DDP's on the same device, with no host synchronisation;
+2. CSC (fp16 wire, exact and sampled scores, fp32 and bf16 models): every rank sends the same
+   chunks, nothing is lost (sum of applied gradients + mean residual = sum of mean local
+   gradients), and one host read per step (the finite check);
+3. CSC with a GradScaler: the residuals equal those of an unscaled twin (power-of-two scales).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradientflow as gf
+
+from _dist import run_distributed
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    return torch.device("cpu") if kind == "cpu" else torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _ids(device: torch.device) -> list[int] | None:
+    return None if device.type == "cpu" else [device.index]
+
+
+def _net(device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    # 64*48+48 + 48*48+48 + 48*4+4 = 5620 parameters: 5 chunks of 1024 (+ a short one), 88 of 64
+    return nn.Sequential(nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4)).to(device, dtype)
+
+
+def _data(rank: int, step: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(16, 64, generator=gen)
+    return x.to(device, dtype), torch.randint(0, 4, (16,), generator=gen).to(device)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+def _dense_worker(rank: int, world_size: int, kind: str) -> None:
+    device = _device(kind, rank)
+    ref = nn.parallel.DistributedDataParallel(_net(device), device_ids=_ids(device))
+    ours = gf.DistributedDataParallel(_net(device), device_ids=_ids(device))
+    for step in range(3):
+        x, y = _data(rank, step, device)
+        for m in (ref, ours):
+            m.zero_grad()
+            _loss(m, x, y).backward()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            assert b.grad.device == device
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0)  # Gloo's fp32 sum, grouping only
+        assert ours.comm_stats()["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_dense_matches_torch_ddp_without_host_reads(kind: str) -> None:
+    run_distributed(_dense_worker, 2, kind)
+
+
+def _csc_worker(rank: int, world_size: int, kind: str, dtype: torch.dtype, chunk_size: int, score: str) -> list:
+    device = _device(kind, rank)
+    model = gf.DistributedDataParallel(_net(device, dtype), device_ids=_ids(device), comm_dtype="fp16",
+                                       density=0.25, warmup_steps=0, chunk_size=chunk_size, chunk_score=score)
+    assert model._gf_sync.sampled == (score == "sampled_l1")
+    params = list(model.module.parameters())
+    books = {k: [torch.zeros(p.numel(), dtype=torch.float64) for p in params] for k in ("local", "abs", "applied")}
+    selected = []
+    steps = 5
+    for step in range(steps):
+        x, y = _data(rank, step, device, dtype)
+        local = torch.autograd.grad(_loss(model.module, x, y), params)
+        model.zero_grad()
+        _loss(model, x, y).backward()
+        for i, (g, p) in enumerate(zip(local, params)):
+            assert p.grad.device == device and p.grad.dtype == dtype
+            mean, a = g.double().cpu().view(-1), g.double().abs().cpu().view(-1)
+            dist.all_reduce(mean)
+            dist.all_reduce(a)
+            books["local"][i] += mean / world_size
+            books["abs"][i] += a / world_size
+            books["applied"][i] += p.grad.double().cpu().view(-1)
+        stats = model.comm_stats()
+        assert stats["host_syncs"] == 1 and stats["overflow"] == 0, stats
+        selected.append(model._gf_sync.last_selected.tolist())
+    # Nothing lost: applied + mean_r(v) == sum_t mean_r(g), element by element.  Per step an
+    # element is rounded when sent (fp16 wire, 2**-11 relative), in the wire's 2-term sum (again),
+    # and when written back to a bf16 pool (2**-8); each error is at most that unit times a partial
+    # sum of |g| <= A = sum_t mean_r |g|.  Bound: 3 * T * u * A, u the coarsest of those units.
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    v = model._gf_sync.res.unscaled("v")
+    held_any = False
+    for i in range(len(params)):
+        s = model.pool.layout.slots[i]
+        held = v[s.pool][s.offset : s.offset + s.numel].double().cpu()
+        dist.all_reduce(held)
+        held /= world_size
+        held_any = held_any or bool(held.abs().sum() > 0)
+        err = (books["applied"][i] + held - books["local"][i]).abs()
+        bound = 3 * steps * u * books["abs"][i]
+        assert bool((err <= bound).all()), (i, float((err - bound).max()))
+    assert held_any  # something was held back
+    return selected
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype,chunk_size,score", [
+    (torch.float32, 64, "l1"),
+    (torch.float32, 1024, "sampled_l1"),
+    (torch.bfloat16, 1024, "l1"),
+])
+def test_csc_same_chunks_nothing_lost_one_host_read(kind: str, dtype: torch.dtype, chunk_size: int,
+                                                    score: str) -> None:
+    r0, r1 = run_distributed(_csc_worker, 2, kind, dtype, chunk_size, score)
+    assert r0 == r1 and all(r0)
+
+
+def _scaler_worker(rank: int, world_size: int, kind: str) -> None:
+    device = _device(kind, rank)
+    # fp32 wire: scaled and unscaled values round alike (an fp16 wire would flush the unscaled
+    # run's small gradients to subnormals, which is what loss scaling is for)
+    kw = dict(device_ids=_ids(device), density=0.25, warmup_steps=0, chunk_size=64)
+    plain, scaled = (gf.DistributedDataParallel(_net(device), **kw) for _ in range(2))
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_factor=2.0, growth_interval=1)
+    scaled.register_grad_scaler(scaler)
+    opt = torch.optim.SGD(scaled.parameters(), lr=0.0)
+    for step in range(4):
+        x, y = _data(rank, step, device)
+        for m in (plain, scaled):
+            m.zero_grad()
+        _loss(plain, x, y).backward()
+        scaler.scale(_loss(scaled, x, y)).backward()
+        scaler.unscale_(opt)
+        for a, b in zip(plain.parameters(), scaled.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}"  # powers of two: unscale_ is exact
+        for a, b in zip(plain._gf_sync.res.unscaled("v"), scaled._gf_sync.res.unscaled("v")):
+            assert torch.equal(a, b), f"step {step}"
+        scaler.step(opt)
+        scaler.update()  # the scale doubles every step: the residual follows it
+    assert scaler.get_scale() == 2.0**14
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_csc_follows_a_gradscalers_scale_on_the_device(kind: str) -> None:
+    run_distributed(_scaler_worker, 2, kind)
