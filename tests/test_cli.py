@@ -199,6 +199,39 @@ def test_bench_loopback_two_steps(tmp_path):
     assert "| mode |" in proc.stdout
 
 
+def test_bench_device_placement(monkeypatch):
+    import torch
+
+    from gradientflow.bench.runner import process_group_backend, rank_device
+
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    assert process_group_backend(torch.device("cpu"), 2) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rank_device("cuda", 3) == torch.device("cuda", 1)  # local rank mod the GPU count
+    assert process_group_backend(torch.device("cuda", 0), 2) == "nccl"  # a GPU per rank
+    assert process_group_backend(torch.device("cuda", 0), 4) == "gloo"  # ranks share GPUs: NCCL cannot
+
+
+def test_bench_device_refusals(capsys):
+    import torch
+
+    assert main(["bench", "--quality", "--device", "cuda"]) == 2
+    assert "--quality trains on CPU" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA")
+def test_bench_on_cuda_two_steps(tmp_path):
+    proc = _run([*BENCH_ARGS, "--bandwidth", "none", "--device", "cuda", "--out", str(tmp_path)], 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _check_bench_json(tmp_path)
+    assert res["options"]["device"] == "cuda"
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["gf-fp16-csc-slice"]["host_syncs"] <= 1  # CSC's one finite check at most
+
+
 @pytest.mark.skipif(not CAN, reason=f"cannot emulate a cluster: {WHY}")
 def test_bench_emulated_1gbit_leaves_nothing_behind(tmp_path):
     prefix = f"gfc{os.getpid() % 100000}"  # our own: never touches a concurrent run's cluster

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per rank (default cores/nproc; with --quality 1)")
     b.add_argument("--timeout", type=_positive_int, default=1800,
                    help="seconds before a launch of the ranks is killed (1800)")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where every rank trains (default cpu); cuda: GPU local-rank mod the GPU count, over NCCL "
+                   "when each rank of a node has a GPU of its own, else Gloo (which carries CUDA tensors)")
     b.add_argument("--netns-prefix", type=_prefix, default="gfb",
                    help="name prefix of the emulated cluster's namespaces and veths; concurrent runs need "
                    "different ones (default gfb)")
@@ -240,6 +243,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _quality(args: argparse.Namespace) -> int:
     from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
 
+    if args.device != "cpu":
+        print("gradientflow bench: error: --quality trains on CPU (its figures are CPU ones); drop --device",
+              file=sys.stderr)
+        return 2
     if args.workload is not None and args.workload not in WORKLOAD_OF_CLI:
         print(f"gradientflow bench: error: --quality trains {' or '.join(WORKLOAD_OF_CLI)}, not {args.workload}",
               file=sys.stderr)
@@ -255,6 +262,8 @@ def _quality(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import torch
+
     from gradientflow.bench.runner import BenchOptions, run_bench
 
     if args.quality:
@@ -266,6 +275,8 @@ def _bench(args: argparse.Namespace) -> int:
         err = f"--workload {args.workload} (your model) needs --input-shape, one sample's shape (e.g. 3,224,224)"
     elif not custom and args.input_shape is not None:
         err = f"--input-shape is for your own model (--workload package.module:factory); {args.workload} has its own"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        err = "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)"
     if err:
         print(f"gradientflow bench: error: {err}", file=sys.stderr)
         return 2
@@ -275,7 +286,8 @@ def _bench(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size or 8,
                         fusion_mb=args.fusion_mb, theta_sweep=list(dict.fromkeys(args.theta_sweep)),
                         algorithm=args.algorithm, chunk_size=args.chunk_size, threads=args.threads,
-                        timeout_s=float(args.timeout), prefix=args.netns_prefix, out=args.out or "benchmarks/results")
+                        timeout_s=float(args.timeout), prefix=args.netns_prefix, out=args.out or "benchmarks/results",
+                        device=args.device)
     if args.workload == "alexnet" and opts.batch_size > 64:
         logger.warning("alexnet at batch %d per rank is slow on a CPU", opts.batch_size)
     run_bench(opts)

@@ -220,7 +220,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"`{summary['command']}`" if summary["command"] else "",
         "",
         *([*warnings, ""] if warnings else []),
-        f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks, {summary['network']}, batch "
+        f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks"
+        f"{'' if o.get('device', 'cpu') == 'cpu' else ' on ' + o['device'].upper()}, {summary['network']}, batch "
         f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
         "(ddp-powersgd: one bucket, own launch with its own compute reference).",

@@ -88,6 +88,21 @@ class BenchSpec:
     lr: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] | None = None  # a user's model (workload "module:factory"): one sample's shape
+    device: str = "cpu"  # "cuda": every rank on GPU (local rank mod the GPU count)
+
+
+def rank_device(kind: str, local_rank: int) -> torch.device:
+    """The device a rank trains on: the CPU, or GPU ``local_rank mod count`` (ranks may share one GPU)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def process_group_backend(device: torch.device, ranks_per_node: int) -> str:
+    """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors)."""
+    if device.type == "cuda" and torch.cuda.device_count() >= ranks_per_node:
+        return "nccl"
+    return "gloo"
 
 
 def make_model(workload: str) -> nn.Module:
@@ -173,14 +188,16 @@ def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, m
     return 4 * total
 
 
-def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
+def _build(v: Variant, spec: BenchSpec, chunk_size: int,
+           device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
     """Model + wrapper + optimizer of one variant; also the computed wire bytes (None = measured)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import gradientflow as gf
 
     torch.manual_seed(0)
-    model = make_model(spec.workload)
+    model = make_model(spec.workload).to(device)
+    ids = None if device.type == "cpu" else [device.index]
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     momentum = 0.9
@@ -192,6 +209,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
         csc = "-csc" in v.mode
         wrapped = gf.DistributedDataParallel(
             model,
+            device_ids=ids,
             fusion_threshold_mb=v.theta_mb,
             comm_dtype="fp32" if v.mode == "gf-fp32" else "bf16" if v.mode.startswith("gf-bf16") else "fp16",
             algorithm=spec.algorithm,
@@ -204,7 +222,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int) -> tuple[nn.Module, tor
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
         if v.mode == "ddp-powersgd":
             cap = POWERSGD_BUCKET_MB
-        wrapped = TorchDDP(model, bucket_cap_mb=cap)
+        wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap)
         wire = 4 * n
         if v.mode == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -252,6 +270,8 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     opt.zero_grad(set_to_none=True)
     _loss(model(x), y).backward()
     opt.step()
+    if x.is_cuda:  # a step ends when the GPU has run it, not when it was queued
+        torch.cuda.synchronize(x.device)
 
 
 STAT_KEYS = ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives", "host_syncs")
@@ -304,11 +324,17 @@ def worker_main(spec_path: str) -> None:
     """One rank of the bench (run under torchrun): time every variant, rank 0 writes the results."""
     spec = BenchSpec(**json.loads(Path(spec_path).read_text()))
     torch.set_num_threads(spec.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
+    device = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = process_group_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda msg: print(MARK + msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+    say(f"{world} ranks on {device.type} ({backend})")
     x, y = make_batch(spec, rank)
-    probe = make_model(spec.workload)
+    x, y = x.to(device), (None if y is None else y.to(device))
+    probe = make_model(spec.workload).to(device)
     n_params = sum(p.numel() for p in probe.parameters())
     chunk = spec.chunk_size or auto_chunk_size(n_params)
     # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode
@@ -323,7 +349,7 @@ def worker_main(spec_path: str) -> None:
         before = _rss_mb()
         try:
             with _PeakRss() as peak:
-                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk)
+                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device)
                 for _ in range(spec.warmup):
                     _step(model, opt, x, y)
             rec["mem_added_mb"] = peak.peak - before
@@ -527,6 +553,7 @@ class BenchOptions:
     timeout_s: float = 1800.0
     prefix: str = "gfb"
     out: str = "benchmarks/results"
+    device: str = "cpu"
 
 
 def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: Any, timeout: float,
@@ -579,7 +606,7 @@ def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, c
     spec = BenchSpec(workload=opts.workload, batch_size=opts.batch_size, steps=opts.steps, warmup=opts.warmup,
                      variants=[asdict(v) for v in variants], out_path=str(raw_path.resolve()), threads=threads,
                      algorithm=opts.algorithm, chunk_size=opts.chunk_size,
-                     input_shape=list(opts.input_shape) if opts.input_shape else None)
+                     input_shape=list(opts.input_shape) if opts.input_shape else None, device=opts.device)
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, timeout, threads)
