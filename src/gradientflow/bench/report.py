@@ -21,7 +21,9 @@ SPEEDUP_DEF = (
 MEMORY_DEF = (
     "+mem = peak resident set (RSS, sampled every 2 ms) while the mode was built and ran its warm-up steps, "
     "minus the RSS just before; i.e. the memory this mode adds to a rank: parameters, gradients, optimizer "
-    "state, communication buffers and activations. Max over ranks. Add base_rss_mb for a whole-process figure."
+    "state, communication buffers and activations. Max over ranks. Add base_rss_mb for a whole-process figure. "
+    "With --device cuda: the peak of torch.cuda.max_memory_allocated over the same span, minus the allocated "
+    "memory just before (GPU memory; the host RSS is then not shown)."
 )
 WIRE_DEF = (
     "wire = bytes one rank hands to allreduce per step (gradientflow: measured, comm_stats()['payload_bytes']; "

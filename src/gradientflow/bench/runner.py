@@ -347,12 +347,16 @@ def worker_main(spec_path: str) -> None:
         rec: dict[str, Any] = {**vd, "status": "ok", "error": None, "step_s": [], "cpu_s": [], "stats": [],
                                "computed_wire_bytes": None, "mem_added_mb": None}
         before = _rss_mb()
+        if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device) / 2**20
         try:
             with _PeakRss() as peak:
                 model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device)
                 for _ in range(spec.warmup):
                     _step(model, opt, x, y)
-            rec["mem_added_mb"] = peak.peak - before
+            top = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak.peak
+            rec["mem_added_mb"] = top - before
             rec["_obj"] = (model, opt)
         except Exception as exc:  # noqa: BLE001 — recorded per mode; the other modes go on
             rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
