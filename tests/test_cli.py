@@ -92,6 +92,8 @@ def test_powersgd_wire_bytes_follows_torchs_rule():
 
 
 def _bench_buckets_worker(rank: int, world_size: int) -> dict[str, int]:
+    import torch
+
     from gradientflow.bench.models import synthetic_batch
     from gradientflow.bench.runner import BenchSpec, Variant, _build, _step
 
@@ -99,7 +101,7 @@ def _bench_buckets_worker(rank: int, world_size: int) -> dict[str, int]:
     x, y = synthetic_batch("resnet50", 2, rank)
     buckets = {}
     for mode in ("ddp", "ddp-powersgd"):
-        model, opt, _ = _build(Variant(mode, mode), spec, 32768)
+        model, opt, _ = _build(Variant(mode, mode), spec, 32768, torch.device("cpu"))
         for _ in range(2):  # DDP re-lays its buckets out in the second step, from the first's order
             _step(model, opt, x, y)
         buckets[mode] = len(model.reducer._get_zeros_like_grad_buckets())
