@@ -65,7 +65,8 @@ def band_table(freq: torch.Tensor, v_ratio: torch.Tensor, step_ddp: torch.Tensor
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float) -> str:
+def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float,
+             betas: tuple[float, float]) -> str:
     lines = ["| chunk sent on | elements | AdamW v, CSC / DDP | AdamW step \\|m\\|/√v, DDP | the same, CSC "
              f"| moved over the last {counted} steps, CSC / DDP |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -73,15 +74,12 @@ def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float
         lines.append(f"| {lo:.0%}–{hi:.0%} of steps | {r['elements']:,} ({r['elements'] / total:.0%}) "
                      f"| {r['v_gf_over_ddp']:.2f} | {r['adam_step_ddp']:.3f} | {r['adam_step_gf']:.3f} "
                      f"| {r['moved_gf_over_ddp']:.2f} |")
-    lines += ["", f"One isolated burst moves a coordinate {travel:.2f} learning rates in all (betas (0.9, 0.95))."]
+    lines += ["", f"One isolated burst moves a coordinate {travel:.2f} learning rates in all (betas {tuple(betas)})."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import gradientflow as gf
-    from gradientflow.bench.quality import QualityOptions, lr_factor, plan_jobs
+    from gradientflow.bench.quality import QualityOptions, build_recipe, lr_schedule, plan_jobs
     from gradientflow.bench.quality_worker import _Data, _loss
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,16 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = plan_jobs(QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none"))[0][0]
     data = _Data(job, 0, rank, world)
-    betas = (0.9, 0.95)
     runs = {}
-    for kind in ("ddp", "gf"):
-        model = data.build_model()
-        wrapped = (TorchDDP(model) if kind == "ddp"
-                   else gf.DistributedDataParallel(model, comm_dtype="fp16", density=0.1))
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=job.lr, betas=betas, weight_decay=0.1)
-        warm = max(1, round(job.lr_warmup_frac * job.steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s, w=warm: lr_factor(s, job.steps, w))
-        runs[kind] = (wrapped, opt, sched, data.batches())
+    for kind, recipe in (("ddp", "ddp"), ("gf", "gf-recommended")):  # the quality bench's own recipes
+        wrapped, opt, _ = build_recipe(recipe, data.build_model(), job)
+        runs[kind] = (wrapped, opt, lr_schedule(opt, job), data.batches())
+    betas = runs["gf"][1].param_groups[0]["betas"]
 
     half = args.steps // 2
     sent: torch.Tensor | None = None
@@ -143,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             {"steps": args.steps, "counted_steps": counted, "elements": total, "burst_travel_lr": travel,
              "job": {"d_model": job.d_model, "n_layers": job.n_layers, "lr": job.lr, "batch_size": job.batch_size},
              "bands": rows}, indent=1))
-        table = markdown(rows, total, counted, travel)
+        table = markdown(rows, total, counted, travel, betas)
         (out / "table.md").write_text(table)
         print(table)
     dist.destroy_process_group()

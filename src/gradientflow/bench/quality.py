@@ -96,6 +96,13 @@ def lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def lr_schedule(opt: torch.optim.Optimizer, job: Job) -> torch.optim.lr_scheduler.LambdaLR:
+    """``job``'s schedule on ``opt`` (stepped once per training step): :func:`lr_factor` with a warm-up
+    of ``lr_warmup_frac`` of the steps (at least one)."""
+    warm = max(1, round(job.lr_warmup_frac * job.steps))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, job.steps, warm))
+
+
 # ==== recipes =================================================================================
 def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     """``"gf-recommended:warmup_steps=300,dense_1d=False"`` -> ``("gf-recommended", {...})``.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_factor
+from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_schedule
 from gradientflow.bench.runner import MARK, timing_allocator
 
 logger = logging.getLogger(__name__)
@@ -161,9 +161,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         model = data.build_model()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         wrapped, opt, options = build_recipe(recipe, model, job)
-        warm = max(1, round(job.lr_warmup_frac * job.steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s, warm=warm: lr_factor(s, job.steps, warm))
-        runs.append(_Run(recipe, wrapped, opt, sched, data.batches(), options))
+        runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, job), data.batches(), options))
 
     def eval_all(step: int) -> None:
         for run in runs:
