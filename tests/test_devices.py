@@ -35,7 +35,7 @@ def _ids(device: torch.device) -> list[int] | None:
 
 def _net(device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    # 64*48+48 + 48*48+48 + 48*4+4 = 5620 parameters: 5 chunks of 1024 (+ a short one), 88 of 64
+    # 64*48+48 + 48*48+48 + 48*4+4 = 5668 parameters: 5 chunks of 1024 (+ a short one), 88 of 64
     return nn.Sequential(nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4)).to(device, dtype)
 
 

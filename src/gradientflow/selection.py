@@ -98,7 +98,7 @@ def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
 
     ``sampled=True`` (``chunk_score="sampled_l1"``, see :func:`samples_chunks`): 8 times the L1
     of the first 16 elements of every 128, an estimate of the L1 that reads 1/8 of the pool.  On
-    ResNet-50 and AlexNet residuals the top 10% it picks carry >= 99% of the L1 mass the exact
+    ResNet-50 and AlexNet residuals the top 10% it picks carry >= 98.9% of the L1 mass the exact
     top 10% carry (README); what it misses stays in the residual, as every unsent chunk does.
 
     On CPU the rows are scored in cache-sized blocks (abs into a small scratch, then a row sum):
