@@ -76,7 +76,7 @@ def _param_view(model: gf.DistributedDataParallel, flat: list[torch.Tensor], i: 
 
 def _residual(model: gf.DistributedDataParallel, which: str) -> list[torch.Tensor]:
     """CSC's v or u, unscaled and unpadded, per pool buffer (what a checkpoint holds)."""
-    return model._gf_sync.res.unscaled(which)
+    return model._gf_engine.sync.res.unscaled(which)
 
 
 # ---- pure functions ---------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
 
     # 1. momentum 0, fp32 wire: selection, nonzero chunks, payload, conservation of gradient.
     model = _sparse(_mlp(), csc_scope=scope)
-    sync = model._gf_sync
+    sync = model._gf_engine.sync
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(model.module.parameters())
     ledger = _Ledger(params, world_size)
@@ -357,7 +357,7 @@ def _sparse_worker(rank: int, world_size: int, steps: int, scope: str) -> dict:
             d = 0.25 ** (step / 4) if step < 4 else 0.25
             n = st["n_chunks"]
             assert not same and st["warmup"] == 0 and st["density"] == d, st
-            assert st["selected_chunks"] == _expected_selected(warm._gf_sync, n, d), st
+            assert st["selected_chunks"] == _expected_selected(warm._gf_engine.sync, n, d), st
     ledger.check(warm, 2 * 6)
     return out
 
@@ -375,7 +375,7 @@ def _sampled_worker(rank: int, world_size: int, steps: int) -> list[list[int]]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 8))  # 9352 = 9 chunks of 1024 + 136
     model = _sparse(net, chunk_size=1024, chunk_score="sampled_l1", csc_scope="global")
-    sync = model._gf_sync
+    sync = model._gf_engine.sync
     assert sync.sampled
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(model.module.parameters())
@@ -483,7 +483,7 @@ def _dense_1d_worker(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(40 + rank)
     dense = gf.DistributedDataParallel(_mlp(), fusion_threshold_mb=0.001)
     model = _sparse(_mlp(), dense_1d=True, density=0.1, csc_scope="global")  # one top-k: countable by hand
-    sync = model._gf_sync
+    sync = model._gf_engine.sync
     layout = model.pool.layout
     params = list(model.module.parameters())
     one_d = [i for i, p in enumerate(params) if p.dim() == 1]
@@ -549,7 +549,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
     assert len(caught) == 1 and "momentum" in str(caught[0].message)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
     model.register_grad_scaler(scaler)
-    sync = model._gf_sync
+    sync = model._gf_engine.sync
     losses, skipped = [], []
     for step in range(40):
         hook = None
@@ -640,7 +640,7 @@ def _three_rank_no_sync_worker(rank: int, world_size: int, steps: int) -> list[l
     """CSC on 3 ranks with two no_sync micro-batches per step: nothing is lost, all ranks agree."""
     gen = torch.Generator().manual_seed(50 + rank)
     model = _sparse(_mlp())
-    sync = model._gf_sync
+    sync = model._gf_engine.sync
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params = list(model.module.parameters())
     ledger = _Ledger(params, world_size)
@@ -795,7 +795,7 @@ def _device_scale_worker(rank: int, world_size: int) -> None:
                 scaler.update()
                 if step == 3:
                     scaler.update(2.0**9)  # a shrinking scale too
-            assert isinstance(model._gf_sync.res.scale, torch.Tensor) == as_tensor
+            assert isinstance(model._gf_engine.sync.res.scale, torch.Tensor) == as_tensor
             return seen
         finally:
             csc.loss_scale = host_loss_scale

@@ -73,7 +73,7 @@ def _csc_worker(rank: int, world_size: int, kind: str, dtype: torch.dtype, chunk
     device = _device(kind, rank)
     model = gf.DistributedDataParallel(_net(device, dtype), device_ids=_ids(device), comm_dtype="fp16",
                                        density=0.25, warmup_steps=0, chunk_size=chunk_size, chunk_score=score)
-    assert model._gf_sync.sampled == (score == "sampled_l1")
+    assert model._gf_engine.sync.sampled == (score == "sampled_l1")
     params = list(model.module.parameters())
     books = {k: [torch.zeros(p.numel(), dtype=torch.float64) for p in params] for k in ("local", "abs", "applied")}
     selected = []
@@ -93,13 +93,13 @@ def _csc_worker(rank: int, world_size: int, kind: str, dtype: torch.dtype, chunk
             books["applied"][i] += p.grad.double().cpu().view(-1)
         stats = model.comm_stats()
         assert stats["host_syncs"] == 1 and stats["overflow"] == 0, stats
-        selected.append(model._gf_sync.last_selected.tolist())
+        selected.append(model._gf_engine.sync.last_selected.tolist())
     # Nothing lost: applied + mean_r(v) == sum_t mean_r(g), element by element.  Per step an
     # element is rounded when sent (fp16 wire, 2**-11 relative), in the wire's 2-term sum (again),
     # and when written back to a bf16 pool (2**-8); each error is at most that unit times a partial
     # sum of |g| <= A = sum_t mean_r |g|.  Bound: 3 * T * u * A, u the coarsest of those units.
     u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
-    v = model._gf_sync.res.unscaled("v")
+    v = model._gf_engine.sync.res.unscaled("v")
     held_any = False
     for i in range(len(params)):
         s = model.pool.layout.slots[i]
@@ -144,7 +144,7 @@ def _scaler_worker(rank: int, world_size: int, kind: str) -> None:
         scaler.unscale_(opt)
         for a, b in zip(plain.parameters(), scaled.parameters()):
             assert torch.equal(a.grad, b.grad), f"step {step}"  # powers of two: unscale_ is exact
-        for a, b in zip(plain._gf_sync.res.unscaled("v"), scaled._gf_sync.res.unscaled("v")):
+        for a, b in zip(plain._gf_engine.sync.res.unscaled("v"), scaled._gf_engine.sync.res.unscaled("v")):
             assert torch.equal(a, b), f"step {step}"
         scaler.step(opt)
         scaler.update()  # the scale doubles every step: the residual follows it

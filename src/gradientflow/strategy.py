@@ -1,6 +1,6 @@
 """The one protocol every synchronisation strategy (dense, CSC, ...) implements.
 
-The engine (:mod:`gradientflow.ddp`) decides *when*: it hands each bucket over as soon as it is
+The engine (:mod:`gradientflow.reducer`) decides *when*: it hands each bucket over as soon as it is
 ready and calls ``finish`` at the end of backward.  A strategy decides *what* goes on the wire.
 The engine never probes a strategy with ``hasattr``: everything it may call is declared here,
 with a default for what a strategy without state does not need.

@@ -347,7 +347,7 @@ def _clip_csc_worker(rank: int, world_size: int) -> None:
         for g, a, b in zip(sent, clipped.parameters(), amp.parameters()):
             torch.testing.assert_close(a.grad, g * coef, atol=0, rtol=1e-6)  # one multiply's rounding
             assert torch.equal(b.grad, a.grad)  # the scale is a power of two: same bits
-        for x, y, z in zip(*(m._gf_sync.res.unscaled("v") for m in models)):
+        for x, y, z in zip(*(m._gf_engine.sync.res.unscaled("v") for m in models)):
             assert torch.equal(x, y) and torch.equal(x, z), f"residual differs at step {step}"
     assert plain.comm_stats()["payload_bytes"] == clipped.comm_stats()["payload_bytes"] > 0
 

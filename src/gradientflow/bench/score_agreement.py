@@ -77,7 +77,7 @@ def measure(workload: str, steps: int, batch_size: int = 8) -> dict[str, Any]:
     for step in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x + 0.5 * torch.randn(x.shape, generator=noise)), y).backward()
-        sync = model._gf_sync
+        sync = model._gf_engine.sync
         scored = [sync.res.rows(k) + sync._pool_rows[k] for k in range(len(sync._pool_rows))]
         rows = torch.cat(scored)  # one global top-k over every pool buffer
         if not samples_chunks("sampled_l1", rows.shape[1]):

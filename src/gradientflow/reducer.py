@@ -1,0 +1,440 @@
+"""The reducer: what happens during and right after a synchronised backward.
+
+:class:`gradientflow.DistributedDataParallel` is the ``nn.Module`` face (arguments, forward,
+buffers, ``Join``, checkpoints); this is its engine, torch DDP's ``Reducer`` in spirit.  It
+owns the gradient pool and the strategy and decides *when* buckets go on the wire; the strategy
+(:mod:`gradientflow.strategy`) decides *what*.  Per synchronised backward:
+
+  1. When backward starts (a hook on the forward's outputs) every ``.grad`` is bound to its view
+     of the pool, so autograd accumulates straight into the pool.  Before that a ``.grad`` is
+     whatever the user left (``None`` after ``zero_grad()``), as in torch DDP.
+  2. A post-accumulate-grad hook marks each gradient ready.  Buckets (pool slices of >= θ
+     bytes, cut by :func:`pool.plan_layout`) are launched strictly in bucket order, each as
+     soon as it and all earlier buckets are complete.  Launch points are therefore a function
+     of the layout alone: every rank issues the same collectives in the same order, even when
+     the set of used parameters differs between ranks.
+  3. Autograd's final callback launches the remaining buckets and a one-byte-per-parameter
+     "used" exchange (MAX), waits for all, and leaves the averaged gradient in the pool (= in
+     every ``.grad``).  A parameter no rank used, whose ``.grad`` was ``None``, gets ``None``
+     back, so optimizers skip it as they do under torch DDP.
+  4. After the first synchronised backward the pool is re-laid once in the order gradients
+     were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .compat import iter_tensors
+from .config import GradientFlowConfig
+from .consistency import FiniteCheck, StepCheck
+from .dense import DenseSync
+from .pool import GradPool, Layout, plan_layout, small_last
+from .stats import StepStats
+from .strategy import SyncStrategy
+from .trace import TraceRecorder
+from .watchdog import Watchdog
+
+logger = logging.getLogger(__name__)
+
+
+class _Backward:
+    """Bookkeeping of one synchronised backward."""
+
+    def __init__(self, layout: Layout, n_params: int, dense_bytes: int) -> None:
+        self.remaining = [len(b.params) for b in layout.buckets]
+        self.next_bucket = 0
+        self.seen = bytearray(n_params)
+        self.order: list[int] = []
+        self.stats = StepStats(dense_bytes=dense_bytes)
+        self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
+
+
+class Reducer:
+    """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
+
+    ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
+    pool's parameter order (a saved layout's, or ``None``: reverse registration, ~ backward);
+    ``control``: CSC's second group over the same ranks (``None`` for dense); ``static_graph``:
+    the set of used parameters never changes (the "used" exchange runs once).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        config: GradientFlowConfig,
+        group: dist.ProcessGroup,
+        watchdog: Watchdog,
+        control: dist.ProcessGroup | None,
+        static_graph: bool,
+        order: list[int] | None,
+    ) -> None:
+        n = len(params)
+        self.params, self.names, self.config, self.group = params, names, config, group
+        self.watchdog, self.static_graph = watchdog, static_graph
+        self.world_size = dist.get_world_size(group)
+        self.src = dist.get_global_rank(group, 0)
+        # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).
+        self._control = weakref.ref(control) if control is not None else None
+        self.dense_bytes = 4 * sum(p.numel() for p in params)
+        self.install(self.plan(order if order is not None else list(reversed(range(n)))))
+        self.layout_final = False  # True once the pool follows an observed backward order
+        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=config.wire_dtype,
+                          algorithm=config.algorithm, watchdog=watchdog)
+        self.sync: SyncStrategy = dense
+        if config.sparse:
+            from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
+
+            self.sync = SparseSync(self.pool, dense, config=config, shapes=[p.shape for p in params],
+                                   control_group=control)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self.sync_this_backward = True
+        self.bind_pending = False
+        self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
+        self.backward: _Backward | None = None
+        self.last_stats = StepStats(dense_bytes=self.dense_bytes)
+        self.fresh = bytearray(n)  # 1: .grad was None when bound, and no backward has produced it since
+        self.used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
+        self.static_unused: list[int] | None = None
+        self.result_versions: tuple[int, ...] | None = None
+        device = params[0].device
+        self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
+        self.finite_check = FiniteCheck(watchdog, names, device) if config.check_finite else None
+        self.trace = (TraceRecorder(config.trace_path, config.trace_window, dist.get_rank(group), self.world_size)
+                      if config.trace_path is not None else None)
+        watchdog.trace = self.trace
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (before a rebuild replaces this reducer)."""
+        for h in self.hooks:
+            h.remove()
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        self.sync.register_grad_scaler(scaler)
+        if self.finite_check is not None:  # overflow is now the scaler's to skip, not an error
+            self.finite_check.scaler_registered = True
+
+    # ---- layout -------------------------------------------------------------------------
+    def keys(self) -> list[tuple[torch.dtype, torch.device]]:
+        return [(p.dtype, p.device) for p in self.params]
+
+    def install(self, layout: Layout) -> None:
+        """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
+        pool = GradPool(layout, self.params, pad_to=self.config.chunk_size if self.config.sparse else 1)
+        with torch.no_grad():
+            for p, view in zip(self.params, pool.views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = view
+        self.pool = pool
+        self.bound = pool.views  # where .grad points (the pool, or a strategy's targets mid-backward)
+        self.bucket_of = [0] * len(self.params)
+        for b in layout.buckets:
+            for i in b.params:
+                self.bucket_of[i] = b.index
+
+    def plan(self, order: list[int]) -> Layout:
+        """The layout for a backward ``order`` (CSC with ``dense_1d``: 1-D parameters last)."""
+        cfg = self.config
+        if cfg.sparse and cfg.dense_1d:
+            order = small_last(order, [p.dim() <= 1 for p in self.params])
+        # CSC slices: what the last bucket holds is scored, exchanged and sent only after backward
+        tail = cfg.threshold_bytes / 8 if cfg.sparse and cfg.csc_scope == "slice" else None
+        return plan_layout([p.numel() for p in self.params], self.keys(), order, cfg.threshold_bytes, tail)
+
+    def adopt_order(self, order: list[int]) -> bool:
+        """Re-lay the pool out for ``order``; False (nothing done) if the layout would not change."""
+        old, layout = self.pool, self.plan(order)
+        if layout.order == old.layout.order:
+            return False
+        self.install(layout)
+        self.sync.relayout(old.layout, self.pool)
+        return True
+
+    def _relayout_from_observed(self, observed: list[int]) -> None:
+        """Adopt rank 0's observed backward order (unseen parameters keep their relative order)."""
+        seen = set(observed)
+        order = observed + [i for i in self.pool.layout.order if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        work = dist.broadcast(order_t, src=self.src, group=self.group, async_op=True)
+        self.watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
+        order = order_t.tolist()
+        self.layout_final = True
+        if self.adopt_order(order):
+            logger.debug("gradientflow: gradient pool re-laid in observed backward order")
+
+    # ---- where .grad points -------------------------------------------------------------
+    def bind_grads(self, sync: bool) -> None:
+        """Point every ``.grad`` where this backward accumulates; a ``None`` grad starts from zero (fresh).
+
+        No sync: the pool's views.  A synchronised backward: wherever the strategy asks
+        (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
+        A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
+        nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
+        (:meth:`_adopt_grad`), one pass where zeroing the pool and letting autograd add into it
+        takes two (AlexNet, one thread, measured once: backward 176 ms against 201).  A parameter that got no
+        gradient is zeroed when its bucket is launched (:meth:`_launch`).
+        """
+        pool_views, fresh = self.pool.views, self.fresh
+        targets = self.sync.begin_backward() if sync else None
+        views = self.bound = targets if targets is not None else pool_views
+        params = self.params
+        self.bind_pending = False
+        with torch.no_grad():
+            if all(p.grad is None for p in params):
+                fresh[:] = b"\x01" * len(params)
+                if targets is None and sync:
+                    self.unbound = True
+                    return
+                if targets is None:
+                    for buf in self.pool.buffers:
+                        buf.zero_()
+                else:
+                    for view, pv in zip(views, pool_views):
+                        if view is pv:
+                            view.zero_()
+                for p, view in zip(params, views):
+                    p.grad = view
+                return
+            self._check_result_consumed()
+            for i, (p, view) in enumerate(zip(params, views)):
+                if p.grad is None:
+                    if view is pool_views[i]:
+                        view.zero_()
+                    fresh[i] = 1
+                    p.grad = view
+                elif view is not pool_views[i]:  # an accumulated gradient (no_sync) joins the target
+                    view.add_(p.grad)
+                    p.grad = view
+                else:
+                    self._adopt_grad(i, p)
+
+    def _rebind_to_pool(self) -> None:
+        """After a step that accumulated outside the pool: ``.grad`` shows the pool (the result) again."""
+        pool_views = self.pool.views
+        if self.bound is pool_views:
+            return
+        self.bound = pool_views
+        for p, view in zip(self.params, pool_views):
+            if p.grad is not None:
+                p.grad = view
+
+    def _check_result_consumed(self) -> None:
+        """CSC: refuse to fold last step's synchronised result into this step's residual.
+
+        After a CSC step ``.grad`` holds what was sent; a second synchronised backward before
+        ``zero_grad()`` would add it to the residual again (sent twice).  The pool's version
+        counter (bumped by any in-place write, e.g. ``zero_grad(set_to_none=False)``) tells
+        whether the user touched ``.grad`` since — no pass over the pool needed.
+        """
+        versions = self.result_versions
+        if versions is not None and versions == self._pool_versions():
+            self.result_versions = None
+            raise RuntimeError(
+                "gradientflow: a second synchronised backward started while .grad still holds the previous "
+                "step's sparse (density) result. Call optimizer.zero_grad() between steps, or accumulate "
+                "micro-batches inside model.no_sync() and synchronise once."
+            )
+
+    def _pool_versions(self) -> tuple[int, ...]:
+        return tuple(b._version for b in self.pool.buffers)
+
+    # ---- backward -----------------------------------------------------------------------
+    def arm(self, out: Any, sync: bool) -> None:
+        """After a forward with grad enabled: the hook on its outputs starts the backward.
+
+        It binds ``.grad`` before any gradient is accumulated and, when synchronising, makes a
+        rank whose loss uses no parameter still join the collectives.
+        """
+        self.sync_this_backward = sync
+        self.bind_pending = True
+        if self.step_check is not None:
+            self.step_check.passes += 1
+        for t in iter_tensors(out):
+            if t.requires_grad:
+                t.register_hook(self._output_grad_hook)
+
+    def _begin_backward(self) -> _Backward:
+        bw = self.backward
+        if bw is None:
+            tr = self.trace
+            t_start = time.perf_counter() if tr is not None and tr.active else 0.0
+            if self.step_check is not None:  # before any bucket: matched with the others' check
+                self.step_check.start(self.pool.layout)
+            self.bind_grads(sync=True)
+            bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
+            bw.t_start = t_start
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        return bw
+
+    def _output_grad_hook(self, grad: torch.Tensor) -> None:
+        if self.sync_this_backward:
+            self._begin_backward()
+        elif self.bind_pending:
+            self.bind_grads(sync=False)
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self.fresh[i] = 0
+            self.used[i] = 1
+            if self.backward is None and not self.sync_this_backward:
+                self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
+                return
+            self._grad_ready(i, param)
+
+        return hook
+
+    def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
+        """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
+        view = self.bound[i]
+        g = param.grad
+        if g is view:
+            return
+        if g.is_sparse:
+            raise RuntimeError(
+                f"gradientflow: parameter '{self.names[i]}' received a sparse gradient, which gradientflow "
+                "does not synchronise; use a dense gradient (e.g. sparse=False in F.embedding)."
+            )
+        with torch.no_grad():
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+        param.grad = view
+
+    def _grad_ready(self, i: int, param: torch.Tensor) -> None:
+        bw = self._begin_backward()
+        if bw.seen[i]:
+            raise RuntimeError(
+                f"gradientflow: parameter '{self.names[i]}' produced a gradient twice in one backward "
+                "(a second backward through the same graph inside one step, or a parameter reused across "
+                "reentrant checkpoints). Synchronise once per backward, or use no_sync() for the extra passes."
+            )
+        bw.seen[i] = 1
+        bw.order.append(i)
+        self._adopt_grad(i, param)
+        bw.remaining[self.bucket_of[i]] -= 1
+        buckets = self.pool.layout.buckets
+        while bw.next_bucket < len(buckets) and bw.remaining[bw.next_bucket] == 0:
+            self._launch(bw, bw.next_bucket)
+        self.sync.progress(bw.stats)
+
+    def _launch(self, bw: _Backward, index: int) -> None:
+        bucket = self.pool.layout.buckets[index]
+        flat = self.pool.bucket_view(bucket)
+        if self.unbound and bw.remaining[index]:  # some gradients never came: zeros, as a bound pool holds
+            with torch.no_grad():
+                for i in bucket.params:
+                    p = self.params[i]
+                    if p.grad is None:
+                        self.bound[i].zero_()
+                        p.grad = self.bound[i]
+        if self.finite_check is not None:  # before the wire overwrites the local gradient
+            self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
+        tr = self.trace
+        if tr is not None and tr.active:
+            with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
+                self.sync.launch(bucket, flat, bw.stats)
+        else:
+            self.sync.launch(bucket, flat, bw.stats)
+        bw.next_bucket = index + 1
+
+    def finish_backward(self) -> None:
+        """Autograd's final callback (also a joined rank's shadow step): step 3, then step 4 once."""
+        bw = self.backward
+        if bw is None:
+            return
+        tr = self.trace
+        t_final = time.perf_counter() if tr is not None and tr.active else None
+        if t_final is not None:
+            tr.complete("backward", "backward", bw.t_start, t_final)
+        try:
+            t0 = time.perf_counter()
+            while bw.next_bucket < len(self.pool.layout.buckets):
+                self._launch(bw, bw.next_bucket)
+            used = self._start_used_exchange(bw.stats)
+            mismatch = self.step_check.verify() if self.step_check is not None else None
+            self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
+            self._rebind_to_pool()
+            self._release_unused(used)
+            if mismatch is not None:
+                raise mismatch
+            bw.stats.exposed_seconds = time.perf_counter() - t0
+            bw.stats.close()
+        finally:
+            self._rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
+            self.backward = None
+            self.unbound = False
+            self.used = bytearray(len(self.params))
+            self.fresh = bytearray(len(self.params))
+        self.last_stats = bw.stats
+        if not self.layout_final:
+            self._relayout_from_observed(bw.order)
+        if self.config.sparse:
+            self.result_versions = self._pool_versions()
+        if t_final is not None:
+            tr.complete("final wait", "final", t_final, time.perf_counter())
+        self._end_step()
+
+    def shadow_step(self) -> None:
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""
+        with torch.no_grad():
+            for p in self.params:
+                p.grad = None
+            self.bind_grads(sync=True)
+            if self.step_check is not None:  # a joined rank's counts must not weigh in
+                self.step_check.start_neutral()
+            self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
+            self.finish_backward()
+
+    def _end_step(self) -> None:
+        """The check_finite verdict on this step, then count it (messages, trace window)."""
+        try:
+            if self.finite_check is not None:
+                self.finite_check.decide()
+        finally:
+            self.watchdog.step += 1
+            if self.trace is not None:
+                self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
+
+    def _start_used_exchange(self, stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
+        """Start the MAX allreduce of "this rank produced parameter i's gradient" (1 byte each).
+
+        Skipped under ``static_graph=True`` once the first step has told which parameters are unused.
+        """
+        if self.static_unused is not None:
+            return None
+        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8)
+        flags = flags.to(self.params[0].device)
+        stats.control_bytes += flags.numel()
+        # CSC sends chunks at launches that may differ between ranks (see csc.py): only the
+        # control group has a fixed order of collectives at this point.
+        group = self.group if self._control is None else self._control()
+        if group is None:
+            raise RuntimeError("gradientflow: CSC's control process group was destroyed while the model is in use")
+        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
+
+    def _release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
+        """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
+        if used is not None:
+            work, flags = used
+            self.watchdog.wait(work, "used-parameter flags", flags.numel())
+            fresh = self.fresh
+            if not any(fresh) and not self.static_graph:
+                return  # every gradient was produced (or already existed) here: nothing to read
+            global_used = flags.tolist()
+            unused = [i for i, u in enumerate(global_used) if not u]
+            if self.static_graph:
+                self.static_unused = unused
+        else:
+            unused = self.static_unused or []
+        candidates = [i for i in unused if self.fresh[i]]
+        if candidates:
+            for i in self.sync.untouched(candidates):
+                self.params[i].grad = None
