@@ -246,8 +246,11 @@ class SparseSync(SyncStrategy):
             return self.res.v[bucket.pool][bucket.start : bucket.end]
         return flat
 
-    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats) -> None:
-        """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete."""
+    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+        """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete.
+
+        ``divided`` is always False: CSC binds ``.grad`` to its residual, so no gradient arrives fresh.
+        """
         if self._warmup():
             self.dense.launch(bucket, flat, stats)
             return

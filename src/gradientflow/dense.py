@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .collectives import PendingAllreduce, start_allreduce
 from .pool import Bucket, Scratch
-from .precision import from_wire, to_wire
+from .precision import divide, from_wire, to_wire
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .watchdog import Watchdog
@@ -33,13 +33,19 @@ class DenseSync(SyncStrategy):
         self._pending: list[tuple[torch.Tensor, torch.Tensor, PendingAllreduce]] = []
         self.scratch: Scratch | None = None  # wire buffers (and CSC's packed chunks), kept between steps
 
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
-        """1. pre-divide and cast into the wire buffer; 2. start its allreduce."""
+    def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
+        """Step 1's division, folded into the copy of a fresh gradient into the pool (one pass, not two)."""
+        divide(grad, self.world_size, self.wire_dtype, out=out)
+        return True
+
+    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+        """1. pre-divide (unless ``divided``: :meth:`take_fresh` did) and cast into the wire buffer;
+        2. start its allreduce."""
         t0 = time.perf_counter()
         out = None
         if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
             out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
-        wire = to_wire(flat, self.wire_dtype, self.world_size, out=out)
+        wire = to_wire(flat, self.wire_dtype, self.world_size, out=out, divided=divided)
         stats.phase("pack", t0)
         stats.record_collective(wire.numel() * wire.element_size())
         what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks

@@ -12,19 +12,36 @@ from typing import Any
 import torch
 
 
+def divide(src: torch.Tensor, world_size: int, wire_dtype: torch.dtype | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src / world_size``, computed as the wire needs it, into ``out`` (default: ``src``, in place).
+
+    A pool-dtype wire divides; a cast wire multiplies by the reciprocal (the fp32 product, rounded
+    once by the cast that follows), as the fused cast-and-scale op did.  One definition, so that a
+    gradient divided while it enters the pool (:meth:`DenseSync.take_fresh`) is bit for bit the
+    one :func:`to_wire` would have divided.
+    """
+    out = src if out is None else out
+    if world_size == 1:
+        return out if out is src else out.copy_(src)
+    if wire_dtype is None or src.dtype == wire_dtype:
+        return torch.div(src, world_size, out=out)
+    return torch.mul(src, 1.0 / world_size, out=out)
+
+
 def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, divided: bool = False) -> torch.Tensor:
     """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own dtype), in ``out`` if given.
 
     ``flat`` itself is divided in place (its content is replaced by the reduced result anyway),
-    then cast by a plain copy: on CPU ``torch.mul(fp32, s, out=fp16)`` takes a slow
-    mixed-dtype path (113 ms on ResNet-50's 25.6M-float pool, one thread) where ``mul_`` +
-    ``copy_`` take 16 ms, with the same rounding (the fp32 product is rounded once to fp16).
+    unless ``divided`` says :func:`divide` already ran on it; then cast by a plain copy: on CPU
+    ``torch.mul(fp32, s, out=fp16)`` takes a slow mixed-dtype path (113 ms on ResNet-50's
+    25.6M-float pool, one thread) where ``mul_`` + ``copy_`` take 16 ms, with the same rounding.
     """
+    if not divided:
+        divide(flat, world_size, wire_dtype)
     if wire_dtype is None or flat.dtype == wire_dtype:
-        return flat.div_(world_size) if world_size > 1 else flat
-    if world_size > 1:
-        flat.mul_(1.0 / world_size)  # as the fused op did: the fp32 product, rounded once below
+        return flat
     wire = torch.empty(flat.shape, dtype=wire_dtype, device=flat.device) if out is None else out
     wire.copy_(flat)
     return wire

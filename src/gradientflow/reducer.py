@@ -50,6 +50,7 @@ class _Backward:
 
     def __init__(self, layout: Layout, n_params: int, dense_bytes: int) -> None:
         self.remaining = [len(b.params) for b in layout.buckets]
+        self.undivided = [0] * len(layout.buckets)  # gradients that did not enter through take_fresh
         self.next_bucket = 0
         self.seen = bytearray(n_params)
         self.order: list[int] = []
@@ -179,9 +180,10 @@ class Reducer:
         (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
         A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
-        (:meth:`_adopt_grad`), one pass where zeroing the pool and letting autograd add into it
-        takes two (AlexNet, one thread, measured once: backward 176 ms against 201).  A parameter that got no
-        gradient is zeroed when its bucket is launched (:meth:`_launch`).
+        (:meth:`_take_fresh`), one pass where zeroing the pool and letting autograd add into it
+        takes two (AlexNet, one thread, measured once: backward 176 ms against 201); the copy also
+        divides by the world size, which the launch would otherwise spend a pass on.  A parameter
+        that got no gradient is zeroed when its bucket is launched (:meth:`_launch`).
         """
         pool_views, fresh = self.pool.views, self.fresh
         targets = self.sync.begin_backward() if sync else None
@@ -308,6 +310,18 @@ class Reducer:
                 view.copy_(g)
         param.grad = view
 
+    def _take_fresh(self, i: int, param: torch.Tensor) -> bool:
+        """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may
+        fold its division into the copy (:meth:`SyncStrategy.take_fresh`); whether it did."""
+        view, g = self.bound[i], param.grad
+        if g is view or g.is_sparse or g.data_ptr() == view.data_ptr():
+            self._adopt_grad(i, param)  # not fresh after all (or an error to raise): the plain path
+            return False
+        with torch.no_grad():
+            divided = self.sync.take_fresh(g, view)
+        param.grad = view
+        return divided
+
     def _grad_ready(self, i: int, param: torch.Tensor) -> None:
         bw = self._begin_backward()
         if bw.seen[i]:
@@ -318,8 +332,10 @@ class Reducer:
             )
         bw.seen[i] = 1
         bw.order.append(i)
-        self._adopt_grad(i, param)
-        bw.remaining[self.bucket_of[i]] -= 1
+        b = self.bucket_of[i]
+        if not (self.unbound and self._take_fresh(i, param)):
+            bw.undivided[b] += 1
+        bw.remaining[b] -= 1
         buckets = self.pool.layout.buckets
         while bw.next_bucket < len(buckets) and bw.remaining[bw.next_bucket] == 0:
             self._launch(bw, bw.next_bucket)
@@ -337,12 +353,13 @@ class Reducer:
                         p.grad = self.bound[i]
         if self.finite_check is not None:  # before the wire overwrites the local gradient
             self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
+        divided = self.unbound and bw.undivided[index] == 0  # the zeros filled in above divide to zeros
         tr = self.trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
-                self.sync.launch(bucket, flat, bw.stats)
+                self.sync.launch(bucket, flat, bw.stats, divided)
         else:
-            self.sync.launch(bucket, flat, bw.stats)
+            self.sync.launch(bucket, flat, bw.stats, divided)
         bw.next_bucket = index + 1
 
     def finish_backward(self) -> None:

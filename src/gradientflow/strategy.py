@@ -35,9 +35,23 @@ class SyncStrategy(ABC):
         """Where ``bucket``'s freshly accumulated gradient lives (``flat``, unless rebound)."""
         return flat
 
+    def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
+        """Move a fresh gradient (autograd's own tensor: a dense backward that started from ``None``
+        gradients binds nothing) into its pool view ``out``.
+
+        The default copies it and returns False.  A strategy may fold the first step of its
+        launch into this copy (dense: the division by the world size) and return True; a bucket
+        whose gradients all came this way is launched with ``divided=True``.
+        """
+        out.copy_(grad)
+        return False
+
     @abstractmethod
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats) -> None:
-        """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread."""
+    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+        """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread.
+
+        ``divided``: every gradient in ``flat`` went through :meth:`take_fresh` returning True.
+        """
 
     def progress(self, stats: StepStats) -> None:  # noqa: B027 — nothing pending by default
         """A parameter's gradient is ready (called once per parameter during backward): a cheap
