@@ -808,3 +808,19 @@ def _device_scale_worker(rank: int, world_size: int) -> None:
 
 def test_device_tensor_loss_scale_path_equals_the_host_path() -> None:
     run_distributed(_device_scale_worker, 2, timeout=120)
+
+
+def test_optimizer_pitfalls_rules() -> None:
+    """The two rules check_optimizer warns with, as a pure function of the optimizer and two options."""
+    from gradientflow.pitfalls import ADAPTIVE_MIN_DENSITY, optimizer_pitfalls
+
+    w = [nn.Parameter(torch.zeros(2))]
+    sgd_m, sgd, adamw = torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.SGD(w, lr=0.1), torch.optim.AdamW(w)
+    assert optimizer_pitfalls(sgd_m, density=0.1, momentum=0.0) == []  # the recommended recipe
+    assert optimizer_pitfalls(sgd, density=0.1, momentum=0.9) == []    # the paper's recipe
+    (adam_low,) = optimizer_pitfalls(adamw, density=0.1, momentum=0.0)
+    assert "Adam-type" in adam_low and "AdamW" in adam_low
+    assert optimizer_pitfalls(adamw, density=ADAPTIVE_MIN_DENSITY, momentum=0.0) == []
+    (twice,) = optimizer_pitfalls(sgd_m, density=0.5, momentum=0.9)
+    assert "momentum again" in twice
+    assert len(optimizer_pitfalls(adamw, density=0.1, momentum=0.9)) == 2  # betas[0] > 0 is momentum too

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from .config import GradientFlowConfig
 from .dense import DenseSync
+from .pitfalls import optimizer_pitfalls
 from .pool import Bucket, GradPool, Layout
 from .precision import loss_scale
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
@@ -71,10 +72,6 @@ from .slices import Slice, SliceQueue
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .trace import phase_end, phase_start
-
-ADAPTIVE_MIN_DENSITY = 0.3
-"""Below this density :meth:`SparseSync.check_optimizer` warns Adam-type users (the quality bench's
-AdamW transformer: 0.1 ends 13.7% above dense's validation loss, 0.3 5.4%)."""
 
 
 class SparseSync(SyncStrategy):
@@ -179,34 +176,9 @@ class SparseSync(SyncStrategy):
         self._scaler = scaler
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:
-        """Warn about two measured pitfalls.
-
-        1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
-           reaches Adam in bursts every few steps, and Adam, normalising by what it sees, moves it
-           less; ``gradientflow bench --quality`` measures the loss (README, Quality).
-        2. Momentum correction on while ``optimizer`` applies momentum as well.
-        """
-        if self.density < ADAPTIVE_MIN_DENSITY and any("betas" in g for g in optimizer.param_groups):
-            warnings.warn(
-                f"gradientflow: CSC at density={self.density} with an Adam-type optimizer "
-                f"({type(optimizer).__name__}) trains to a worse loss than dense (README, Quality: "
-                f"`gradientflow bench --quality`). density={ADAPTIVE_MIN_DENSITY} loses less, and so does "
-                "csc_scope='global' on a model cut into several slices; comm_dtype='fp16' without density "
-                "loses nothing measurable.",
-                stacklevel=stacklevel,
-            )
-        if self.momentum <= 0:
-            return
-        for group in optimizer.param_groups:
-            betas = group.get("betas")
-            if group.get("momentum", 0) or (betas is not None and betas[0] > 0):
-                warnings.warn(
-                    f"gradientflow: CSC applies momentum correction (momentum={self.momentum}); the "
-                    "optimizer applies momentum again. Use SGD(momentum=0), or momentum=0 in "
-                    "gradientflow.DistributedDataParallel to keep the optimizer's momentum.",
-                    stacklevel=stacklevel,
-                )
-                return
+        """Warn about the measured pitfalls of ``optimizer`` under this CSC (:mod:`gradientflow.pitfalls`)."""
+        for message in optimizer_pitfalls(optimizer, self.density, self.momentum):
+            warnings.warn(message, stacklevel=stacklevel)
 
     # ---- per step -------------------------------------------------------------------------
     def density_now(self) -> float:

@@ -469,7 +469,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below ``csc.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
+        Adam-type optimizer meets a CSC density below ``pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
 
         Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
         calling it first (to see the warnings before training) keeps that from repeating them."""

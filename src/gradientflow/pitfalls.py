@@ -1,0 +1,43 @@
+"""Optimizer settings CSC is measured to handle badly: what ``check_optimizer`` warns about.
+
+A pure function of the optimizer's parameter groups and two CSC options, so the wrapper can run it
+at every optimizer's first ``step()`` (see ``DistributedDataParallel._gf_watch_optimizers``) and a
+test can state each rule without a process group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADAPTIVE_MIN_DENSITY = 0.3
+"""Below this density Adam-type users are warned (the quality bench's AdamW transformer: 0.1 ends
+13.7% above dense's validation loss, 0.3 5.4%)."""
+
+
+def optimizer_pitfalls(optimizer: torch.optim.Optimizer, density: float, momentum: float) -> list[str]:
+    """The warnings for ``optimizer`` under CSC at ``density`` with momentum correction ``momentum``.
+
+    1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
+       reaches Adam in bursts every few steps, and Adam, normalising by what it sees, moves it
+       less; ``gradientflow bench --quality`` measures the loss (README, Quality).
+    2. Momentum correction on (``momentum > 0``) while ``optimizer`` applies momentum as well.
+    """
+    groups = optimizer.param_groups
+    found = []
+    if density < ADAPTIVE_MIN_DENSITY and any("betas" in g for g in groups):
+        found.append(
+            f"gradientflow: CSC at density={density} with an Adam-type optimizer "
+            f"({type(optimizer).__name__}) trains to a worse loss than dense (README, Quality: "
+            f"`gradientflow bench --quality`). density={ADAPTIVE_MIN_DENSITY} loses less, and so does "
+            "csc_scope='global' on a model cut into several slices; comm_dtype='fp16' without density "
+            "loses nothing measurable."
+        )
+    if momentum > 0 and any(
+        g.get("momentum", 0) or (g.get("betas") is not None and g["betas"][0] > 0) for g in groups
+    ):
+        found.append(
+            f"gradientflow: CSC applies momentum correction (momentum={momentum}); the "
+            "optimizer applies momentum again. Use SGD(momentum=0), or momentum=0 in "
+            "gradientflow.DistributedDataParallel to keep the optimizer's momentum."
+        )
+    return found
