@@ -314,11 +314,13 @@ class Reducer:
         """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may
         fold its division into the copy (:meth:`SyncStrategy.take_fresh`); whether it did."""
         view, g = self.bound[i], param.grad
-        if g is view or g.is_sparse or g.data_ptr() == view.data_ptr():
-            self._adopt_grad(i, param)  # not fresh after all (or an error to raise): the plain path
-            return False
+        if g.is_sparse:
+            self._adopt_grad(i, param)  # raises, naming the parameter
+        # A gradient already in its view (same memory) goes through take_fresh in place: every
+        # gradient of an unbound backward takes this one path, so a bucket is never half divided.
+        src = view if g is view or g.data_ptr() == view.data_ptr() else g
         with torch.no_grad():
-            divided = self.sync.take_fresh(g, view)
+            divided = self.sync.take_fresh(src, view)
         param.grad = view
         return divided
 

@@ -37,7 +37,7 @@ class SyncStrategy(ABC):
 
     def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
         """Move a fresh gradient (autograd's own tensor: a dense backward that started from ``None``
-        gradients binds nothing) into its pool view ``out``.
+        gradients binds nothing) into its pool view ``out`` (``grad`` may be ``out`` itself: in place).
 
         The default copies it and returns False.  A strategy may fold the first step of its
         launch into this copy (dense: the division by the world size) and return True; a bucket
