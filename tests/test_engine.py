@@ -283,3 +283,29 @@ def test_plan_layout_tail_bytes_cuts_the_last_bucket_to_its_trailing_parameters(
 
     assert cut_at(240) == [(0, 1), (2, 3, 4)]
     assert cut_at(10) == [(0, 1), (2, 3), (4,)]
+
+
+def _create_graph_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    local = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    local.load_state_dict(net.state_dict())
+    model = gf.DistributedDataParallel(net)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    for step, set_to_none in enumerate((True, False, False, True)):
+        model.zero_grad(set_to_none=set_to_none)
+        model(x).pow(2).sum().backward(create_graph=True)
+        want = torch.autograd.grad(local(x).pow(2).sum(), list(local.parameters()))
+        for w in want:
+            dist.all_reduce(w)
+            w /= world_size
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad.detach(), w, atol=1e-6, rtol=0, msg=f"step {step}")
+
+
+def test_backward_with_create_graph_synchronises_the_gradient() -> None:
+    """``backward(create_graph=True)`` (gradient penalties, higher-order terms): autograd then
+    accumulates out of place, replacing a bound ``.grad`` by a new tensor; the engine must take that
+    tensor into the pool, from ``None`` gradients and from zeroed ones alike.  Oracle: the local
+    gradients, averaged by hand."""
+    run_distributed(_create_graph_worker, 2)

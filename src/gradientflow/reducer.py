@@ -335,8 +335,12 @@ class Reducer:
         bw.seen[i] = 1
         bw.order.append(i)
         b = self.bucket_of[i]
-        if not (self.unbound and self._take_fresh(i, param)):
-            bw.undivided[b] += 1
+        if self.unbound:
+            divided = self._take_fresh(i, param)
+        else:  # bound: autograd added into .grad in place, or (create_graph=True) replaced it by a new tensor
+            self._adopt_grad(i, param)
+            divided = False
+        bw.undivided[b] += not divided
         bw.remaining[b] -= 1
         buckets = self.pool.layout.buckets
         while bw.next_bucket < len(buckets) and bw.remaining[bw.next_bucket] == 0:
