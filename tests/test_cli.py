@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from gradientflow.bench.cluster import can_emulate, leftovers
-from gradientflow.bench.report import readme_tables, reference_warnings
-from gradientflow.bench.runner import MODES, plan_variants, powersgd_wire_bytes
+from gradientflow.bench.report import readme_tables, reference_warnings, summarize
+from gradientflow.bench.runner import ALONE_SUFFIX, MODES, BenchOptions, plan_variants, powersgd_wire_bytes
 from gradientflow.cli import main
 
 from _dist import run_distributed
@@ -80,6 +80,29 @@ def test_plan_variants_dedupes_sweep_and_adds_compute():
     assert names[0] == "compute"
     assert names.count("gf-fp32") == 1 and "gf-fp32 θ=25" not in names and "ddp θ=25" not in names
     assert {"gf-fp32 θ=0", "ddp θ=0", "gf-fp32 θ=100", "ddp θ=100"} <= set(names)
+    # every requested mode again alone (one-rank group), at the mode's own θ; none for the sweep
+    twins = [v for v in vs if v.alone]
+    assert [(v.name, v.mode, v.theta_mb) for v in twins] == [("gf-fp32 alone", "gf-fp32", 25.0),
+                                                             ("ddp alone", "ddp", None)]
+    assert not any(v.alone for v in plan_variants(["gf-fp32", "ddp"], 25.0, [0], alone=False))
+
+
+def test_step_shares_split_by_the_alone_twin():
+    # main launch: compute 200 ms, the mode 250 ms; the twins' launch: compute 190 ms, the mode alone
+    # 215 ms.  Shares of the 250 ms step: 200/250 = 80% compute, (215 - 190)/250 = 10% the mode's own
+    # cost (the twin over its own launch's compute), the remaining 10% communication
+    def variant(name: str, ms: float, **kw: object) -> dict:
+        return {"name": name, "mode": name.split()[0], "status": "ok", "step_s": [ms / 1e3] * 5, **kw}
+
+    main = {"name": "main", "world_size": 2, "variants": [
+        variant("compute", 200), variant("gf-fp16", 250), variant("ddp", 260)]}
+    alone = {"name": "alone", "variants": [variant("compute", 190), variant("gf-fp16 alone", 215, alone=True)]}
+    rows = {r["name"]: r for r in summarize([main, alone], BenchOptions(), emulated=False)["rows"]}
+    g = rows["gf-fp16"]
+    assert (g["alone_s"], g["compute_share"]) == (pytest.approx(0.215), pytest.approx(0.8))
+    assert (g["own_cpu_share"], g["comm_share"]) == (pytest.approx(0.10), pytest.approx(0.10))
+    assert "own_cpu_share" not in rows["ddp"] and rows["ddp"]["comm_share"] == pytest.approx(1 - 200 / 260)
+    assert "alone_s" not in rows["gf-fp16 alone"]  # a twin has no twin
 
 
 def test_powersgd_wire_bytes_follows_torchs_rule():
@@ -108,6 +131,35 @@ def _bench_buckets_worker(rank: int, world_size: int) -> dict[str, int]:
     return buckets
 
 
+def _alone_twins_worker(rank: int, world: int) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from gradientflow.bench.models import synthetic_batch
+    from gradientflow.bench.runner import BenchSpec, _build, _step
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    spec = BenchSpec(workload="small_cnn", batch_size=4, steps=1, warmup=1, variants=[], out_path="unused")
+    x, y = synthetic_batch("small_cnn", 4, rank)
+    stepped = []
+    if rank == 0:  # rank 1 steps nothing: a twin that talked to the default group would wait for it
+        for v in plan_variants([m for m in MODES if m != "compute"], 25.0, []):
+            if v.alone:
+                model, opt, _ = _build(v, spec, 64, torch.device("cpu"), solo)
+                for _ in range(3):  # CSC: dense step 0, sparse after (warmup_steps=0); DDP: its re-bucketing
+                    _step(model, opt, x, y)
+                stepped.append(v.name)
+    dist.barrier()
+    return stepped
+
+
+def test_bench_alone_twins_stay_on_their_one_rank_group():
+    """Each alone twin is the mode on a one-rank group of its own: it must not touch the default
+    group (torch's fp16 hook takes its process group as its state: None would mean the world)."""
+    r0, r1 = run_distributed(_alone_twins_worker, 2, timeout=150)
+    assert r0 == [m + ALONE_SUFFIX for m in MODES if m not in ("compute", "ddp-powersgd")] and r1 == []
+
+
 def test_bench_gives_torchs_powersgd_hook_one_bucket():
     """torch's powerSGD_hook starts its second allreduce from a future callback, which races the next
     bucket's allreduce under Gloo; the bench's DDP + PowerSGD therefore runs the model in one bucket
@@ -119,10 +171,15 @@ def test_bench_gives_torchs_powersgd_hook_one_bucket():
 def _check_bench_json(out: Path) -> dict:
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == set(MODES), sorted(rows)
+    assert set(rows) == set(MODES) | {m + ALONE_SUFFIX for m in MODES if m not in ("compute", "ddp-powersgd")}, \
+        sorted(rows)
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r.get("error"))  # PowerSGD included: one bucket, no Gloo race
         assert r["steps"] == 2
+        if name not in ("compute", "ddp-powersgd") and not r["alone"]:  # the whole step, in three shares
+            assert r["alone_s"] == rows[name + ALONE_SUFFIX]["median_s"]
+            shares = [r["compute_share"], r["own_cpu_share"], r["comm_share"]]
+            assert min(shares) >= 0 and sum(shares) == pytest.approx(1.0), (name, shares)
         for key in ("median_s", "p10_s", "p90_s", "samples_per_s", "speedup", "exposed_s", "mem_added_mb"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (name, key, r[key])
         assert r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
@@ -138,6 +195,7 @@ def _check_bench_json(out: Path) -> dict:
     assert (out / "bench.png").stat().st_size > 0
     assert "| gf-fp16-csc |" in (out / "table.md").read_text()
     assert "thread CPU ms (vs compute)" in (out / "table.md").read_text()
+    assert "| gf-fp16-csc alone |" not in (out / "table.md").read_text()  # a column of its mode, not a row
     # the README's form of the tables, made from the same results (what test_readme_numbers compares)
     assert (out / "readme.md").read_text() == readme_tables(res)
     assert '| **gradientflow fp16 + CSC 0.1 (default `"slice"`)** |' in (out / "readme.md").read_text()
@@ -165,13 +223,14 @@ def test_bench_times_the_users_own_model(tmp_path):
     # tuple holding a dict and an integer tensor) are trained on the mean square of the float ones
     args = ["bench", "--workload", "_user_model:build", "--input-shape", "3,4,4", "--steps", "2", "--warmup", "1",
             "--nproc", "2", "--bandwidth", "none", "--modes", "gf-fp32", "gf-fp16-csc-slice", "ddp",
-            "--out", str(tmp_path)]
+            "--no-alone", "--out", str(tmp_path)]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["n_params"] == 48 * 32 + 32 + 32 * 8 + 8 + 32 * 2 + 2
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"compute", "gf-fp32", "gf-fp16-csc-slice", "ddp"}
+    assert set(rows) == {"compute", "gf-fp32", "gf-fp16-csc-slice", "ddp"}  # --no-alone: no twins
+    assert "own_cpu_share" not in rows["gf-fp32"] and "| — |" in (tmp_path / "table.md").read_text()
     assert all(r["status"] == "ok" and r["steps"] == 2 for r in rows.values())
     assert rows["gf-fp32"]["wire_bytes"] == 4 * res["n_params"]  # every gradient reached the wire
 

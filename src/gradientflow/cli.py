@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=_nonneg_int, default=3, help="untimed steps per mode first (default 3)")
     b.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
                    help=f"modes to compare (default all): {' '.join(MODES)}; 'compute' is always added")
+    b.add_argument("--no-alone", dest="alone", action="store_false",
+                   help="do not time each mode again on a one-rank group (the table's 'alone' column and own-CPU "
+                   "share: what a mode costs apart from the network); halves the run")
     b.add_argument("--bandwidth", type=_bandwidth, default="1gbit",
                    help="per-node link rate of the emulated cluster, e.g. 1gbit, 10gbit; 'none' = loopback "
                    "(default 1gbit; needs root, else loopback)")
@@ -282,7 +285,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     opts = BenchOptions(workload=args.workload, input_shape=args.input_shape, nproc=args.nproc,
                         steps=args.steps or 20, warmup=args.warmup,
-                        modes=list(dict.fromkeys(args.modes)), bandwidth=args.bandwidth,
+                        modes=list(dict.fromkeys(args.modes)), alone=args.alone, bandwidth=args.bandwidth,
                         batch_size=args.batch_size or 8,
                         fusion_mb=args.fusion_mb, theta_sweep=list(dict.fromkeys(args.theta_sweep)),
                         algorithm=args.algorithm, chunk_size=args.chunk_size, threads=args.threads,

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.bench.runner import ALONE_SUFFIX
 from gradientflow.stats import PHASES
 
 SPEEDUP_DEF = (
@@ -32,9 +33,16 @@ WIRE_DEF = (
 )
 SHARE_DEF = (
     "compute / own CPU / comm = shares of the median step: the compute mode's median step (what the model "
-    "itself costs), gradientflow's own host work (the sum of comm_stats()' phase_*_s except wire_wait: "
-    "accumulate, score, select, pack, unpack, zero, check), and the rest (waiting on the network and on the "
-    "slower rank, hooks, contention). '—' where a mode has no phase counters (torch DDP)."
+    "itself costs); own CPU = the same mode's median step alone (the mode rebuilt on a one-rank process group "
+    "of each rank: every pass over the gradients runs, ours and autograd's accumulation into the pool, and no "
+    "collective has anyone to wait for; timed in a launch of their own, interleaved with a compute mode of "
+    "that launch) minus that compute mode's: what the mode costs a step apart from the network; comm = the "
+    "rest (the wire, waiting on the slower rank, the CPU the network and the collectives' threads take). "
+    "'—' where a mode has no alone twin (--no-alone)."
+)
+ALONE_DEF = (
+    "alone = that median step alone, its p10–p90 in brackets: the fastest this mode can be on this machine "
+    "with an infinitely fast network."
 )
 CPU_DEF = (
     "thread CPU = CPU time charged to the training thread per step (time.thread_time(); on CPU it runs forward, "
@@ -59,9 +67,12 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world: int, batch: int) -> dict[str, Any]:
+def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world: int, batch: int,
+         alone: tuple[dict[str, Any], float] | None = None) -> dict[str, Any]:
+    """One variant's statistics; ``alone``: its alone twin's record (see ``Variant.alone``) and the
+    compute reference of the twin's own launch, if the twin was timed."""
     steps = v.get("step_s") or []
-    row: dict[str, Any] = {k: v.get(k) for k in ("name", "mode", "theta_mb", "sweep", "status", "error")}
+    row: dict[str, Any] = {k: v.get(k) for k in ("name", "mode", "theta_mb", "sweep", "alone", "status", "error")}
     row["steps"] = len(steps)
     row["mem_added_mb"] = v.get("mem_added_mb")
     if v.get("status") != "ok" or not steps:
@@ -75,19 +86,23 @@ def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world:
             row["thread_cpu_added_s"] = row["thread_cpu_s"] - ref_cpu_s
     row["speedup"] = world * ref_s / med if ref_s else None
     stats = v.get("stats") or {}
+    if alone is not None:
+        twin, twin_ref = alone
+        row.update(alone_s=_pct(twin["step_s"], 50), alone_p10_s=_pct(twin["step_s"], 10),
+                   alone_p90_s=_pct(twin["step_s"], 90), alone_ref_compute_s=twin_ref)
     if ref_s:
         row["compute_share"] = min(1.0, ref_s / med)
+        if alone is not None:  # the twin over the compute mode of its own launch, both timed side by side
+            own = max(0.0, row["alone_s"] - row["alone_ref_compute_s"])
+            row["own_cpu_share"] = min(own / med, 1.0 - row["compute_share"])
+        if v.get("mode") != "compute":
+            row["comm_share"] = 1.0 - row["compute_share"] - row.get("own_cpu_share", 0.0)
     phases = {p: stats[f"phase_{p}_s"] for p in PHASES if f"phase_{p}_s" in stats}
     if phases:
         row["phases_ms"] = {p: 1e3 * _pct(xs, 50) for p, xs in phases.items()}
         own = [sum(phases[p][i] for p in phases if p != "wire_wait") for i in range(len(steps))]
         row["own_cpu_s"] = _pct(own, 50)
-        row["own_cpu_share"] = row["own_cpu_s"] / med
-        if ref_s:
-            row["comm_share"] = max(0.0, 1.0 - row["compute_share"] - row["own_cpu_share"])
         row["host_syncs"] = _pct(stats["host_syncs"], 50) if "host_syncs" in stats else None
-    elif ref_s and v.get("mode") != "compute":
-        row["comm_share"] = max(0.0, 1.0 - row["compute_share"])
     if stats.get("payload_bytes"):
         row["wire_bytes"], row["wire_source"] = _pct(stats["payload_bytes"], 50), "measured"
         row["exposed_s"], row["exposed_source"] = _pct(stats["exposed_seconds"], 50), "measured"
@@ -112,6 +127,13 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
     world = main["world_size"]
     rows: list[dict[str, Any]] = []
     refs: dict[str, float | None] = {}
+    twins: dict[str, tuple[dict[str, Any], float]] = {}
+    for launch in launches:
+        comp = _compute_variant(launch)
+        if comp is not None:
+            ref = _pct(comp["step_s"], 50)
+            twins.update({v["name"].removesuffix(ALONE_SUFFIX): (v, ref) for v in launch["variants"]
+                          if v.get("alone") and v.get("status") == "ok" and v.get("step_s")})
     for launch in launches:
         comp = _compute_variant(launch)
         ref = _pct(comp["step_s"], 50) if comp else None
@@ -120,7 +142,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         for v in launch["variants"]:
             if launch["name"] != "main" and v["mode"] == "compute":
                 continue  # the isolated launch's own reference; shown as ref_compute_s of its modes
-            row = _row(v, ref, ref_cpu, world, opts.batch_size)
+            row = _row(v, ref, ref_cpu, world, opts.batch_size, None if v.get("alone") else twins.get(v["name"]))
             row["launch"] = launch["name"]
             rows.append(row)
     sweep = []
@@ -147,7 +169,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "base_rss_mb": main.get("base_rss_mb"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
         "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF,
-                        "shares": SHARE_DEF, "thread_cpu": CPU_DEF},
+                        "alone": ALONE_DEF, "shares": SHARE_DEF, "thread_cpu": CPU_DEF},
         "rows": rows,
         "sweep": sweep,
         "launches": launches,
@@ -184,6 +206,18 @@ def _ms(x: float | None) -> str:
 def _step_cell(r: dict[str, Any]) -> str:
     """``median (p10–p90)`` in ms."""
     return f"{_ms(r['median_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])})"
+
+
+def _alone_cell(r: dict[str, Any], spread: bool = True) -> str:
+    """The alone twin's median step (p10–p90), or a dash (no twin, or the compute mode itself)."""
+    if r.get("alone_s") is None:
+        return "—"
+    return f"{_ms(r['alone_s'])} ({_ms(r['alone_p10_s'])}–{_ms(r['alone_p90_s'])})" if spread else _ms(r["alone_s"])
+
+
+def _shown(r: dict[str, Any]) -> bool:
+    """A row of the step-time tables: not a θ sweep point, not an alone twin (its figure is a column)."""
+    return not r.get("sweep") and not r.get("alone")
 
 
 def _mem(r: dict[str, Any]) -> str:
@@ -232,33 +266,33 @@ def markdown(summary: dict[str, Any]) -> str:
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
         "(ddp-powersgd: one bucket, own launch with its own compute reference).",
         "",
-        f"| mode | θ MB | step ms median (p10–p90) | samples/s | speedup (ideal {n}) | wire MB/step "
-        "| exposed comm ms | compute / own CPU / comm % | thread CPU ms (vs compute) | +mem MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| mode | θ MB | step ms median (p10–p90) | alone ms (p10–p90) | samples/s | speedup (ideal {n}) "
+        "| wire MB/step | exposed comm ms | compute / own CPU / comm % | thread CPU ms (vs compute) | +mem MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
-        if r.get("sweep"):
+        if not _shown(r):
             continue
         theta = "—" if r.get("theta_mb") is None else f"{r['theta_mb']:g}"
         if r["mode"].startswith("ddp") and r.get("theta_mb") is None:
             theta = "all" if r["mode"] == "ddp-powersgd" else "25"
         if r["status"] != "ok":
             err = (r.get("error") or "failed").replace("|", "/")
-            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | | |")
+            lines.append(f"| {r['name']} | {theta} | failed: {err[:260]} | | | | | | | | |")
             continue
         wire = r.get("wire_bytes")
         wire_s = "—" if wire is None else f"{wire / 2**20:.2f}" + (" c" if r["wire_source"] == "computed" else "")
         exp = r.get("exposed_s")
         exp_s = "—" if exp is None else _ms(exp) + (" d" if r.get("exposed_source") == "derived" else "")
         speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
-        lines.append(f"| {r['name']} | {theta} | {_step_cell(r)} "
+        lines.append(f"| {r['name']} | {theta} | {_step_cell(r)} | {_alone_cell(r)} "
                      f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
                      f"| {_mem(r)} |")
-    phased = [r for r in summary["rows"] if r.get("phases_ms") and not r.get("sweep")]
+    phased = [r for r in summary["rows"] if r.get("phases_ms") and _shown(r)]
     if phased:
         lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
                   "comm_stats()' phase_*_s):", "",
-                  "| mode | " + " | ".join(PHASES) + " | own CPU total | host syncs/step |",
+                  "| mode | " + " | ".join(PHASES) + " | phases total | host syncs/step |",
                   "|---|" + "---|" * (len(PHASES) + 2)]
         lines += _own_work_rows(phased, lambda r: r["name"])
     if summary["sweep"]:
@@ -279,7 +313,7 @@ def markdown(summary: dict[str, Any]) -> str:
             coll = f"{g['collectives']:.0f}" if g and g.get("collectives") is not None else "—"
             lines.append(f"| {pair['theta_mb']:g} | {cell(g)} | {coll} | {cell(d)} | {ratio} |")
     d = summary["definitions"]
-    lines += ["", f"- {d['speedup']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}",
+    lines += ["", f"- {d['speedup']}", f"- {d['alone']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}",
               f"- {d['thread_cpu']}", f"- {d['memory']} "
               f"Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB."]
     return "\n".join(lines).strip() + "\n"
@@ -292,7 +326,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary["rows"] if not r.get("sweep") and r["status"] == "ok"]
+    rows = [r for r in summary["rows"] if _shown(r) and r["status"] == "ok"]
     has_sweep = bool(summary["sweep"])
     fig, axes = plt.subplots(1, 2 if has_sweep else 1, figsize=(13 if has_sweep else 8, 4.5), squeeze=False)
     ax = axes[0][0]
@@ -301,6 +335,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     colors = ["tab:gray" if r["mode"] == "compute" else "tab:blue" if r["mode"].startswith("gf") else "tab:orange"
               for r in rows]
     ax.bar([r["name"] for r in rows], med, yerr=err, color=colors, capsize=4)
+    alone = [(r["name"], r["alone_s"] * 1e3) for r in rows if r.get("alone_s") is not None]
+    if alone:
+        ax.scatter([a for a, _ in alone], [b for _, b in alone], marker="_", s=400, color="black", zorder=3,
+                   label="the same mode alone (no network)")
+        ax.legend(fontsize=8)
     ax.set_ylabel("step time, ms (median, p10–p90)")
     o = summary["options"]
     ax.set_title(f"{o['workload']}, {summary['world_size']} ranks, {summary['network']}", fontsize=9)
@@ -347,19 +386,20 @@ def readme_tables(summary: dict[str, Any]) -> str:
     def label(r: dict[str, Any]) -> str:
         return bold(r, MODE_LABELS.get(r["name"], r["name"]))
 
-    rows = [r for r in summary["rows"] if not r.get("sweep") and r["status"] == "ok"]
-    out = ["| mode | step ms (p10–p90) | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
-           "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in summary["rows"] if _shown(r) and r["status"] == "ok"]
+    out = ["| mode | step ms (p10–p90) | alone ms | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
+           "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         step = bold(r, _step_cell(r))
         speed = "—" if r.get("speedup") is None else bold(r, f"{r['speedup']:.2f}")
         wire = "—" if r.get("wire_bytes") is None else f"{r['wire_bytes'] / 2**20:.2f}"
-        out.append(f"| {label(r)} | {step} | {speed} | {wire} | {_ms(r.get('exposed_s'))} | {_shares(r)} "
+        alone = _alone_cell(r, spread=False)
+        out.append(f"| {label(r)} | {step} | {alone} | {speed} | {wire} | {_ms(r.get('exposed_s'))} | {_shares(r)} "
                    f"| {_cpu(r)} | {_mem(r)} |")
     phased = [r for r in rows if r.get("phases_ms")]
     if phased:
         out += ["", "| own work, ms/step | " + " | ".join(p.replace("_", " ") for p in PHASES)
-                + " | own CPU | host syncs |", "|---|" + "---|" * (len(PHASES) + 2)]
+                + " | phases total | host syncs |", "|---|" + "---|" * (len(PHASES) + 2)]
         out += _own_work_rows(phased, label)
     return "\n".join(out) + "\n"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import os
@@ -58,6 +59,9 @@ them in different orders, and Gloo aborts ("Received data size doesn't match exp
 5 of 5 launches of ResNet-50 at the default 25 MB; 0 of 4 with one bucket).  An explicit cap
 also sets DDP's first bucket to it, so there is exactly one bucket: no overlap, PowerSGD's
 compression runs after backward."""
+_CLUSTER_PORTS = itertools.count(29500)
+"""Rendezvous ports on an emulated cluster: the node namespaces are ours alone, and each launch takes
+the next port, so none waits for a port its predecessor's store may still hold."""
 MARK = "[gf] "  # workers prefix lines meant for the user's terminal with this
 
 
@@ -69,6 +73,10 @@ class Variant:
     mode: str
     theta_mb: float | None = None
     sweep: bool = False
+    alone: bool = False
+    """Run on a one-rank process group of its own rank: every pass of the mode and of autograd runs,
+    and no collective has anyone to wait for.  Its step minus the compute mode's is what the mode
+    costs a step apart from the network and the other ranks (the report's "own CPU" share)."""
 
 
 @dataclass
@@ -127,8 +135,12 @@ def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor |
     return torch.randn((spec.batch_size, *spec.input_shape), generator=gen), None
 
 
-def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float]) -> list[Variant]:
-    """``compute`` first (the reference), then the modes, then the θ sweep (gf-fp32 and ddp at each θ).
+ALONE_SUFFIX = " alone"
+
+
+def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], alone: bool = True) -> list[Variant]:
+    """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD again
+    on a one-rank group (see :attr:`Variant.alone`), then the θ sweep (gf-fp32 and ddp at each θ).
 
     A sweep point identical to a requested mode (gf-fp32 at ``fusion_mb``, ddp at 25 MB) is not
     run twice: the report points at the mode.
@@ -139,6 +151,9 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float]) 
             continue
         theta = fusion_mb if m.startswith("gf-") else None
         out.append(Variant(m, m, theta))
+    if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
+        out += [Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True) for v in out[1:]
+                if v.mode not in ISOLATED]
     for theta in theta_sweep:
         if not ("gf-fp32" in modes and theta == fusion_mb):
             out.append(Variant(f"gf-fp32 θ={theta:g}", "gf-fp32", theta, sweep=True))
@@ -188,9 +203,10 @@ def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, m
     return 4 * total
 
 
-def _build(v: Variant, spec: BenchSpec, chunk_size: int,
-           device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
-    """Model + wrapper + optimizer of one variant; also the computed wire bytes (None = measured)."""
+def _build(v: Variant, spec: BenchSpec, chunk_size: int, device: torch.device,
+           group: dist.ProcessGroup | None = None) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
+    """Model + wrapper + optimizer of one variant (its collectives on ``group``, None = the default
+    one); also the computed wire bytes (None = measured)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import gradientflow as gf
@@ -210,6 +226,7 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int,
         wrapped = gf.DistributedDataParallel(
             model,
             device_ids=ids,
+            process_group=group,
             fusion_threshold_mb=v.theta_mb,
             comm_dtype="fp32" if v.mode == "gf-fp32" else "bf16" if v.mode.startswith("gf-bf16") else "fp16",
             algorithm=spec.algorithm,
@@ -222,18 +239,19 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int,
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
         if v.mode == "ddp-powersgd":
             cap = POWERSGD_BUCKET_MB
-        wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap)
+        wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap, process_group=group)
         wire = 4 * n
         if v.mode == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            # the hook's state is its process group (None: the default one)
+            wrapped.register_comm_hook(group, default_hooks.fp16_compress_hook)
             wire = 2 * n
         elif v.mode == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
             # start_powerSGD_iter=2 is the earliest torch allows; the bench's warm-up covers it
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+            state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
                                        start_powerSGD_iter=2)
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
             wire = powersgd_wire_bytes(params)
@@ -341,6 +359,9 @@ def worker_main(spec_path: str) -> None:
     _loss(probe(x), y).backward()
     del probe
     base_rss = _rss_mb()
+    # every rank creates every group (new_group's contract); each keeps the one holding only itself
+    alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) \
+        else None
     runs: list[dict[str, Any]] = []
     for vd in spec.variants:
         v = Variant(**vd)
@@ -352,7 +373,7 @@ def worker_main(spec_path: str) -> None:
             before = torch.cuda.memory_allocated(device) / 2**20
         try:
             with _PeakRss() as peak:
-                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device)
+                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
                 for _ in range(spec.warmup):
                     _step(model, opt, x, y)
             top = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak.peak
@@ -547,6 +568,7 @@ class BenchOptions:
     steps: int = 20
     warmup: int = 3
     modes: list[str] = field(default_factory=lambda: list(MODES))
+    alone: bool = True  # each mode also on a one-rank group: its cost apart from the network (Variant.alone)
     bandwidth: str = "1gbit"
     batch_size: int = 8
     fusion_mb: float = 25.0
@@ -585,7 +607,7 @@ def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: A
                                      master_port=free_port(), args=args, module=module)
                 procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **io))
             else:
-                port = 29500 + (name != "main")  # node namespaces are ours alone; one port per launch
+                port = next(_CLUSTER_PORTS)
                 for i in range(nproc):
                     argv = torchrun_argv(nnodes=nproc, node_rank=i, nproc_per_node=1,
                                          master_addr=cluster.master_addr, master_port=port, args=args,
@@ -628,9 +650,13 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = plan_variants(opts.modes, opts.fusion_mb, opts.theta_sweep)
-    main = [v for v in variants if v.mode not in ISOLATED]
-    isolated = [v for v in variants if v.mode in ISOLATED]
+    variants = plan_variants(opts.modes, opts.fusion_mb, opts.theta_sweep, opts.alone)
+    main = [v for v in variants if v.mode not in ISOLATED and not v.alone]
+    # Extra launches, each with its own compute reference: torch's PowerSGD hook (kept apart in case it
+    # fails) and the alone twins (own launch: twice the models in one process would not fit AlexNet's
+    # 2 x ~9 GB in this machine's memory; a twin is compared with the compute mode of its own launch).
+    extra = [("isolated", [v for v in variants if v.mode in ISOLATED]),
+             ("alone", [v for v in variants if v.alone])]
     emulate = opts.bandwidth != "none"
     if emulate:
         ok, why = can_emulate()
@@ -650,19 +676,19 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         if raw is None:
             raise RuntimeError(f"bench launch failed: {err}")
         launches.append({"name": "main", "seconds": secs, **raw})
-        if isolated:
+        per_variant = secs / max(1, len(main))
+        for name, vs in extra:
+            if not vs:
+                continue
             # healthy, it takes about as long per variant as the main launch; a hang must not take forever
-            per_variant = secs / max(1, len(main))
-            limit = min(opts.timeout_s, 90 + 3 * per_variant * 2)
-            logger.info("bench: %s in its own launch (timeout %.0f s): torch's hook, kept apart in case it fails",
-                        ", ".join(v.name for v in isolated), limit)
-            iso = [Variant("compute", "compute"), *isolated]
-            raw, err, secs = _launch("isolated", iso, opts, out, cluster, limit)
+            limit = min(opts.timeout_s, 90 + 3 * per_variant * (len(vs) + 1))
+            logger.info("bench: %s in launch '%s' (timeout %.0f s)", ", ".join(v.name for v in vs), name, limit)
+            raw, err, secs = _launch(name, [Variant("compute", "compute"), *vs], opts, out, cluster, limit)
             if raw is None:
                 raw = {"variants": [{**asdict(v), "status": "error", "error": err, "step_s": [], "stats": {}}
-                                    for v in isolated]}
-                logger.warning("bench: %s failed: %s", ", ".join(v.name for v in isolated), err)
-            launches.append({"name": "isolated", "seconds": secs, **raw})
+                                    for v in vs]}
+                logger.warning("bench: %s failed: %s", ", ".join(v.name for v in vs), err)
+            launches.append({"name": name, "seconds": secs, **raw})
     summary = report.summarize(launches, opts, emulated=cluster is not None)
     report.write_all(summary, out)
     for warning in summary["reference_warnings"]:
