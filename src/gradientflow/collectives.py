@@ -307,3 +307,27 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
+
+
+def broadcast_coalesced(
+    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, watchdog: Watchdog, what: str
+) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device).
+
+    Written through ``.data`` (its own version counter) and not at all on ``src``: a forward that
+    re-broadcasts BatchNorm buffers must not invalidate an earlier forward's graph that saved
+    them (two forwards before one backward), as torch DDP's C++ broadcast does not.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    receive = dist.get_rank() != src
+    for ts in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        work = dist.broadcast(flat, src=src, group=group, async_op=True)
+        watchdog.wait(work, what, flat.numel() * flat.element_size())
+        offset = 0
+        for t in ts:
+            if receive:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,8 +1,9 @@
 """``gradientflow.DistributedDataParallel``: torch DDP's interface over the gradient pool.
 
 The ``nn.Module`` face: torch DDP's arguments and attributes, forward (inputs to the device,
-buffers from rank 0, arming the backward), ``no_sync``, ``Join``, device/dtype changes,
-pickling and the communication checkpoint.  What happens during a synchronised backward
+buffers from rank 0, arming the backward), ``no_sync``, ``Join`` (its hook in :mod:`.join`),
+device/dtype changes, pickling, and the communication checkpoint (kept by :mod:`.comm_state`).
+What happens during a synchronised backward
 (``.grad`` bound to the pool, buckets launched in order, the final callback) is the
 :class:`~gradientflow.reducer.Reducer`'s, built here and rebuilt after ``.to()``.
 """
@@ -22,37 +23,15 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import comm_state
+from .collectives import broadcast_coalesced
 from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
 from .config import GradientFlowConfig
 from .consistency import check_same_setup
-from .join import GradientFlowJoinHook, common_rank, max_over_ranks
+from .join import GradientFlowJoinHook, common_rank
 from .pool import GradPool
 from .reducer import Reducer
 from .watchdog import Watchdog, resolve_timeout
-
-
-def _broadcast_coalesced(
-    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, watchdog: Watchdog, what: str
-) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device).
-
-    Written through ``.data`` (its own version counter) and not at all on ``src``: a forward that
-    re-broadcasts BatchNorm buffers must not invalidate an earlier forward's graph that saved
-    them (two forwards before one backward), as torch DDP's C++ broadcast does not.
-    """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    receive = dist.get_rank() != src
-    for ts in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        work = dist.broadcast(flat, src=src, group=group, async_op=True)
-        watchdog.wait(work, what, flat.numel() * flat.element_size())
-        offset = 0
-        for t in ts:
-            if receive:
-                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -184,7 +163,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if settings.init_sync:
             states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
             with torch.no_grad():
-                _broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
+                broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
         self._gf_build_engine(order=None)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
@@ -304,7 +283,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
         with torch.no_grad():
-            _broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
+            broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
                                  "buffer broadcast")
 
     @contextlib.contextmanager
@@ -342,21 +321,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group
-
-    def _gf_shadow_step(self) -> None:
-        """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""
-        self._gf_engine.shadow_step()
-
-    def _gf_sync_final_model(self, is_last_joiner: bool) -> None:
-        src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=is_last_joiner)
-        states = [p for n, p in self.module.named_parameters() if n not in self._gf_ignored]
-        with torch.no_grad():
-            _broadcast_coalesced(states + self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
-                                 "final model broadcast")
-        check = self._gf_engine.step_check
-        if check is not None:  # joined ranks ran fewer forward passes: agree on the count again
-            check.passes = max_over_ranks(check.passes, self.process_group, self.join_device, self._gf_watchdog,
-                                          "join: pass count")
 
     # ---- torch DDP methods we do not implement -------------------------------------------
     def register_comm_hook(self, state: object, hook: Any) -> None:
@@ -422,13 +386,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
         values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        engine = self._gf_engine
-        state = dict(engine.sync.state_dict())
-        # Residuals and CSC chunks live in the pool layout: a resumed run must use the same one.
-        state["layout_order"] = list(engine.pool.layout.order)
-        state["layout_final"] = engine.layout_final
-        state["world_size"] = self._gf_world_size
-        return state
+        return comm_state.save(self._gf_engine, self._gf_world_size)
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
@@ -436,28 +394,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Everything is checked first: a state from another model, world size or chunk size, or a
         truncated one, raises ``ValueError`` and leaves this model as it was.
         """
-        state = dict(state)
-        order = state.pop("layout_order", None)
-        final = bool(state.pop("layout_final", False))
-        world = state.pop("world_size", self._gf_world_size)
-        if world != self._gf_world_size:
-            raise ValueError(
-                f"gradientflow: the communication state was saved with world size {world}, this job has "
-                f"{self._gf_world_size}; residuals are per rank and cannot be re-split. Resume with the same "
-                "world size, or start the communication state afresh (skip load_comm_state_dict)."
-            )
-        if order is not None and sorted(order) != list(range(len(self._gf_params))):
-            raise ValueError(
-                f"gradientflow: the communication state's layout covers {len(order)} parameters, this model "
-                f"has {len(self._gf_params)}: load it into the model it was saved from."
-            )
-        engine = self._gf_engine
-        engine.sync.validate_state_dict(state)
-        if order is not None and tuple(order) != engine.pool.layout.order:
-            engine.adopt_order(list(order))
-        engine.sync.load_state_dict(state)
-        if final:
-            engine.layout_final = True
+        comm_state.load(self._gf_engine, state, self._gf_world_size)
 
     def register_grad_scaler(self, scaler: Any) -> None:
         """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .collectives import broadcast_coalesced
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -50,8 +51,16 @@ class GradientFlowJoinHook(JoinHook):
         ddp = self.ddp
         if ddp._gf_syncs_buffers():
             ddp._gf_broadcast_buffers(active=False)
-        ddp._gf_shadow_step()
+        ddp._gf_engine.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """3. Everyone has joined: parameters and buffers from a last joiner, to every rank."""
-        self.ddp._gf_sync_final_model(is_last_joiner)
+        ddp = self.ddp
+        group, device, watchdog = ddp.process_group, ddp.join_device, ddp._gf_watchdog
+        src = common_rank(group, device, watchdog, candidate=is_last_joiner)
+        states = [p for n, p in ddp.module.named_parameters() if n not in ddp._gf_ignored]
+        with torch.no_grad():
+            broadcast_coalesced(states + ddp._gf_module_buffers, src, group, watchdog, "final model broadcast")
+        check = ddp._gf_engine.step_check
+        if check is not None:  # joined ranks ran fewer forward passes: agree on the count again
+            check.passes = max_over_ranks(check.passes, group, device, watchdog, "join: pass count")

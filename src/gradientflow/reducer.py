@@ -40,6 +40,7 @@ from .pool import GradPool, Layout, plan_layout, small_last
 from .stats import StepStats
 from .strategy import SyncStrategy
 from .trace import TraceRecorder
+from .usage import ParamUsage
 from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,7 @@ class Reducer:
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
         self.backward: _Backward | None = None
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
-        self.fresh = bytearray(n)  # 1: .grad was None when bound, and no backward has produced it since
-        self.used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
-        self.static_unused: list[int] | None = None
+        self.usage = ParamUsage(n, static_graph)
         self.result_versions: tuple[int, ...] | None = None
         device = params[0].device
         self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
@@ -185,7 +184,7 @@ class Reducer:
         divides by the world size, which the launch would otherwise spend a pass on.  A parameter
         that got no gradient is zeroed when its bucket is launched (:meth:`_launch`).
         """
-        pool_views, fresh = self.pool.views, self.fresh
+        pool_views, fresh = self.pool.views, self.usage.fresh
         targets = self.sync.begin_backward() if sync else None
         views = self.bound = targets if targets is not None else pool_views
         params = self.params
@@ -285,8 +284,9 @@ class Reducer:
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self.fresh[i] = 0
-            self.used[i] = 1
+            usage = self.usage
+            usage.fresh[i] = 0
+            usage.used[i] = 1
             if self.backward is None and not self.sync_this_backward:
                 self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
                 return
@@ -381,7 +381,7 @@ class Reducer:
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
                 self._launch(bw, bw.next_bucket)
-            used = self._start_used_exchange(bw.stats)
+            used = self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
             mismatch = self.step_check.verify() if self.step_check is not None else None
             self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
             self._rebind_to_pool()
@@ -394,8 +394,7 @@ class Reducer:
             self._rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
             self.backward = None
             self.unbound = False
-            self.used = bytearray(len(self.params))
-            self.fresh = bytearray(len(self.params))
+            self.usage.reset()
         self.last_stats = bw.stats
         if not self.layout_final:
             self._relayout_from_observed(bw.order)
@@ -426,38 +425,17 @@ class Reducer:
             if self.trace is not None:
                 self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
 
-    def _start_used_exchange(self, stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
-        """Start the MAX allreduce of "this rank produced parameter i's gradient" (1 byte each).
-
-        Skipped under ``static_graph=True`` once the first step has told which parameters are unused.
-        """
-        if self.static_unused is not None:
-            return None
-        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8)
-        flags = flags.to(self.params[0].device)
-        stats.control_bytes += flags.numel()
-        # CSC sends chunks at launches that may differ between ranks (see csc.py): only the
-        # control group has a fixed order of collectives at this point.
+    def _exchange_group(self) -> dist.ProcessGroup:
+        """Where the used exchange runs.  CSC sends chunks at launches that may differ between ranks
+        (see csc.py): only the control group has a fixed order of collectives at this point."""
         group = self.group if self._control is None else self._control()
         if group is None:
             raise RuntimeError("gradientflow: CSC's control process group was destroyed while the model is in use")
-        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
+        return group
 
     def _release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
         """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
-        if used is not None:
-            work, flags = used
-            self.watchdog.wait(work, "used-parameter flags", flags.numel())
-            fresh = self.fresh
-            if not any(fresh) and not self.static_graph:
-                return  # every gradient was produced (or already existed) here: nothing to read
-            global_used = flags.tolist()
-            unused = [i for i, u in enumerate(global_used) if not u]
-            if self.static_graph:
-                self.static_unused = unused
-        else:
-            unused = self.static_unused or []
-        candidates = [i for i in unused if self.fresh[i]]
+        candidates = self.usage.unused_fresh(used, self.watchdog)
         if candidates:
             for i in self.sync.untouched(candidates):
                 self.params[i].grad = None

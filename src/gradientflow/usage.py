@@ -1,0 +1,57 @@
+"""Which parameters got a gradient: torch DDP's unused-parameter search, always on, one byte each.
+
+Every rank marks the parameters a backward produced a gradient for since the last synchronisation;
+one MAX allreduce of those bytes per synchronised step (once under ``static_graph=True``) tells
+which parameters *no* rank used.  Those whose ``.grad`` was ``None`` before the step get ``None``
+back, so optimizers skip them as they do under torch DDP, and no ``find_unused_parameters`` is
+needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .stats import StepStats
+from .watchdog import Watchdog
+
+
+class ParamUsage:
+    """The per-parameter bytes of one wrapper and the exchange that combines them across ranks."""
+
+    def __init__(self, n: int, static_graph: bool) -> None:
+        self.fresh = bytearray(n)  # 1: .grad was None when bound, and no backward has produced it since
+        self.used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
+        self.static_graph = static_graph
+        self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
+
+    def reset(self) -> None:
+        """A synchronisation ended: nothing is fresh or used any more."""
+        self.fresh = bytearray(len(self.fresh))
+        self.used = bytearray(len(self.used))
+
+    def start_exchange(self, group: Callable[[], dist.ProcessGroup], device: torch.device,
+                       stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
+        """Start the MAX allreduce of the used bytes on ``group()``; None when ``static_graph``
+        already knows the unused parameters."""
+        if self.static_unused is not None:
+            return None
+        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(device)
+        stats.control_bytes += flags.numel()
+        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group(), async_op=True), flags
+
+    def unused_fresh(self, pending: tuple[dist.Work, torch.Tensor] | None, watchdog: Watchdog) -> list[int]:
+        """Indices of the parameters no rank used whose ``.grad`` was ``None``: they get ``None`` back."""
+        if pending is not None:
+            work, flags = pending
+            watchdog.wait(work, "used-parameter flags", flags.numel())
+            if not any(self.fresh) and not self.static_graph:
+                return []  # every gradient was produced (or already existed) here: nothing to read
+            unused = [i for i, u in enumerate(flags.tolist()) if not u]
+            if self.static_graph:
+                self.static_unused = unused
+        else:
+            unused = self.static_unused or []
+        return [i for i in unused if self.fresh[i]]
