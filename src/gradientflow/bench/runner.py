@@ -372,7 +372,8 @@ def worker_main(spec_path: str) -> None:
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device) / 2**20
         try:
-            with _PeakRss() as peak:
+            # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
+            with _PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
                 model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
                 for _ in range(spec.warmup):
                     _step(model, opt, x, y)
