@@ -264,7 +264,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{'' if o.get('device', 'cpu') == 'cpu' else ' on ' + o['device'].upper()}, {summary['network']}, batch "
         f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
-        "(ddp-powersgd: one bucket, own launch with its own compute reference).",
+        "(ddp-powersgd: one bucket, own launch with its own compute reference; the alone twins: a launch of "
+        "their own, with its own compute reference).",
         "",
         f"| mode | θ MB | step ms median (p10–p90) | alone ms (p10–p90) | samples/s | speedup (ideal {n}) "
         "| wire MB/step | exposed comm ms | compute / own CPU / comm % | thread CPU ms (vs compute) | +mem MB |",
