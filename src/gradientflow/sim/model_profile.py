@@ -117,8 +117,9 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
 
     The engine's own functions and ops (precision.py, selection.py, csc.py), timed here: "fp32"
     pre-divide in place; "fp16" pre-divide, cast into the wire buffer, copy back; "csc" (the
-    default recipe: autograd accumulates into the residual, no momentum correction) the per-chunk
-    L1 score of the whole pool; "csc_chunks" what CSC does to the *selected* chunks only (clear
+    default recipe: no momentum correction) the per-chunk L1 score of the whole pool;
+    "csc_accumulate" autograd's addition of a fresh gradient into the residual (the same
+    ``add_``, pool-sized here); "csc_chunks" what CSC does to the *selected* chunks only (clear
     last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
     the cost model scales it by the fraction of chunks selected.
     """
@@ -126,6 +127,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     from gradientflow.selection import chunk_scores  # noqa: PLC0415
 
     g = torch.randn(numel)
+    residual = torch.randn(numel)
     rows = g[: (numel // 32768) * 32768].view(-1, 32768)
     every = torch.arange(rows.shape[0])
     packed = torch.empty_like(rows)
@@ -133,6 +135,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     ops = {"fp32": [lambda: to_wire(g, None, 2)],
            "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
            "csc": [lambda: chunk_scores(rows)],
+           "csc_accumulate": [lambda: residual.add_(g)],
            "csc_chunks": [lambda: rows.index_fill_(0, every, 0.0),
                           lambda: torch.index_select(rows, 0, every, out=packed),
                           lambda: rows.index_copy_(0, every, packed),

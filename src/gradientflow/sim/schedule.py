@@ -37,9 +37,11 @@ class Technique:
                        # out and back, 3 passes); CSC selecting k < n chunks: see PASSES
 
 
-PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_chunks": 4}
+PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_accumulate": 1, "csc_chunks": 4}
 """Elementwise passes over the fp32 pool per kind, when they are costed at cfg.pass_bytes_per_s.
-"csc": the score pass; "csc_chunks": clear, pack, write back, mask — over the selected chunks
+"csc": the score pass; "csc_accumulate": autograd adding each gradient into the residual during
+backward (a dense step's autograd keeps each fresh gradient instead: the bench's "alone" column
+measures the difference); "csc_chunks": clear, pack, write back, mask — over the selected chunks
 only, so scaled by the fraction selected (the engine's write-back touches nothing else)."""
 
 TECHNIQUES: dict[str, Technique] = {
@@ -108,9 +110,10 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
        and 0 (one bucket per tensor) otherwise.
     3. Dense: each bucket is ready when its last gradient is (or at the end of backward without
        overlap); the link runs one collective at a time, in bucket order.
-    4. CSC with k < n chunks selected: after backward, one fp32 score per chunk is allreduced,
-       then the k chunks, packed, in fp16.  With k == n there is nothing to choose: every chunk
-       is sent, so CSC is lazy allreduce (same buckets, no scores, no residual passes).
+    4. CSC with k < n chunks selected: backward is longer by autograd's accumulation into the
+       residual; after it, one fp32 score per chunk is allreduced, then the k chunks, packed, in
+       fp16.  With k == n there is nothing to choose: every chunk is sent, so CSC is lazy
+       allreduce (same buckets, no scores, no residual passes).
     5. Local passes over the pool (casts; CSC's score, and its clear/pack/unpack/mask of the k
        selected chunks) run after the last collective, then the update:
        t(N) = max(backward end, link free) + passes + update.
@@ -135,6 +138,7 @@ def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
         sparse = k < chunks
     link_free, sent, count = 0.0, 0, 0
     if sparse:
+        bwd_end += _passes_s(profile, cfg, "csc_accumulate")
         link_free = bwd_end
         for nbytes in (4 * chunks, tech.wire_bytes * k * cfg.chunk_size):
             link_free += allreduce_s(nbytes, gpus, cfg, tech.algorithm)
