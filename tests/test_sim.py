@@ -16,7 +16,7 @@ from gradientflow.sim.measure import fit_alpha_beta
 from gradientflow.sim.model_profile import flop_profile, measured_profile
 from gradientflow.sim.planner import THETAS_MB, best_theta, plan
 from gradientflow.sim.presets import paper_values, resolve_model
-from gradientflow.sim.schedule import n_chunks
+from gradientflow.sim.schedule import PASSES, n_chunks
 
 
 def tiny_net() -> nn.Module:
@@ -196,7 +196,7 @@ def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
 def test_cli_profile_measures_here(capsys):
     prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
     assert prof.times is not None and all(t > 0 for t in prof.times)
-    assert set(prof.local_s) == {"fp32", "fp16", "csc", "csc_chunks"} and all(t > 0 for t in prof.local_s.values())
+    assert set(prof.local_s) == set(PASSES) and all(t > 0 for t in prof.local_s.values())
     assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--profile",
                  "--bandwidth", "1gbit", "--gpus", "1,2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["profile"] == "profile"
