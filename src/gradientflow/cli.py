@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"modes to compare (default all): {' '.join(MODES)}; 'compute' is always added")
     b.add_argument("--no-alone", dest="alone", action="store_false",
                    help="do not time each mode again on a one-rank group (the table's 'alone' column and own-CPU "
-                   "share: what a mode costs apart from the network); halves the run")
+                   "share: what a mode costs apart from the network); a quarter to a third less time")
     b.add_argument("--bandwidth", type=_bandwidth, default="1gbit",
                    help="per-node link rate of the emulated cluster, e.g. 1gbit, 10gbit; 'none' = loopback "
                    "(default 1gbit; needs root, else loopback)")

@@ -81,7 +81,7 @@ class Reducer:
     ) -> None:
         n = len(params)
         self.params, self.names, self.config, self.group = params, names, config, group
-        self.watchdog, self.static_graph = watchdog, static_graph
+        self.watchdog = watchdog
         self.world_size = dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0)
         # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).

@@ -127,18 +127,17 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
     world = main["world_size"]
     rows: list[dict[str, Any]] = []
     refs: dict[str, float | None] = {}
-    twins: dict[str, tuple[dict[str, Any], float]] = {}
+    twins: dict[str, tuple[dict[str, Any], float]] = {}  # a mode's alone twin and its launch's reference
     for launch in launches:
         comp = _compute_variant(launch)
-        if comp is not None:
-            ref = _pct(comp["step_s"], 50)
+        ref = refs[launch["name"]] = _pct(comp["step_s"], 50) if comp else None
+        if ref is not None:
             twins.update({v["name"].removesuffix(ALONE_SUFFIX): (v, ref) for v in launch["variants"]
                           if v.get("alone") and v.get("status") == "ok" and v.get("step_s")})
     for launch in launches:
         comp = _compute_variant(launch)
-        ref = _pct(comp["step_s"], 50) if comp else None
+        ref = refs[launch["name"]]
         ref_cpu = _pct(comp["cpu_s"], 50) if comp and comp.get("cpu_s") else None
-        refs[launch["name"]] = ref
         for v in launch["variants"]:
             if launch["name"] != "main" and v["mode"] == "compute":
                 continue  # the isolated launch's own reference; shown as ref_compute_s of its modes
@@ -215,7 +214,7 @@ def _alone_cell(r: dict[str, Any], spread: bool = True) -> str:
     return f"{_ms(r['alone_s'])} ({_ms(r['alone_p10_s'])}–{_ms(r['alone_p90_s'])})" if spread else _ms(r["alone_s"])
 
 
-def _shown(r: dict[str, Any]) -> bool:
+def step_table_row(r: dict[str, Any]) -> bool:
     """A row of the step-time tables: not a θ sweep point, not an alone twin (its figure is a column)."""
     return not r.get("sweep") and not r.get("alone")
 
@@ -272,7 +271,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
-        if not _shown(r):
+        if not step_table_row(r):
             continue
         theta = "—" if r.get("theta_mb") is None else f"{r['theta_mb']:g}"
         if r["mode"].startswith("ddp") and r.get("theta_mb") is None:
@@ -289,7 +288,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | {theta} | {_step_cell(r)} | {_alone_cell(r)} "
                      f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
                      f"| {_mem(r)} |")
-    phased = [r for r in summary["rows"] if r.get("phases_ms") and _shown(r)]
+    phased = [r for r in summary["rows"] if r.get("phases_ms") and step_table_row(r)]
     if phased:
         lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
                   "comm_stats()' phase_*_s):", "",
@@ -327,7 +326,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary["rows"] if _shown(r) and r["status"] == "ok"]
+    rows = [r for r in summary["rows"] if step_table_row(r) and r["status"] == "ok"]
     has_sweep = bool(summary["sweep"])
     fig, axes = plt.subplots(1, 2 if has_sweep else 1, figsize=(13 if has_sweep else 8, 4.5), squeeze=False)
     ax = axes[0][0]
@@ -387,7 +386,7 @@ def readme_tables(summary: dict[str, Any]) -> str:
     def label(r: dict[str, Any]) -> str:
         return bold(r, MODE_LABELS.get(r["name"], r["name"]))
 
-    rows = [r for r in summary["rows"] if _shown(r) and r["status"] == "ok"]
+    rows = [r for r in summary["rows"] if step_table_row(r) and r["status"] == "ok"]
     out = ["| mode | step ms (p10–p90) | alone ms | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
            "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

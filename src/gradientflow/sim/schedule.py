@@ -50,8 +50,8 @@ TECHNIQUES: dict[str, Technique] = {
     "overlap": Technique("ring", True, 4, False, False, "fp32"),
     "fp16": Technique("ring", True, 2, False, False, "fp16"),
     "lazy": Technique("ring", True, 2, True, False, "fp16"),
-    # CSC: one score pass; clear/pack/unpack/mask touch only the k selected chunks (autograd
-    # accumulates into v; the fp16 cast touches only the packed chunks)
+    # CSC: autograd's accumulation into v and one score pass over the pool; clear/pack/unpack/mask
+    # touch only the k selected chunks (the fp16 cast touches only the packed chunks)
     "csc": Technique("ring", True, 2, True, True, "fp16"),
 }
 assert tuple(TECHNIQUES) == CONFIGS

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from gradientflow.bench.models import WORKLOADS, build_model
+from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
 
 from .config import SimConfig
@@ -78,7 +79,7 @@ def predict(bench: dict, fit: dict, steps: int = 5, copies: int = 1) -> tuple[di
     out = {}
     for row in bench["rows"]:
         tech = MODE_TECHNIQUE.get(row["mode"])
-        if tech is not None and not row.get("sweep") and not row.get("alone") and row["status"] == "ok":
+        if tech is not None and step_table_row(row) and row["status"] == "ok":
             gpus = 1 if row["mode"] == "compute" else n
             out[row["name"]] = (simulate(prof, cfg, gpus, row["mode"], tech),
                                 simulate(scaled, cfg, gpus, row["mode"], tech))
