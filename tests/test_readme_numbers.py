@@ -28,7 +28,8 @@ def test_readme_step_time_tables_are_the_committed_results(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["quality", "quality_ablation", "quality_chunk_score", "score_agreement",
-                                  "engine_resnet50_loopback", "adamw_bursts", "adamw_variants"])
+                                  "engine_resnet50_loopback", "adamw_bursts", "adamw_variants",
+                                  "quality_long"])
 def test_readme_quality_and_sweep_tables_are_the_committed_table_md(name: str) -> None:
     # engine_resnet50_loopback: the README quotes only its θ sweep table (the last one)
     table = (ROOT / "benchmarks" / name / "table.md").read_text()
