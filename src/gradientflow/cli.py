@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "each recipe side by side from the same seed and batches, and report final validation loss / accuracy, its "
         "ratio to torch DDP, bytes sent per step and the share of sparse steps; with --bandwidth (root) also time to "
         "accuracy of a bigger transformer and of digits_wide (AlexNet-shaped, 8.4M parameters) on the emulated "
-        "cluster, ddp vs gf-recommended. Writes results.json, table.md, quality_*.png and tta*.png to --out. "
+        "cluster, ddp vs gf-recommended (the transformer also gf-fp16-dense and gf-density-0.3). Writes "
+        "results.json, table.md, quality_*.png and tta*.png to --out. "
         "See README 'Quality'.")
     q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
     q.add_argument("--recipes", nargs="+", type=_recipe, default=None, metavar="RECIPE",
