@@ -14,7 +14,9 @@ from torch import nn
 import gradientflow.csc as csc_module
 from gradientflow.bench.adamw_variants import (
     VARIANTS,
+    AgedSelection,
     ArrivalAdamW,
+    FrozenSecondMomentAdamW,
     PredictorSync,
     _selection,
     per_tensor_selection,
@@ -83,6 +85,35 @@ def test_per_tensor_selection_takes_each_groups_share():
     assert per_tensor_selection(scores, 5, [(0, 4), (4, 10)]).tolist() == [0, 2, 4, 5, 6]
     # the pool's top 5 would be 4, 5, 6, 0, 2 as well; at k = 2 every group still gets one
     assert per_tensor_selection(scores, 2, [(0, 4), (4, 10)]).tolist() == [0, 4]
+
+
+def test_aged_selection_forces_or_boosts_chunks_that_waited():
+    scores = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    force = AgedSelection("force", 2)
+    assert force(scores, 2).tolist() == [0, 1]  # nothing waited yet: the top 2
+    assert force(scores, 2).tolist() == [0, 1]  # chunks 2, 3 have waited 1 step
+    assert force(scores, 2).tolist() == [2, 3]  # ... now 2 steps: they go first
+    assert force(scores, 2).tolist() == [0, 1]  # 0, 1 waited 1 step only
+    boost = AgedSelection("boost", 1)
+    assert boost(scores, 1).tolist() == [0]
+    # chunk 1 waited 1 step: 3 x 2 = 6 beats 4 x 1; chunk 2: 2 x 2 = 4 ties with chunk 0, 6 wins
+    assert boost(scores, 1).tolist() == [1]
+    # waited: chunk 0 1 step (8), chunk 2 2 steps (6), chunk 3 2 steps (3): chunk 0
+    assert boost(scores, 1).tolist() == [0]
+
+
+def test_frozen_second_moment_stops_after_its_steps():
+    p = torch.zeros(3, requires_grad=True)
+    opt = FrozenSecondMomentAdamW([p], freeze_from=2, lr=0.1, betas=(0.9, 0.95))
+    seen = []
+    for g in (1.0, 2.0, 5.0, 7.0):
+        p.grad = torch.full((3,), g)
+        opt.step()
+        seen.append(opt.state[p]["exp_avg_sq"][0].item())
+    # steps 1-2 update v as AdamW does (0.05 * 1, then 0.95 * 0.05 + 0.05 * 4); then it stays
+    assert seen[0] == pytest.approx(0.05) and seen[1] == pytest.approx(0.95 * 0.05 + 0.2)
+    assert seen[2] == seen[1] and seen[3] == seen[1]
+    assert opt.state[p]["exp_avg"][0].item() != pytest.approx(0.0)  # the first moment goes on
 
 
 def test_selection_rule_keeps_forced_chunks_and_is_undone():

@@ -19,9 +19,11 @@ the measured alternatives that lost, kept so that the README's claims about them
   gradient is forgotten, not delayed); ``predictor`` sends each unsent chunk a shared estimate (the
   per-step mean of its last delivery, the same on every rank) and takes it out of the residual, so
   that AdamW sees a gradient every step and nothing is lost (:class:`PredictorSync`).
-- *optimizer* (not the user's any more): :class:`ArrivalAdamW`, an AdamW whose moments and move
-  are those of a coordinate only on the steps its chunk arrives; ``arrival-adamw-age`` scales that
-  move by the steps waited.
+- *momentum*: ``mc-beside-adamw`` turns CSC's momentum correction on (``momentum=0.9``) under AdamW.
+- *optimizer* (not the user's any more): ``frozen-v`` stops AdamW's second moment after the ramp
+  (:class:`FrozenSecondMomentAdamW`, 1-bit Adam's idea); :class:`ArrivalAdamW`, an AdamW whose
+  moments and move are those of a coordinate only on the steps its chunk arrives;
+  ``arrival-adamw-age`` scales that move by the steps waited.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 import gradientflow.csc as csc_module
 from gradientflow.csc import SparseSync
+from gradientflow.selection import select_chunks
 
 VARIANTS: dict[str, str] = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -47,12 +50,19 @@ VARIANTS: dict[str, str] = {
     "gf-global": "the same with csc_scope='global' (per-tensor's baseline)",
     "per-tensor": "csc_scope='global', the top 10% of each parameter's chunks",
     "rotating": "a rotating 10% of the chunks instead of the top 10%",
+    "force-old": "chunks unsent for 40 steps go first, in place of top ones",
+    "age-boost": "scores x (1 + steps unsent / 10)",
     "residual-decay": "residual x 0.95 after each step",
     "predictor": "unsent chunks get a shared estimate, taken out of the residual",
+    "mc-beside-adamw": "CSC momentum correction 0.9 as well as AdamW's own momentum",
+    "frozen-v": "AdamW's second moment frozen after the 100-step ramp",
     "arrival-adamw": "ArrivalAdamW: moments and move only when the chunk arrives",
     "arrival-adamw-age": "ArrivalAdamW, the move scaled by the steps waited",
 }
 RESIDUAL_DECAY = 0.95
+FORCE_AFTER = 40   # force-old: steps a chunk may stay unsent
+AGE_SCALE = 10     # age-boost: a chunk unsent for 10 steps scores double
+FREEZE_FROM = 100  # frozen-v: the library's default ramp length
 
 
 # ==== optimizer ===============================================================================
@@ -98,6 +108,23 @@ class ArrivalAdamW(torch.optim.Optimizer):
                 age.masked_fill_(got, 0)
 
 
+class FrozenSecondMomentAdamW(torch.optim.AdamW):
+    """torch's AdamW whose ``exp_avg_sq`` stops changing after its first ``freeze_from`` steps."""
+
+    def __init__(self, params: Any, freeze_from: int, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.freeze_from, self.steps_taken = freeze_from, 0
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        frozen = self.steps_taken >= self.freeze_from
+        groups = [p for g in self.param_groups for p in g["params"] if p in self.state]
+        saved = [self.state[p]["exp_avg_sq"].clone() for p in groups] if frozen else []
+        super().step(closure)
+        for p, v in zip(groups, saved):
+            self.state[p]["exp_avg_sq"].copy_(v)
+        self.steps_taken += 1
+
+
 # ==== selection ===============================================================================
 def rotating_selection(n: int, k: int, step: int) -> torch.Tensor:
     """The k chunks of a window that moves k chunks on per step (wrapping): each chunk once per ceil(n/k) steps."""
@@ -116,6 +143,29 @@ def per_tensor_selection(scores: torch.Tensor, k: int, groups: list[tuple[int, i
             m = min(b - a, max(1, round(k / n * (b - a))))
             picked.append(torch.topk(scores[a:b], m).indices + a)
     return torch.sort(torch.cat(picked)).values if picked else torch.zeros(0, dtype=torch.int64)
+
+
+class AgedSelection:
+    """Top-k by score, with chunks that waited long pushed forward (``mode``: "force" or "boost").
+
+    It counts, per chunk, the steps since it was last picked (0 after a pick; a slice is known by
+    its number of chunks).  "force": chunks that waited ``param`` steps or more go first (lowest
+    index first), then the top scores; "boost": the ranking is by score x (1 + waited / ``param``).
+    """
+
+    def __init__(self, mode: str, param: int) -> None:
+        self.mode, self.param, self.waited = mode, param, {}
+
+    def __call__(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        waited = self.waited.setdefault(scores.numel(), torch.zeros_like(scores))
+        if self.mode == "force":
+            ranked = torch.where(waited >= self.param, torch.full_like(scores, math.inf), scores)
+        else:
+            ranked = scores * (1 + waited / self.param)
+        idx = select_chunks(ranked, k)  # the selection module's top-k: csc's name is patched meanwhile
+        waited += 1
+        waited[idx] = 0
+        return idx
 
 
 @contextlib.contextmanager
@@ -199,11 +249,20 @@ def _build(variant: str, data: Any, job: Any) -> tuple[torch.nn.Module, torch.op
     from gradientflow.bench.quality import build_recipe
 
     recipe = {"ddp": "ddp", "gf-global": "gf-recommended:csc_scope='global'",
-              "per-tensor": "gf-recommended:csc_scope='global'"}.get(variant, "gf-recommended")
+              "per-tensor": "gf-recommended:csc_scope='global'",
+              "mc-beside-adamw": "gf-recommended:momentum=0.9"}.get(variant, "gf-recommended")
     wrapped, opt, _ = build_recipe(recipe, data.build_model(), job)
     rule = None
     if variant in ("predictor", "residual-decay"):
         PredictorSync.adopt(wrapped._gf_engine.sync, "predictor" if variant == "predictor" else "decay")
+    elif variant == "frozen-v":
+        g = opt.param_groups[0]
+        opt = FrozenSecondMomentAdamW(wrapped.parameters(), FREEZE_FROM, lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                      weight_decay=g["weight_decay"])
+    elif variant == "force-old":
+        rule = AgedSelection("force", FORCE_AFTER)
+    elif variant == "age-boost":
+        rule = AgedSelection("boost", AGE_SCALE)
     elif variant.startswith("arrival-adamw"):
         g = opt.param_groups[0]
         opt = ArrivalAdamW(wrapped.parameters(), lr=g["lr"], betas=g["betas"], eps=g["eps"],
