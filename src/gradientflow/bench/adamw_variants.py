@@ -12,9 +12,10 @@ the measured alternatives that lost, kept so that the README's claims about them
   every step, so that every chunk goes once in 1/density steps (no chunk waits longer, but the
   large ones wait too); ``per-tensor`` sends the top fraction of every parameter's chunks instead of
   the pool's (``csc_scope="global"``, whose slice is the whole pool, against the same with the
-  pool's top: on this model one slice either way).  Both replace the engine's
-  ``gradientflow.csc.select_chunks`` while their own run steps (the library has no selection hook:
-  one rule, the paper's, is the product).
+  pool's top: on this model one slice either way); ``force-old`` sends chunks unsent for 40 steps
+  first and ``age-boost`` ranks by score x (1 + steps unsent / 10) (:class:`AgedSelection`).  All
+  replace the engine's ``gradientflow.csc.select_chunks`` while their own run steps (the library
+  has no selection hook: one rule, the paper's, is the product).
 - *residual*: ``residual-decay`` multiplies the residual by 0.95 after every write-back (old
   gradient is forgotten, not delayed); ``predictor`` sends each unsent chunk a shared estimate (the
   per-step mean of its last delivery, the same on every rank) and takes it out of the residual, so
