@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from test_csc import _batch, _Ledger, _mlp, _residual, _sparse
+from test_csc import CHUNK, _batch, _Ledger, _mlp, _residual, _sparse
 from torch import nn
 
 import gradientflow.csc as csc_module
@@ -142,7 +142,7 @@ def _predictor_worker(rank: int, world_size: int, steps: int) -> dict:
         ledger.add_applied()
         if model.comm_stats()["warmup"] == 0:  # a sparse step: count nonzeros beyond the sent chunks
             sent = model._gf_engine.sync.last_selected.numel()
-            unsent_fed = max(unsent_fed, int(model.pool.buffers[0].ne(0).sum()) - 64 * sent)
+            unsent_fed = max(unsent_fed, int(model.pool.buffers[0].ne(0).sum()) - CHUNK * sent)
         opt.step()
     # Nothing lost: sum(applied) + mean_r(v) == sum_t mean_r(g).  Per step the predictor adds one
     # rounding (v -= E; E is applied exactly) to the engine's two; E is a mean of gradients already

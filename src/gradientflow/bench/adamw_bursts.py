@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +78,8 @@ def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gradientflow.bench.quality import QualityOptions, build_recipe, lr_schedule, plan_jobs
-    from gradientflow.bench.quality_worker import _Data, _loss
+    from gradientflow.bench.quality import build_recipe, lr_schedule
+    from gradientflow.bench.quality_worker import _loss, start_transformer_study
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400, as the quality bench)")
@@ -89,11 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 4:
         p.error("--steps must be at least 4")
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    job = plan_jobs(QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none"))[0][0]
-    data = _Data(job, 0, rank, world)
+    job, data = start_transformer_study(args.steps)
+    rank = dist.get_rank()
     runs = {}
     for kind, recipe in (("ddp", "ddp"), ("gf", "gf-recommended")):  # the quality bench's own recipes
         wrapped, opt, _ = build_recipe(recipe, data.build_model(), job)

@@ -34,7 +34,6 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -227,10 +226,11 @@ class PredictorSync(SparseSync):
         super()._write_back(slices, ok, stats)
         if not ok:
             return
-        for k, (rows, e, age) in enumerate(zip(self._pool_rows, *self._state())):
-            if self.mode == "decay":
+        if self.mode == "decay":  # the pool keeps only the sent chunks: its clean state stands
+            for k in range(len(self._pool_rows)):
                 self.res.rows(k).mul_(self.decay)
-                continue
+            return
+        for k, (rows, e, age) in enumerate(zip(self._pool_rows, *self._state())):
             sent = torch.zeros(rows.shape[0], 1, dtype=torch.bool, device=rows.device)
             for sl in slices:
                 if sl.pool == k:
@@ -288,8 +288,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
-    from gradientflow.bench.quality_worker import _Data, _loss, evaluate
+    from gradientflow.bench.quality import lr_schedule
+    from gradientflow.bench.quality_worker import _loss, evaluate, start_transformer_study
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400, as the quality bench)")
@@ -304,11 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 4:
         p.error("--steps must be at least 4")
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    job = plan_jobs(QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none"))[0][0]
-    data = _Data(job, 0, rank, world)
+    job, data = start_transformer_study(args.steps)
+    rank = dist.get_rank()
     runs = []
     for variant in chosen:
         wrapped, opt, rule = _build(variant, data, job)
