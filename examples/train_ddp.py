@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 — before init_process_group: see the end of main()
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -125,9 +126,13 @@ def main() -> None:
         if args.out is not None:
             params = {n: p.detach().cpu().flatten().tolist() for n, p in model.module.named_parameters()}
             args.out.write_text(json.dumps({"loss": final.item() / world, "steps": step, "params": params}))
-    # Release what holds the process group (the wrapper) before destroying it, and every rank past
-    # its last collective first: left to interpreter shutdown, Gloo's teardown aborted ~1 run in 10
-    # here ("terminate called without an active exception"), with torch DDP as with gradientflow.
+    # Release what holds the process group (the wrapper) and destroy it while Python is whole: a
+    # group left to interpreter shutdown aborted ~1 run in 10 here ("terminate called without an
+    # active exception": a Gloo worker thread, dropping the last allreduce's tensor, needs the GIL of
+    # an interpreter that is finalizing).  Two things used to keep the group alive past
+    # destroy_process_group(): gradientflow's hooks (now weak) and torch.distributed.nn, which torch
+    # DDP imports on first use and whose functions take the default group as a default argument
+    # when imported after init_process_group; hence its import at the top.
     del model, optimizer
     dist.barrier()
     dist.destroy_process_group()

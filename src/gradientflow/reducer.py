@@ -98,6 +98,16 @@ class Reducer:
             self.sync = SparseSync(self.pool, dense, config=config, shapes=[p.shape for p in params],
                                    control_group=control)
         self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        # The outputs' hook is weak too: a loss the user keeps (its graph holds the hook) must not
+        # keep the reducer alive.
+        method = weakref.WeakMethod(self._output_grad_hook)
+
+        def output_hook(grad: torch.Tensor) -> None:
+            bound = method()
+            if bound is not None:
+                bound(grad)
+
+        self._weak_output_hook = output_hook
         self.sync_this_backward = True
         self.bind_pending = False
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
@@ -261,7 +271,7 @@ class Reducer:
             self.step_check.passes += 1
         for t in iter_tensors(out):
             if t.requires_grad:
-                t.register_hook(self._output_grad_hook)
+                t.register_hook(self._weak_output_hook)
 
     def _begin_backward(self) -> _Backward:
         bw = self.backward
@@ -283,16 +293,27 @@ class Reducer:
             self.bind_grads(sync=False)
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        # Weakly: a hook lives on its parameter, the reducer holds the parameters, and autograd keeps
+        # the hook where Python's collector cannot see the cycle.  A strong reference kept the reducer,
+        # its pool, the model and the process group alive after ``del model``, past
+        # ``destroy_process_group()`` into interpreter shutdown, where Gloo can abort the process.
+        me = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            usage = self.usage
-            usage.fresh[i] = 0
-            usage.used[i] = 1
-            if self.backward is None and not self.sync_this_backward:
-                self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
-                return
-            self._grad_ready(i, param)
+            reducer = me()
+            if reducer is not None:
+                reducer._param_ready(i, param)
 
         return hook
+
+    def _param_ready(self, i: int, param: torch.Tensor) -> None:
+        usage = self.usage
+        usage.fresh[i] = 0
+        usage.used[i] = 1
+        if self.backward is None and not self.sync_this_backward:
+            self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
+            return
+        self._grad_ready(i, param)
 
     def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
         """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""

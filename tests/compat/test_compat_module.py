@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -108,3 +110,45 @@ def _copies_worker(rank: int, world_size: int) -> None:
 
 def test_deepcopy_and_pickle() -> None:
     run_distributed(_copies_worker, 2)
+
+
+def _threads() -> int:
+    """This process's threads (a Gloo group runs its own: they end when the group is destroyed)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _release_worker(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from gradientflow import DistributedDataParallel
+
+    base = _threads()
+    for make in (nn.parallel.DistributedDataParallel, DistributedDataParallel):  # torch DDP: the oracle
+        group = dist.new_group(list(range(world_size)))
+        assert _threads() > base
+        model = make(_net(), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(batch(rank, 0)).pow(2).mean()
+        loss.backward()  # the loss stays referenced, as a training loop's last one does
+        opt.step()
+        module = weakref.ref(model.module)
+        del model, opt
+        # Freed by reference counting alone (no gc.collect()), and with them the last hold on the
+        # group: destroy_process_group ends its threads while Python is whole.  A group left alive
+        # until interpreter shutdown can abort the process there (examples/train_ddp.py).
+        assert module() is None, make
+        dist.destroy_process_group(group)
+        del group
+        assert _threads() == base, make
+        del loss
+    # CSC too (its control group is torch's to free, with destroy_process_group(), as any group).
+    model = DistributedDataParallel(_net(), density=0.5, chunk_size=8, warmup_steps=0)
+    _train([model], rank, 2)
+    module = weakref.ref(model.module)
+    del model
+    assert module() is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_del_model_releases_it_and_its_group() -> None:
+    run_distributed(_release_worker, 2)
