@@ -59,6 +59,24 @@ class _Backward:
         self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
 
 
+def _weak_hook(reducer: Reducer, method: Callable[..., None], *bound: int) -> Callable[[torch.Tensor], None]:
+    """``method(reducer, *bound, tensor)`` as an autograd hook that does not keep ``reducer`` alive.
+
+    A hook lives on a parameter (or in a kept loss's graph), the reducer holds the parameters, and
+    autograd keeps hooks where Python's collector cannot see the cycle: a strong reference kept the
+    reducer, its pool, the model and the process group alive after ``del model``, past
+    ``destroy_process_group()`` into interpreter shutdown, where Gloo can abort the process.
+    """
+    me = weakref.ref(reducer)
+
+    def hook(tensor: torch.Tensor) -> None:
+        alive = me()
+        if alive is not None:
+            method(alive, *bound, tensor)
+
+    return hook
+
+
 class Reducer:
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
@@ -97,17 +115,9 @@ class Reducer:
 
             self.sync = SparseSync(self.pool, dense, config=config, shapes=[p.shape for p in params],
                                    control_group=control)
-        self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
-        # The outputs' hook is weak too: a loss the user keeps (its graph holds the hook) must not
-        # keep the reducer alive.
-        method = weakref.WeakMethod(self._output_grad_hook)
-
-        def output_hook(grad: torch.Tensor) -> None:
-            bound = method()
-            if bound is not None:
-                bound(grad)
-
-        self._weak_output_hook = output_hook
+        self.hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, Reducer._param_ready, i))
+                      for i, p in enumerate(params)]
+        self._output_hook = _weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
         self.sync_this_backward = True
         self.bind_pending = False
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
@@ -271,7 +281,7 @@ class Reducer:
             self.step_check.passes += 1
         for t in iter_tensors(out):
             if t.requires_grad:
-                t.register_hook(self._weak_output_hook)
+                t.register_hook(self._output_hook)
 
     def _begin_backward(self) -> _Backward:
         bw = self.backward
@@ -291,20 +301,6 @@ class Reducer:
             self._begin_backward()
         elif self.bind_pending:
             self.bind_grads(sync=False)
-
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        # Weakly: a hook lives on its parameter, the reducer holds the parameters, and autograd keeps
-        # the hook where Python's collector cannot see the cycle.  A strong reference kept the reducer,
-        # its pool, the model and the process group alive after ``del model``, past
-        # ``destroy_process_group()`` into interpreter shutdown, where Gloo can abort the process.
-        me = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            reducer = me()
-            if reducer is not None:
-                reducer._param_ready(i, param)
-
-        return hook
 
     def _param_ready(self, i: int, param: torch.Tensor) -> None:
         usage = self.usage
