@@ -36,8 +36,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--comm-dtype", default="fp32", help="gradientflow only: fp32 | fp16 | bf16")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
-    p.add_argument("--die-at-step", type=int, default=None,
-                   help="testing restarts: rank 1 exits abruptly at this step in the first attempt")
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        help="testing restarts: rank 1 exits abruptly at this step in the first attempt",
+    )
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes final loss and parameters here (json)")
     return p.parse_args()
 
@@ -62,8 +66,12 @@ def main() -> None:
     # keeps each attempt's keys apart; without restarts this is plain init_process_group().
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=store,
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -138,8 +146,9 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def save_checkpoint(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int, rank: int) -> None:
+def save_checkpoint(
+    args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int
+) -> None:
     """Rank 0 writes model + optimizer; with gradientflow every rank writes its communication state.
 
     Files are written to a temporary name and renamed, so a worker killed mid-write never
@@ -154,8 +163,9 @@ def save_checkpoint(args: argparse.Namespace, model: nn.Module, optimizer: torch
     dist.barrier()
     if rank == 0:
         tmp = args.checkpoint_dir / ".checkpoint.pt.tmp"
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "time": time.time()}, tmp)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "time": time.time()}, tmp
+        )
         os.replace(tmp, args.checkpoint_dir / "checkpoint.pt")
     dist.barrier()
     old = args.checkpoint_dir / f"comm_step{step - args.save_every}_rank{rank}.pt"

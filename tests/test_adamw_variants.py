@@ -11,7 +11,7 @@ import torch
 from test_csc import CHUNK, _batch, _Ledger, _mlp, _residual, _sparse
 from torch import nn
 
-import gradientflow.csc as csc_module
+import gradientflow.strategies.csc as csc_module
 from gradientflow.bench.adamw_variants import (
     VARIANTS,
     AgedSelection,
@@ -30,8 +30,10 @@ def test_arrival_adamw_with_every_gradient_delivered_is_torch_adamw():
     torch.manual_seed(0)
     a = torch.randn(50, requires_grad=True)
     b = a.detach().clone().requires_grad_(True)
-    opts = [ArrivalAdamW([a], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
-            torch.optim.AdamW([b], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)]
+    opts = [
+        ArrivalAdamW([a], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
+        torch.optim.AdamW([b], lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
+    ]
     for _ in range(6):
         g = torch.randn(50)
         g[g == 0] = 1.0  # a delivered gradient is nonzero
@@ -44,8 +46,10 @@ def test_arrival_adamw_with_every_gradient_delivered_is_torch_adamw():
 
 def test_arrival_adamw_moves_only_on_arrival_and_scales_by_the_wait():
     plain, aged = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
-    opts = [ArrivalAdamW([plain], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.0),
-            ArrivalAdamW([aged], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.0, scale_by_age=True)]
+    opts = [
+        ArrivalAdamW([plain], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.0),
+        ArrivalAdamW([aged], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.0, scale_by_age=True),
+    ]
     # element 0: gradient 2 at step 1, nothing at steps 2-3, gradient 1 at step 4; element 1: never
     for g0 in (2.0, 0.0, 0.0, 1.0):
         before = (plain.detach().clone(), aged.detach().clone())
@@ -168,8 +172,19 @@ def test_predictor_feeds_unsent_chunks_and_loses_nothing():
 
 
 def test_adamw_variants_end_to_end_tiny(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-           "gradientflow.bench.adamw_variants", "--steps", "6", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "gradientflow.bench.adamw_variants",
+        "--steps",
+        "6",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -178,7 +193,22 @@ def test_adamw_variants_end_to_end_tiny(tmp_path):
     assert all(r["ratio"] == pytest.approx(r["val_loss"] / ddp) for r in rows)
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {v} | {what} |" in table for v, what in VARIANTS.items())
-    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
-                          "gradientflow.bench.adamw_variants", "--variants", "nope", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "gradientflow.bench.adamw_variants",
+            "--variants",
+            "nope",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "unknown variants ['nope']" in bad.stderr

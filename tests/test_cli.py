@@ -49,16 +49,19 @@ def test_subcommand_help(capsys):
     assert "--density" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args", [
-    ["bench", "--bandwidth", "fast"],
-    ["bench", "--nproc", "0"],
-    ["bench", "--workload", "vgg"],
-    ["bench", "--modes", "horovod"],
-    ["bench", "--theta-sweep", "-1"],
-    ["demo", "--density", "2"],
-    ["demo", "--no-such-option"],
-    [],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--bandwidth", "fast"],
+        ["bench", "--nproc", "0"],
+        ["bench", "--workload", "vgg"],
+        ["bench", "--modes", "horovod"],
+        ["bench", "--theta-sweep", "-1"],
+        ["demo", "--density", "2"],
+        ["demo", "--no-such-option"],
+        [],
+    ],
+)
 def test_bad_option_exits_2_with_one_error_line(args, capsys):
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -82,8 +85,10 @@ def test_plan_variants_dedupes_sweep_and_adds_compute():
     assert {"gf-fp32 θ=0", "ddp θ=0", "gf-fp32 θ=100", "ddp θ=100"} <= set(names)
     # every requested mode again alone (one-rank group), at the mode's own θ; none for the sweep
     twins = [v for v in vs if v.alone]
-    assert [(v.name, v.mode, v.theta_mb) for v in twins] == [("gf-fp32 alone", "gf-fp32", 25.0),
-                                                             ("ddp alone", "ddp", None)]
+    assert [(v.name, v.mode, v.theta_mb) for v in twins] == [
+        ("gf-fp32 alone", "gf-fp32", 25.0),
+        ("ddp alone", "ddp", None),
+    ]
     assert not any(v.alone for v in plan_variants(["gf-fp32", "ddp"], 25.0, [0], alone=False))
 
 
@@ -94,8 +99,11 @@ def test_step_shares_split_by_the_alone_twin():
     def variant(name: str, ms: float, **kw: object) -> dict:
         return {"name": name, "mode": name.split()[0], "status": "ok", "step_s": [ms / 1e3] * 5, **kw}
 
-    main = {"name": "main", "world_size": 2, "variants": [
-        variant("compute", 200), variant("gf-fp16", 250), variant("ddp", 260)]}
+    main = {
+        "name": "main",
+        "world_size": 2,
+        "variants": [variant("compute", 200), variant("gf-fp16", 250), variant("ddp", 260)],
+    }
     alone = {"name": "alone", "variants": [variant("compute", 190), variant("gf-fp16 alone", 215, alone=True)]}
     rows = {r["name"]: r for r in summarize([main, alone], BenchOptions(), emulated=False)["rows"]}
     g = rows["gf-fp16"]
@@ -171,8 +179,9 @@ def test_bench_gives_torchs_powersgd_hook_one_bucket():
 def _check_bench_json(out: Path) -> dict:
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == set(MODES) | {m + ALONE_SUFFIX for m in MODES if m not in ("compute", "ddp-powersgd")}, \
-        sorted(rows)
+    assert set(rows) == set(MODES) | {m + ALONE_SUFFIX for m in MODES if m not in ("compute", "ddp-powersgd")}, sorted(
+        rows
+    )
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r.get("error"))  # PowerSGD included: one bucket, no Gloo race
         assert r["steps"] == 2
@@ -205,8 +214,13 @@ def _check_bench_json(out: Path) -> dict:
 def test_bench_flags_a_noisy_compute_reference():
     # Speedups divide by the compute mode's median: one that sits > 10% above its own p10 is flagged.
     def launch(name: str, compute_ms: list[float]) -> dict:
-        return {"name": name, "variants": [{"mode": "compute", "step_s": [t / 1e3 for t in compute_ms]},
-                                           {"mode": "gf-fp32", "step_s": [0.3] * len(compute_ms)}]}
+        return {
+            "name": name,
+            "variants": [
+                {"mode": "compute", "step_s": [t / 1e3 for t in compute_ms]},
+                {"mode": "gf-fp32", "step_s": [0.3] * len(compute_ms)},
+            ],
+        }
 
     quiet = [200, 202, 204, 206, 208, 210, 212, 214, 216, 240]  # median 209, p10 201.8: +3.6%
     noisy = [215, 215, 248, 250, 251, 251, 252, 255, 256, 258]  # median 251, p10 215: +16.7%
@@ -221,9 +235,28 @@ BENCH_ARGS = ["bench", "--steps", "2", "--warmup", "1", "--workload", "small_cnn
 def test_bench_times_the_users_own_model(tmp_path):
     # tests/_user_model.py:build, found from the working directory as `python -m` would; its outputs (a
     # tuple holding a dict and an integer tensor) are trained on the mean square of the float ones
-    args = ["bench", "--workload", "_user_model:build", "--input-shape", "3,4,4", "--steps", "2", "--warmup", "1",
-            "--nproc", "2", "--bandwidth", "none", "--modes", "gf-fp32", "gf-fp16-csc-slice", "ddp",
-            "--no-alone", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "--workload",
+        "_user_model:build",
+        "--input-shape",
+        "3,4,4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--nproc",
+        "2",
+        "--bandwidth",
+        "none",
+        "--modes",
+        "gf-fp32",
+        "gf-fp16-csc-slice",
+        "ddp",
+        "--no-alone",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
@@ -238,17 +271,21 @@ def test_bench_times_the_users_own_model(tmp_path):
     assert rows["gf-fp32"]["wire_bytes"] == 4 * res["n_params"]  # every gradient reached the wire
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--workload", "_user_model:build"], "needs --input-shape"),
-    (["--workload", "resnet50", "--input-shape", "3,32,32"], "--input-shape is for your own model"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--workload", "_user_model:build"], "needs --input-shape"),
+        (["--workload", "resnet50", "--input-shape", "3,32,32"], "--input-shape is for your own model"),
+    ],
+)
 def test_bench_input_shape_goes_with_a_users_model(args, says, capsys):
     assert main(["bench", *args]) == 2
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workload, says", [("nope", "package.module:factory"),
-                                            ("no_such_module_here:build", "No module named")])
+@pytest.mark.parametrize(
+    "workload, says", [("nope", "package.module:factory"), ("no_such_module_here:build", "No module named")]
+)
 def test_bench_refuses_a_model_it_cannot_load(workload, says, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--workload", workload, "--input-shape", "3"])
@@ -315,8 +352,9 @@ def test_bench_without_root_says_so_in_one_line(tmp_path):
 
 def test_demo_runs_and_reports_accuracy(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([*CLI, "demo", "--steps", "150", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=150, env=env)
+    proc = subprocess.run(
+        [*CLI, "demo", "--steps", "150", "--out", str(tmp_path)], capture_output=True, text=True, timeout=150, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "test accuracy" in proc.stderr
     rep = json.loads((tmp_path / "demo.json").read_text())
@@ -348,8 +386,7 @@ def test_bench_times_in_mallocs_steady_state():
     """Workers start with every block over 128 KB mmapped (exact RSS per mode); timing_allocator()
     then makes a 4 MB tensor come from the heap, as in any long-running process."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "-c", _ALLOCATOR_PROBE], capture_output=True, text=True, timeout=60,
-                          env=env)
+    proc = subprocess.run([sys.executable, "-c", _ALLOCATOR_PROBE], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ok, freed = proc.stdout.split()
     assert ok == "True" and int(freed) >= 4 << 20

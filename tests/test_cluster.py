@@ -81,11 +81,16 @@ def test_layout_uses_link_local_addresses_only(cluster):
 @needs_netns
 def test_nodes_reach_each_other(cluster):
     for src, dst in ((0, 1), (1, 0)):
-        server = cluster.popen(dst, [sys.executable, "-c", ECHO_SERVER, cluster.addresses[dst]],
-                               stdout=subprocess.PIPE, text=True)
+        server = cluster.popen(
+            dst, [sys.executable, "-c", ECHO_SERVER, cluster.addresses[dst]], stdout=subprocess.PIPE, text=True
+        )
         port = server.stdout.readline().strip()
-        client = cluster.popen(src, [sys.executable, "-c", ECHO_CLIENT, cluster.addresses[dst],
-                                     port, str(src)], stdout=subprocess.PIPE, text=True)
+        client = cluster.popen(
+            src,
+            [sys.executable, "-c", ECHO_CLIENT, cluster.addresses[dst], port, str(src)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         out, _ = client.communicate(timeout=20)
         server.wait(timeout=20)
         assert out.strip() == f"ping-{src}"
@@ -106,9 +111,16 @@ def test_shaped_transfer_runs_near_line_rate(cluster):
 
 @needs_netns
 def test_gloo_allreduce_across_namespaces(cluster):
-    procs = [cluster.popen(r, [sys.executable, "-c", ALLREDUCE, str(r), cluster.master_addr],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        cluster.popen(
+            r,
+            [sys.executable, "-c", ALLREDUCE, str(r), cluster.master_addr],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = []
     for p in procs:
         try:
@@ -149,8 +161,9 @@ def test_teardown_on_signal(sig):
         "    time.sleep(60)\n"
     )
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
         assert len([x for x in leftovers(prefix) if x.startswith("netns:")]) == 3

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.selection import (
-    auto_chunk_size,
+from gradientflow.config import auto_chunk_size
+from gradientflow.strategies.selection import (
     chunk_scores,
     dense_from,
     density_at,
@@ -22,7 +22,7 @@ from gradientflow.selection import (
     score_scratch,
     select_chunks,
 )
-from gradientflow.slices import Slice, SliceQueue
+from gradientflow.strategies.slices import Slice, SliceQueue
 
 from _dist import run_distributed
 
@@ -85,12 +85,14 @@ def test_sampled_l1_scores_16_of_every_128_elements_times_8() -> None:
     sampled_pos = torch.zeros(C, dtype=torch.bool).view(8, 128)
     sampled_pos[:, :16] = True
     sampled_pos = sampled_pos.view(-1)
-    rows = torch.stack([
-        torch.ones(C),                          # uniform: the estimate is exact, 1024
-        sampled_pos.float(),                    # 128 ones, all sampled: 8 * 128
-        (~sampled_pos).float(),                 # 896 ones, none sampled: the estimator's blind spot
-        -2.0 * sampled_pos.float(),             # signs do not matter: 8 * 256
-    ])
+    rows = torch.stack(
+        [
+            torch.ones(C),  # uniform: the estimate is exact, 1024
+            sampled_pos.float(),  # 128 ones, all sampled: 8 * 128
+            (~sampled_pos).float(),  # 896 ones, none sampled: the estimator's blind spot
+            -2.0 * sampled_pos.float(),  # signs do not matter: 8 * 256
+        ]
+    )
     assert chunk_scores(rows, sampled=True).tolist() == [1024.0, 1024.0, 0.0, 2048.0]
     assert chunk_scores(rows).tolist() == [1024.0, 128.0, 896.0, 256.0]
     # The CPU pass in blocks of 3 rows (the scratch sets the block) = one pass over all rows.
@@ -187,7 +189,7 @@ def test_density_ramp_falls_exponentially_from_dense_to_density() -> None:
     assert density_at(0, 0.1, 0) == 0.1  # warmup_steps=0: no ramp at all
     ramp = [density_at(t, 0.1, 10) for t in range(11)]
     ratios = [b / a for a, b in zip(ramp, ramp[1:])]
-    assert ratios == pytest.approx([0.1 ** 0.1] * 10)  # a constant factor per step
+    assert ratios == pytest.approx([0.1**0.1] * 10)  # a constant factor per step
 
 
 def test_dense_from_is_where_chunks_plus_scores_stop_being_fewer_bytes() -> None:
@@ -433,8 +435,9 @@ def _resume_worker(rank: int, world_size: int) -> None:
     first = _sparse(_mlp(), **kw)
     first_opt = torch.optim.SGD(first.parameters(), lr=0.1)
     _run(first, first_opt, batches[:3])
-    ckpt = copy.deepcopy({"model": first.module.state_dict(), "opt": first_opt.state_dict(),
-                          "comm": first.comm_state_dict()})
+    ckpt = copy.deepcopy(
+        {"model": first.module.state_dict(), "opt": first_opt.state_dict(), "comm": first.comm_state_dict()}
+    )
     assert ckpt["comm"]["step"] == 3 and ckpt["comm"]["u"] is not None
     del first, first_opt
 
@@ -695,8 +698,13 @@ def _early_slices_worker(rank: int, world_size: int) -> dict:
     layers = []
     for _ in range(3):
         layers += [nn.Linear(64, 64), nn.ReLU(), _SlowBackward()]
-    model = _sparse(nn.Sequential(*layers, nn.Linear(64, 8)), fusion_threshold_mb=0.01, chunk_size=64,
-                    density=0.25, csc_scope="slice")
+    model = _sparse(
+        nn.Sequential(*layers, nn.Linear(64, 8)),
+        fusion_threshold_mb=0.01,
+        chunk_size=64,
+        density=0.25,
+        csc_scope="slice",
+    )
     gen = torch.Generator().manual_seed(rank)
     stats = []
     for _ in range(3):
@@ -738,8 +746,17 @@ def test_score_agreement_bench_end_to_end(tmp_path) -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "gradientflow.bench.score_agreement", "--workloads", "resnet50", "--steps", "2",
-           "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradientflow.bench.score_agreement",
+        "--workloads",
+        "resnet50",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (res,) = json.loads((tmp_path / "results.json").read_text())
@@ -754,7 +771,7 @@ def test_score_agreement_bench_end_to_end(tmp_path) -> None:
 def test_accelerator_score_pass_writes_fp32_scores_for_every_param_dtype(dtype: torch.dtype, sampled: bool) -> None:
     # The GPU branch of chunk_scores, run here on CPU tensors: a half or double model's residual
     # must give fp32 scores (the scores buffer and its allreduce are fp32), not an out= dtype error.
-    from gradientflow.selection import fused_scores
+    from gradientflow.strategies.selection import fused_scores
 
     rows = torch.randn(6, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
     view = rows.view(6, 8, 128)[:, :, :16] if sampled else rows
@@ -771,7 +788,7 @@ def _device_scale_worker(rank: int, world_size: int) -> None:
     the residuals are rescaled by tensor arithmetic.  Here ``loss_scale`` is made to return the same
     value as a tensor: the residuals and gradients must equal those of the host-float path, bit for
     bit (powers of two), across growing and shrinking scales."""
-    import gradientflow.csc as csc
+    import gradientflow.strategies.csc as csc
 
     gen = torch.Generator().manual_seed(50 + rank)
     batches = [_batch(gen) for _ in range(6)]
@@ -789,8 +806,9 @@ def _device_scale_worker(rank: int, world_size: int) -> None:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
                 scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
-                seen.append([*_residual(model, "v"), *_residual(model, "u"),
-                             *(p.grad.clone() for p in model.parameters())])
+                seen.append(
+                    [*_residual(model, "v"), *_residual(model, "u"), *(p.grad.clone() for p in model.parameters())]
+                )
                 scaler.step(opt)
                 scaler.update()
                 if step == 3:
@@ -812,12 +830,12 @@ def test_device_tensor_loss_scale_path_equals_the_host_path() -> None:
 
 def test_optimizer_pitfalls_rules() -> None:
     """The two rules check_optimizer warns with, as a pure function of the optimizer and two options."""
-    from gradientflow.pitfalls import ADAPTIVE_MIN_DENSITY, optimizer_pitfalls
+    from gradientflow.strategies.pitfalls import ADAPTIVE_MIN_DENSITY, optimizer_pitfalls
 
     w = [nn.Parameter(torch.zeros(2))]
     sgd_m, sgd, adamw = torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.SGD(w, lr=0.1), torch.optim.AdamW(w)
     assert optimizer_pitfalls(sgd_m, density=0.1, momentum=0.0) == []  # the recommended recipe
-    assert optimizer_pitfalls(sgd, density=0.1, momentum=0.9) == []    # the paper's recipe
+    assert optimizer_pitfalls(sgd, density=0.1, momentum=0.9) == []  # the paper's recipe
     (adam_low,) = optimizer_pitfalls(adamw, density=0.1, momentum=0.0)
     assert "Adam-type" in adam_low and "AdamW" in adam_low
     assert "comm_dtype='fp16' without density" in adam_low  # the alternative that wins, first

@@ -71,8 +71,15 @@ def test_dense_matches_torch_ddp_without_host_reads(kind: str) -> None:
 
 def _csc_worker(rank: int, world_size: int, kind: str, dtype: torch.dtype, chunk_size: int, score: str) -> list:
     device = _device(kind, rank)
-    model = gf.DistributedDataParallel(_net(device, dtype), device_ids=_ids(device), comm_dtype="fp16",
-                                       density=0.25, warmup_steps=0, chunk_size=chunk_size, chunk_score=score)
+    model = gf.DistributedDataParallel(
+        _net(device, dtype),
+        device_ids=_ids(device),
+        comm_dtype="fp16",
+        density=0.25,
+        warmup_steps=0,
+        chunk_size=chunk_size,
+        chunk_score=score,
+    )
     assert model._gf_engine.sync.sampled == (score == "sampled_l1")
     params = list(model.module.parameters())
     books = {k: [torch.zeros(p.numel(), dtype=torch.float64) for p in params] for k in ("local", "abs", "applied")}
@@ -115,13 +122,15 @@ def _csc_worker(rank: int, world_size: int, kind: str, dtype: torch.dtype, chunk
 
 
 @pytest.mark.parametrize("kind", DEVICES)
-@pytest.mark.parametrize("dtype,chunk_size,score", [
-    (torch.float32, 64, "l1"),
-    (torch.float32, 1024, "sampled_l1"),
-    (torch.bfloat16, 1024, "l1"),
-])
-def test_csc_same_chunks_nothing_lost_one_host_read(kind: str, dtype: torch.dtype, chunk_size: int,
-                                                    score: str) -> None:
+@pytest.mark.parametrize(
+    "dtype,chunk_size,score",
+    [
+        (torch.float32, 64, "l1"),
+        (torch.float32, 1024, "sampled_l1"),
+        (torch.bfloat16, 1024, "l1"),
+    ],
+)
+def test_csc_same_chunks_nothing_lost_one_host_read(kind: str, dtype: torch.dtype, chunk_size: int, score: str) -> None:
     r0, r1 = run_distributed(_csc_worker, 2, kind, dtype, chunk_size, score)
     assert r0 == r1 and all(r0)
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.pool import Scratch, plan_layout
+from gradientflow.engine.pool import Scratch, plan_layout
 
 from _dist import run_distributed
 
@@ -131,15 +131,21 @@ def _count_worker(rank: int, world_size: int) -> list[int]:
     counts = []
     for theta in (0, 0.001, math.inf):
         torch.manual_seed(0)
-        model = gf.DistributedDataParallel(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]),
-                                           fusion_threshold_mb=theta)
+        model = gf.DistributedDataParallel(
+            nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]), fusion_threshold_mb=theta
+        )
         for _ in range(2):  # the second step runs on the layout re-laid in observed order
             model.zero_grad()
             model(torch.randn(2, 16)).sum().backward()
         stats = model.comm_stats()
-        expected = len(plan_layout([p.numel() for p in model.parameters()],
-                                   [(torch.float32, torch.device("cpu"))] * 6,
-                                   model.pool.layout.order, theta * 1024 * 1024).buckets)
+        expected = len(
+            plan_layout(
+                [p.numel() for p in model.parameters()],
+                [(torch.float32, torch.device("cpu"))] * 6,
+                model.pool.layout.order,
+                theta * 1024 * 1024,
+            ).buckets
+        )
         assert stats["collectives"] == expected
         assert stats["payload_bytes"] == stats["dense_bytes"] == 4 * (3 * 16 * 17)
         counts.append(stats["collectives"])
@@ -173,8 +179,16 @@ def test_without_process_group_raises() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"fusion_threshold_mb": -1}, {"comm_dtype": "int8"}, {"algorithm": "tree"}, {"density": 0},
-     {"density": 1.5}, {"chunk_size": 0}, {"warmup_steps": -1}, {"momentum": 1.0}],
+    [
+        {"fusion_threshold_mb": -1},
+        {"comm_dtype": "int8"},
+        {"algorithm": "tree"},
+        {"density": 0},
+        {"density": 1.5},
+        {"chunk_size": 0},
+        {"warmup_steps": -1},
+        {"momentum": 1.0},
+    ],
 )
 def test_bad_options_raise_value_error(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -248,8 +262,9 @@ def test_scratch_hands_out_disjoint_views_and_keeps_its_buffer_between_steps() -
 
 def _resolved_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
-    model = gf.DistributedDataParallel(nn.Linear(300, 10), comm_dtype="half", density=0.5, dense_1d=False,
-                                     warmup_steps=0)
+    model = gf.DistributedDataParallel(
+        nn.Linear(300, 10), comm_dtype="half", density=0.5, dense_1d=False, warmup_steps=0
+    )
     cfg = model.config
     x = torch.randn(4, 300, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()
@@ -277,6 +292,7 @@ def test_plan_layout_tail_bytes_cuts_the_last_bucket_to_its_trailing_parameters(
     assert [b.params for b in cut.buckets] == [(0, 1), (2,), (3, 4)]  # 80 + 40 <= 130 < 120 + 80 + 40
     assert [(b.start, b.end) for b in cut.buckets] == [(0, 200), (200, 230), (230, 260)]
     assert [b.index for b in cut.buckets] == [0, 1, 2]
+
     # a last bucket already within tail_bytes is left alone; a last parameter over it goes alone
     def cut_at(tail: float) -> list[tuple[int, ...]]:
         return [b.params for b in plan_layout(numels, [f32] * 5, [0, 1, 2, 3, 4], 800, tail).buckets]

@@ -51,8 +51,13 @@ def _step(model: nn.Module, gen: torch.Generator) -> None:
 def _faulty_worker(fn, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_path, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=PG_TIMEOUT_S),
+        )
         result = {"status": "ok", "value": fn(rank, world_size, *args)}
     except BaseException:  # noqa: BLE001 — reported to the parent
         result = {"status": "error", "value": traceback.format_exc()}
@@ -67,8 +72,12 @@ def run_faulty(fn, world_size: int, *args: Any, wait_for: list[int], timeout: fl
     """Run ``fn(rank, world_size, *args)`` on Gloo ranks; return the results of ranks ``wait_for``."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_faulty_worker, args=(fn, r, world_size, os.path.join(tmp, "store"), tmp, args),
-                             daemon=True) for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_faulty_worker, args=(fn, r, world_size, os.path.join(tmp, "store"), tmp, args), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         try:
@@ -96,9 +105,15 @@ def run_faulty(fn, world_size: int, *args: Any, wait_for: list[int], timeout: fl
 
 
 def _error_report(exc: BaseException, elapsed: float) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc), "elapsed": elapsed,
-            "missing": getattr(exc, "missing_ranks", None), "step": getattr(exc, "step", None),
-            "collective": getattr(exc, "collective", None), "nbytes": getattr(exc, "nbytes", None)}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "elapsed": elapsed,
+        "missing": getattr(exc, "missing_ranks", None),
+        "step": getattr(exc, "step", None),
+        "collective": getattr(exc, "collective", None),
+        "nbytes": getattr(exc, "nbytes", None),
+    }
 
 
 # ---- 1. a stalled (SIGSTOP) or dead peer --------------------------------------------------------
@@ -134,9 +149,11 @@ def _peer_fault_worker(rank: int, world_size: int, fault: str, timeout: float, o
 
 @pytest.mark.parametrize(
     "timeout,options",
-    [(10, {}),  # the issue's case: dense buckets, Gloo's allreduce, timeout 10 s
-     (3, {"algorithm": "ring"}),  # the ring's point-to-point waits
-     (3, {"density": 0.5, "chunk_size": 64, "warmup_steps": 0})],  # CSC: the score allreduce
+    [
+        (10, {}),  # the issue's case: dense buckets, Gloo's allreduce, timeout 10 s
+        (3, {"algorithm": "ring"}),  # the ring's point-to-point waits
+        (3, {"density": 0.5, "chunk_size": 64, "warmup_steps": 0}),
+    ],  # CSC: the score allreduce
     ids=["dense-native", "dense-ring", "csc"],
 )
 def test_stopped_rank_makes_the_others_raise_within_timeout(timeout: float, options: dict) -> None:
@@ -167,9 +184,15 @@ def test_exited_rank_makes_the_others_raise() -> None:
 
 # ---- 2. consistency ---------------------------------------------------------------------------
 MISMATCHES = [
-    ("density", 0.1, 0.2), ("fusion_threshold_mb", 25.0, 1.0), ("comm_dtype", "fp32", "fp16"),
-    ("chunk_size", 32768, 1024), ("algorithm", "native", "ring"), ("warmup_steps", 0, 10),
-    ("momentum", 0.0, 0.9), ("csc_scope", "global", "slice"), ("check_consistency", False, True),
+    ("density", 0.1, 0.2),
+    ("fusion_threshold_mb", 25.0, 1.0),
+    ("comm_dtype", "fp32", "fp16"),
+    ("chunk_size", 32768, 1024),
+    ("algorithm", "native", "ring"),
+    ("warmup_steps", 0, 10),
+    ("momentum", 0.0, 0.9),
+    ("csc_scope", "global", "slice"),
+    ("check_consistency", False, True),
 ]
 
 
@@ -234,8 +257,9 @@ def test_rank_that_never_synchronises_again_is_named() -> None:
 # ---- 3. non-finite gradients --------------------------------------------------------------------
 def _nan_worker(rank: int, world_size: int, density: float | None) -> list[str]:
     torch.manual_seed(0)
-    model = gf.DistributedDataParallel(Net(), fusion_threshold_mb=0.01, check_finite=True, density=density,
-                                       chunk_size=64)
+    model = gf.DistributedDataParallel(
+        Net(), fusion_threshold_mb=0.01, check_finite=True, density=density, chunk_size=64
+    )
     poison = {"on": False}
     model.module.fc2.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
     gen = torch.Generator().manual_seed(rank)
@@ -267,9 +291,18 @@ def test_nan_gradient_raises_on_every_rank_naming_the_parameter(density: float |
 # ---- bad values of the new options ------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs",
-    [{"timeout": 0}, {"timeout": -1}, {"timeout": "10"}, {"timeout": timedelta(0)}, {"check_consistency": 1},
-     {"check_finite": "yes"}, {"trace_steps": (0, 2)}, {"trace_path": "t.json", "trace_steps": (3, 1)},
-     {"trace_path": "t.json", "trace_steps": (-1, 2)}, {"trace_path": 5}],
+    [
+        {"timeout": 0},
+        {"timeout": -1},
+        {"timeout": "10"},
+        {"timeout": timedelta(0)},
+        {"check_consistency": 1},
+        {"check_finite": "yes"},
+        {"trace_steps": (0, 2)},
+        {"trace_path": "t.json", "trace_steps": (3, 1)},
+        {"trace_path": "t.json", "trace_steps": (-1, 2)},
+        {"trace_path": 5},
+    ],
 )
 def test_bad_fault_options_raise_value_error(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -277,7 +310,7 @@ def test_bad_fault_options_raise_value_error(kwargs: dict) -> None:
 
 
 def _timeout_worker(rank: int, world_size: int) -> list[float]:
-    from gradientflow.watchdog import resolve_timeout
+    from gradientflow.diagnostics.watchdog import resolve_timeout
 
     group = dist.group.WORLD
     return [resolve_timeout(t, group).total_seconds() for t in (None, 5, timedelta(seconds=7))]

@@ -16,18 +16,22 @@ from gradientflow.bench.adamw_bursts import burst_travel
 from gradientflow.bench.quality import Job, QualityOptions, lr_factor, parse_recipe, plan_jobs
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
 from gradientflow.cli import main
-from gradientflow.selection import auto_chunk_size, dense_from, density_at
+from gradientflow.config import auto_chunk_size
+from gradientflow.strategies.selection import dense_from, density_at
 
 CLI = [sys.executable, "-m", "gradientflow.cli"]
 
 
-@pytest.mark.parametrize("target, expected", [
-    (1.75, 15.0),  # between (10, 2.0) and (20, 1.5): 10 + 0.25 / 0.5 * 10
-    (2.0, 10.0),  # exactly the second point
-    (3.5, 0.0),  # the first point is already below
-    (1.0, 30.0),  # the last point
-    (0.5, None),  # never reached
-])
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        (1.75, 15.0),  # between (10, 2.0) and (20, 1.5): 10 + 0.25 / 0.5 * 10
+        (2.0, 10.0),  # exactly the second point
+        (3.5, 0.0),  # the first point is already below
+        (1.0, 30.0),  # the last point
+        (0.5, None),  # never reached
+    ],
+)
 def test_time_to_target_interpolates_linearly(target, expected):
     assert time_to_target([0, 10, 20, 30], [3.0, 2.0, 1.5, 1.0], target) == expected
 
@@ -42,23 +46,32 @@ def test_time_to_target_first_crossing_and_nan():
         time_to_target([0, 1], [1.0], 1.0)
 
 
-@pytest.mark.parametrize("stats, sparse", [
-    ({}, False),  # torch DDP
-    ({"payload_bytes": 10.0}, False),  # gradientflow dense
-    ({"warmup": 1, "selected_chunks": 10, "n_chunks": 10}, False),  # dense warm-up
-    ({"warmup": 0}, True),
-    ({"warmup": 0, "selected_chunks": 5, "n_chunks": 50}, True),
-    ({"warmup": 0, "selected_chunks": 50, "n_chunks": 50}, False),  # a ramp that reached every chunk
-    ({"selected_chunks": 3, "n_chunks": 10}, True),
-])
+@pytest.mark.parametrize(
+    "stats, sparse",
+    [
+        ({}, False),  # torch DDP
+        ({"payload_bytes": 10.0}, False),  # gradientflow dense
+        ({"warmup": 1, "selected_chunks": 10, "n_chunks": 10}, False),  # dense warm-up
+        ({"warmup": 0}, True),
+        ({"warmup": 0, "selected_chunks": 5, "n_chunks": 50}, True),
+        ({"warmup": 0, "selected_chunks": 50, "n_chunks": 50}, False),  # a ramp that reached every chunk
+        ({"selected_chunks": 3, "n_chunks": 10}, True),
+    ],
+)
 def test_is_sparse_step(stats, sparse):
     assert is_sparse_step(stats) is sparse
 
 
 def test_lr_factor_warmup_then_cosine_to_floor():
     # 6 steps, 1 warm-up step: cosine over steps 1..5 (span 4)
-    assert [round(lr_factor(s, 6, 1), 6) for s in range(6)] == [1.0, 1.0, round(0.1 + 0.45 * (1 + 0.5 ** 0.5), 6),
-                                                                0.55, round(0.1 + 0.45 * (1 - 0.5 ** 0.5), 6), 0.1]
+    assert [round(lr_factor(s, 6, 1), 6) for s in range(6)] == [
+        1.0,
+        1.0,
+        round(0.1 + 0.45 * (1 + 0.5**0.5), 6),
+        0.55,
+        round(0.1 + 0.45 * (1 - 0.5**0.5), 6),
+        0.1,
+    ]
     assert [lr_factor(s, 10, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
 
 
@@ -75,42 +88,81 @@ def test_plan_jobs():
     assert (tta[0].d_model, tta[0].n_layers) == (64, 1)
     # digits' time to accuracy trains the communication-bound digits_wide with the user's SGD momentum
     (t,) = plan_jobs(QualityOptions(workloads=["digits"]))[1]
-    assert (t.name, t.workload, t.model, t.recipes, t.lr) == ("tta_digits", "digits", "digits_wide",
-                                                              ["ddp", "gf-recommended"], 0.05)
+    assert (t.name, t.workload, t.model, t.recipes, t.lr) == (
+        "tta_digits",
+        "digits",
+        "digits_wide",
+        ["ddp", "gf-recommended"],
+        0.05,
+    )
 
 
 def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
     assert parse_recipe("gf-paper") == ("gf-paper", {})
     assert parse_recipe("gf-recommended:warmup_steps=300, dense_1d=False,csc_scope=global") == (
-        "gf-recommended", {"warmup_steps": 300, "dense_1d": False, "csc_scope": "global"})
-    for bad, says in [("gf-x", "unknown recipe 'gf-x'"), ("ddp:density=0.1", "only gradientflow recipes"),
-                      ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"), ("gf-paper:density", "is not OPTION=VALUE"),
-                      ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]")]:
+        "gf-recommended",
+        {"warmup_steps": 300, "dense_1d": False, "csc_scope": "global"},
+    )
+    for bad, says in [
+        ("gf-x", "unknown recipe 'gf-x'"),
+        ("ddp:density=0.1", "only gradientflow recipes"),
+        ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"),
+        ("gf-paper:density", "is not OPTION=VALUE"),
+        ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(says)):
             parse_recipe(bad)
     with pytest.raises(SystemExit) as exc:  # the command refuses it before any rank starts
         main(["bench", "--quality", "--recipes", "gf-recommended:density=2"])
     assert exc.value.code == 2
     # variants follow the plain recipes, on every workload their recipe applies to
-    jobs, _ = plan_jobs(QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended", "gf-paper:momentum=0.5"],
-                                       bandwidth="none"))
+    jobs, _ = plan_jobs(
+        QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended", "gf-paper:momentum=0.5"], bandwidth="none")
+    )
     assert [j.recipes for j in jobs] == [["ddp", "gf-recommended", "gf-paper:momentum=0.5"]] * 2
 
 
 def _run(recipe, step_s, losses, stats):
     evals = [{"step": 2 * i, "val_loss": v, "val_acc": None, "train_loss": None} for i, v in enumerate(losses)]
-    return {"recipe": recipe, "options": {"optimizer": "AdamW"}, "status": "ok", "error": None, "step_s": step_s,
-            "stats": stats, "evals": evals}
+    return {
+        "recipe": recipe,
+        "options": {"optimizer": "AdamW"},
+        "status": "ok",
+        "error": None,
+        "step_s": step_s,
+        "stats": stats,
+        "evals": evals,
+    }
 
 
 def test_tta_report_on_a_made_up_launch(tmp_path):
-    job = Job(name="tta", workload="transformer", steps=4, batch_size=2, eval_every=2,
-              recipes=["ddp", "gf-recommended"],
-              lr=1e-3, paper_lr=0.3, paper_warmup_steps=1)
+    job = Job(
+        name="tta",
+        workload="transformer",
+        steps=4,
+        batch_size=2,
+        eval_every=2,
+        recipes=["ddp", "gf-recommended"],
+        lr=1e-3,
+        paper_lr=0.3,
+        paper_warmup_steps=1,
+    )
     gf_stats = [{"payload_bytes": 100.0, "warmup": 0.0, "selected_chunks": 1.0, "n_chunks": 10.0}] * 4
-    raw = {"world_size": 2, "seconds": 1.0, "jobs": [{"job": asdict(job), "n_params": 1000, "probe_s": [0.1, 0.1],
-           "runs": [_run("ddp", [0.2] * 4, [4.0, 3.0, 2.0], [{}] * 4),
-                    _run("gf-recommended", [0.1] * 4, [4.0, 2.5, 1.5], gf_stats)]}]}
+    raw = {
+        "world_size": 2,
+        "seconds": 1.0,
+        "jobs": [
+            {
+                "job": asdict(job),
+                "n_params": 1000,
+                "probe_s": [0.1, 0.1],
+                "runs": [
+                    _run("ddp", [0.2] * 4, [4.0, 3.0, 2.0], [{}] * 4),
+                    _run("gf-recommended", [0.1] * 4, [4.0, 2.5, 1.5], gf_stats),
+                ],
+            }
+        ],
+    }
     s = summarize({"tta": raw}, QualityOptions(), seconds=1.0, tta_skipped=None)
     (t,) = s["tta"]
     rows = {r["recipe"]: r for r in t["rows"]}
@@ -137,9 +189,29 @@ def test_quality_rejects_other_workloads(capsys):
 
 def test_quality_end_to_end_tiny(tmp_path):
     variant = "gf-recommended:warmup_steps=0"  # an ablation: the same recipe without the density ramp
-    args = ["bench", "--quality", "--steps", "12", "--eval-every", "4", "--transformer-size", "32x1",
-            "--bandwidth", "none", "--timeout", "150", "--out", str(tmp_path),
-            "--recipes", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd", variant]
+    args = [
+        "bench",
+        "--quality",
+        "--steps",
+        "12",
+        "--eval-every",
+        "4",
+        "--transformer-size",
+        "32x1",
+        "--bandwidth",
+        "none",
+        "--timeout",
+        "150",
+        "--out",
+        str(tmp_path),
+        "--recipes",
+        "gf-recommended",
+        "gf-density-0.3",
+        "gf-paper",
+        "gf-fp16-dense",
+        "ddp-sgd",
+        variant,
+    ]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
@@ -148,9 +220,10 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert key in res
     assert res["tta"] == [] and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}
-    expected = {"transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd",
-                                variant},
-                "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", variant}}
+    expected = {
+        "transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd", variant},
+        "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", variant},
+    }
     for name, w in res["workloads"].items():
         rows = {r["recipe"]: r for r in w["rows"]}
         assert set(rows) == expected[name]
@@ -196,8 +269,19 @@ def test_adamw_burst_travel_is_the_geometric_series_by_hand():
 
 
 def test_adamw_bursts_end_to_end_tiny(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-           "gradientflow.bench.adamw_bursts", "--steps", "8", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "gradientflow.bench.adamw_bursts",
+        "--steps",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())

@@ -27,9 +27,19 @@ def test_readme_step_time_tables_are_the_committed_results(name: str) -> None:
     assert readme_tables(summary) in README
 
 
-@pytest.mark.parametrize("name", ["quality", "quality_ablation", "quality_chunk_score", "score_agreement",
-                                  "engine_resnet50_loopback", "adamw_bursts", "adamw_variants",
-                                  "quality_long"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quality",
+        "quality_ablation",
+        "quality_chunk_score",
+        "score_agreement",
+        "engine_resnet50_loopback",
+        "adamw_bursts",
+        "adamw_variants",
+        "quality_long",
+    ],
+)
 def test_readme_quality_and_sweep_tables_are_the_committed_table_md(name: str) -> None:
     # engine_resnet50_loopback: the README quotes only its θ sweep table (the last one)
     table = (ROOT / "benchmarks" / name / "table.md").read_text()
@@ -50,8 +60,11 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
 
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", README, re.M))
     # defaults the signature spells as None (resolved at construction): the README says what they become
-    special = {"fusion_threshold_mb": "`25.0` (= `bucket_cap_mb`)", "timeout": "the process group's",
-               "trace_steps": f"`{DEFAULT_TRACE_STEPS}`"}
+    special = {
+        "fusion_threshold_mb": "`25.0` (= `bucket_cap_mb`)",
+        "timeout": "the process group's",
+        "trace_steps": f"`{DEFAULT_TRACE_STEPS}`",
+    }
     sig = inspect.signature(gf.DistributedDataParallel.__init__).parameters
     own = [f.name for f in dataclasses.fields(GradientFlowConfig) if f.name != "broadcast_buffers"]
     for name in own:

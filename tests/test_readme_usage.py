@@ -40,7 +40,7 @@ dist.destroy_process_group()
 def usage_block() -> str:
     """The first Python code block of the README's Usage section."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Usage"):]
+    section = readme[readme.index("## Usage") :]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python block under ## Usage"
     return match.group(1)

@@ -24,8 +24,9 @@ def test_killed_worker_resumes_bit_identical(tmp_path: Path, mode: str) -> None:
     extra = CSC if mode == "csc" else ()
     whole = run_example(tmp_path, "gradientflow", *extra, tag="-whole")
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "10"]
-    resumed = run_example(tmp_path, "gradientflow", *extra, *ckpt, "--die-at-step", "25", max_restarts=1,
-                          tag="-resumed")
+    resumed = run_example(
+        tmp_path, "gradientflow", *extra, *ckpt, "--die-at-step", "25", max_restarts=1, tag="-resumed"
+    )
     assert "resumed from step 20" in resumed["stdout"]
     assert resumed["steps"] == whole["steps"]
     assert resumed["params"] == whole["params"]  # exact equality of every float
@@ -36,8 +37,9 @@ def _bad_state_worker(rank: int, world_size: int) -> None:
     def make(**kw):
         torch.manual_seed(0)
         # warmup_steps=1: step 1 is sparse (a longer ramp sends its first steps dense: tiny chunks)
-        return gf.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), density=0.5,
-                                          chunk_size=8, warmup_steps=1, **kw)
+        return gf.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), density=0.5, chunk_size=8, warmup_steps=1, **kw
+        )
 
     model = make()
     for _ in range(2):

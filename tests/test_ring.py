@@ -1,4 +1,4 @@
-"""Specification of the ring allreduce (collectives.ring_allreduce) against the backend's own allreduce.
+"""Specification of the ring allreduce (gradientflow.comm.ring) against the backend's own allreduce.
 
 Spawning a process group costs seconds on two cores, so each world size is spawned once: one
 worker runs every case and returns what it saw, and the tests below read those records.
@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradientflow.collectives import ALGORITHMS, ring_allreduce, start_allreduce
+from gradientflow.comm.collectives import start_allreduce
+from gradientflow.comm.ring import ring_allreduce
+from gradientflow.config import ALGORITHMS
 
 from _dist import run_distributed
 

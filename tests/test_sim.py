@@ -9,13 +9,14 @@ import math
 import pytest
 from torch import nn
 
+from gradientflow.bench.models import resolve_model
 from gradientflow.cli import main
 from gradientflow.sim import CONFIGS, ModelProfile, SimConfig, allreduce_s, ring_flat_s, simulate, tree_flat_s
 from gradientflow.sim.config import parse_bandwidth
 from gradientflow.sim.measure import fit_alpha_beta
 from gradientflow.sim.model_profile import flop_profile, measured_profile
 from gradientflow.sim.planner import THETAS_MB, best_theta, plan
-from gradientflow.sim.presets import paper_values, resolve_model
+from gradientflow.sim.presets import paper_values
 from gradientflow.sim.schedule import PASSES, n_chunks
 
 
@@ -56,14 +57,17 @@ def test_two_level_ring_by_hand():
 HAND = ModelProfile("hand", numels=(1000, 3000), order=(1, 0), ready=(1.0, 0.5), source="hand")
 
 
-@pytest.mark.parametrize("config,want", [
-    ("baseline", 1.0 + 2 * (0.01 + 1.2) + 2 * (0.01 + 0.4)),  # tree at N=2: 2 rounds of the whole tensor
-    ("ring", 1.0 + (0.01 + 1.2) + (0.01 + 0.4)),               # after backward, one per tensor
-    ("overlap", 0.75 + 1.21 + 0.41),                            # tensor 1 ready halfway through backward
-    ("fp16", 0.75 + 0.61 + 0.21),
-    ("lazy", 1.0 + 0.01 + 0.8),                                 # θ = inf: one bucket at the end
-    ("csc", 1.0 + (0.01 + 16 / 1e4) + (0.01 + 2 * 1000 * 2 / 1e4)),  # 4 chunks, 2 sent, + 4 fp32 scores
-])
+@pytest.mark.parametrize(
+    "config,want",
+    [
+        ("baseline", 1.0 + 2 * (0.01 + 1.2) + 2 * (0.01 + 0.4)),  # tree at N=2: 2 rounds of the whole tensor
+        ("ring", 1.0 + (0.01 + 1.2) + (0.01 + 0.4)),  # after backward, one per tensor
+        ("overlap", 0.75 + 1.21 + 0.41),  # tensor 1 ready halfway through backward
+        ("fp16", 0.75 + 0.61 + 0.21),
+        ("lazy", 1.0 + 0.01 + 0.8),  # θ = inf: one bucket at the end
+        ("csc", 1.0 + (0.01 + 16 / 1e4) + (0.01 + 2 * 1000 * 2 / 1e4)),  # 4 chunks, 2 sent, + 4 fp32 scores
+    ],
+)
 def test_schedule_by_hand(config, want):
     cfg = _cfg(bandwidth=1e4, latency=0.01, theta_mb=math.inf, density=0.5, chunk_size=1000)
     it = simulate(HAND, cfg, 2, config)
@@ -79,12 +83,15 @@ def test_local_passes_are_charged_per_config():
     # autograd's accumulation into the residual (1 pass, lengthens backward), one score pass over the
     # pool, and clear/pack/unpack/mask over half of it: 1 + 1 + 4 * 0.5 passes
     assert simulate(HAND, half, 2, "csc").iteration_s == pytest.approx(
-        1.0 + 1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 3.0)
-    measured = dataclasses.replace(HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3, "csc_accumulate": 0.05,
-                                                  "csc_chunks": 0.2})
+        1.0 + 1.0 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 3.0
+    )
+    measured = dataclasses.replace(
+        HAND, local_s={"fp32": 0.1, "fp16": 0.2, "csc": 0.3, "csc_accumulate": 0.05, "csc_chunks": 0.2}
+    )
     assert simulate(measured, cfg, 2, "ring").iteration_s == pytest.approx(1.0 + 1.62 + 0.1)
-    assert simulate(measured, half, 2, "csc").iteration_s == \
-        pytest.approx(1.0 + 0.05 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3 + 0.5 * 0.2)
+    assert simulate(measured, half, 2, "csc").iteration_s == pytest.approx(
+        1.0 + 0.05 + (0.01 + 16 / 1e4) + (0.01 + 0.4) + 0.3 + 0.5 * 0.2
+    )
     lazy = simulate(measured, dataclasses.replace(half, density=1.0), 2, "csc")  # every chunk: lazy, no passes of CSC
     assert lazy.iteration_s == simulate(measured, dataclasses.replace(half, density=1.0), 2, "lazy").iteration_s
     assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
@@ -132,8 +139,10 @@ def test_speedup_never_drops_when_bandwidth_grows(resnet, gpus_per_node):
     cfg = dataclasses.replace(cfg, gpus_per_node=gpus_per_node)
     for c in CONFIGS:
         for n in (8, 64, 512):
-            s = [simulate(prof, dataclasses.replace(cfg, bandwidth=parse_bandwidth(f"{g}gbit")), n, c).speedup
-                 for g in (1, 5, 10, 25, 56, 100, 400)]
+            s = [
+                simulate(prof, dataclasses.replace(cfg, bandwidth=parse_bandwidth(f"{g}gbit")), n, c).speedup
+                for g in (1, 5, 10, 25, 56, 100, 400)
+            ]
             assert s == sorted(s), (c, n, s)
 
 
@@ -141,8 +150,13 @@ def test_planner_picks_a_theta_and_lists_every_system(resnet):
     prof, cfg = resnet
     assert best_theta(prof, cfg, 64) in THETAS_MB
     rows = plan(prof, cfg, [8, 64], densities=(0.1, 0.01))
-    assert [r.system for r in rows[:5]] == ["DDP (fp32)", "DDP + fp16 hook", "gradientflow fp16 (lazy)",
-                                            "gradientflow CSC density 0.1", "gradientflow CSC density 0.01"]
+    assert [r.system for r in rows[:5]] == [
+        "DDP (fp32)",
+        "DDP + fp16 hook",
+        "gradientflow fp16 (lazy)",
+        "gradientflow CSC density 0.1",
+        "gradientflow CSC density 0.01",
+    ]
     assert rows[3].result.bytes_per_gpu < rows[2].result.bytes_per_gpu
 
 
@@ -152,11 +166,17 @@ def test_fit_alpha_beta_by_hand():
 
 
 # ---- config validation and the CLI ---------------------------------------------------------
-@pytest.mark.parametrize("kw,msg", [
-    (dict(density=0.0), "density must be in"), (dict(bandwidth=0.0), "bandwidth must be"),
-    (dict(gpus_per_node=8), "needs intra_bandwidth"), (dict(latency=-1.0), "latency must be"),
-    (dict(batch=0), "batch must be"), (dict(theta_mb=-1), "theta_mb must be"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(density=0.0), "density must be in"),
+        (dict(bandwidth=0.0), "bandwidth must be"),
+        (dict(gpus_per_node=8), "needs intra_bandwidth"),
+        (dict(latency=-1.0), "latency must be"),
+        (dict(batch=0), "batch must be"),
+        (dict(theta_mb=-1), "theta_mb must be"),
+    ],
+)
 def test_config_rejects_with_a_hint(kw, msg):
     with pytest.raises(ValueError, match=msg):
         _cfg(**kw)
@@ -168,8 +188,14 @@ def test_cli_json_schema(capsys):
     assert set(out) == {"model", "assumptions", "rows"} and out["model"] == "alexnet"
     assert out["assumptions"]["bandwidth"] == 7e9 and "sources" in out["assumptions"]
     assert len(out["rows"]) == 3 * len(CONFIGS)
-    types = {"gpus": int, "config": str, "iteration_s": float, "speedup": float, "efficiency": float,
-             "bytes_per_gpu": int}
+    types = {
+        "gpus": int,
+        "config": str,
+        "iteration_s": float,
+        "speedup": float,
+        "efficiency": float,
+        "bytes_per_gpu": int,
+    }
     for row in out["rows"]:
         assert {k: type(v) for k, v in row.items()} == types
     assert [r["config"] for r in out["rows"][:6]] == list(CONFIGS)
@@ -177,8 +203,22 @@ def test_cli_json_schema(capsys):
 
 def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
     png = tmp_path / "s.png"
-    argv = ["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit",
-            "--gpu-images-per-s", "5000", "--gpus", "1,2,4", "--plan", "--plot", str(png)]
+    argv = [
+        "simulate",
+        "--model",
+        "test_sim:tiny_net",
+        "--input-shape",
+        "3,8,8",
+        "--bandwidth",
+        "10gbit",
+        "--gpu-images-per-s",
+        "5000",
+        "--gpus",
+        "1,2,4",
+        "--plan",
+        "--plot",
+        str(png),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| csc |" in out and "gradientflow CSC density 0.1" in out
@@ -187,8 +227,24 @@ def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
 
 def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit",
-                 "--gpu-images-per-s", "5000", "--gpus", "1,2"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--model",
+                "test_sim:tiny_net",
+                "--input-shape",
+                "3,8,8",
+                "--bandwidth",
+                "10gbit",
+                "--gpu-images-per-s",
+                "5000",
+                "--gpus",
+                "1,2",
+            ]
+        )
+        == 0
+    )
     assert "plot: simulate_test_sim_tiny_net.png" in capsys.readouterr().out
     assert (tmp_path / "simulate_test_sim_tiny_net.png").stat().st_size > 0
 
@@ -197,19 +253,38 @@ def test_cli_profile_measures_here(capsys):
     prof = measured_profile("tiny", tiny_net, (3, 8, 8), batch=4, steps=1)
     assert prof.times is not None and all(t > 0 for t in prof.times)
     assert set(prof.local_s) == set(PASSES) and all(t > 0 for t in prof.local_s.values())
-    assert main(["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--profile",
-                 "--bandwidth", "1gbit", "--gpus", "1,2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--model",
+                "test_sim:tiny_net",
+                "--input-shape",
+                "3,8,8",
+                "--profile",
+                "--bandwidth",
+                "1gbit",
+                "--gpus",
+                "1,2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["assumptions"]["profile"] == "profile"
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--model", "nosuchmodule:f", "--bandwidth", "1gbit", "--gpu-images-per-s", "1"], "cannot load --model"),
-    (["--model", "vgg"], "module:factory"),
-    (["--model", "alexnet", "--gpu-images-per-s", "100"], "give --bandwidth"),
-    (["--model", "alexnet", "--bandwidth", "1gbit"], "give --gpu-images-per-s"),
-    (["--preset", "paper", "--model", "alexnet", "--gpus", "12"], "multiple of --gpus-per-node"),
-    (["--preset", "paper", "--model", "alexnet", "--density", "1.5"], "density must be in"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--model", "nosuchmodule:f", "--bandwidth", "1gbit", "--gpu-images-per-s", "1"], "cannot load --model"),
+        (["--model", "vgg"], "module:factory"),
+        (["--model", "alexnet", "--gpu-images-per-s", "100"], "give --bandwidth"),
+        (["--model", "alexnet", "--bandwidth", "1gbit"], "give --gpu-images-per-s"),
+        (["--preset", "paper", "--model", "alexnet", "--gpus", "12"], "multiple of --gpus-per-node"),
+        (["--preset", "paper", "--model", "alexnet", "--density", "1.5"], "density must be in"),
+    ],
+)
 def test_cli_invalid_options_say_what_to_do(argv, msg, capsys):
     assert main(["simulate", *argv]) == 2
     assert msg in capsys.readouterr().err
@@ -226,9 +301,13 @@ def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
     from gradientflow.sim.validate import predict, table
 
     row = dict(sweep=False, status="ok", p10_s=0.1, p90_s=0.3, speedup=1.0)
-    bench = {"options": {"workload": "small_cnn", "batch_size": 4, "fusion_mb": 25.0}, "world_size": 2,
-             "chunk_size": 1024, "threads_per_rank": 1,
-             "rows": [{**row, "name": m, "mode": m, "median_s": 0.2} for m in ("compute", "gf-fp32", "gf-fp16-csc")]}
+    bench = {
+        "options": {"workload": "small_cnn", "batch_size": 4, "fusion_mb": 25.0},
+        "world_size": 2,
+        "chunk_size": 1024,
+        "threads_per_rank": 1,
+        "rows": [{**row, "name": m, "mode": m, "median_s": 0.2} for m in ("compute", "gf-fp32", "gf-fp16-csc")],
+    }
     preds, assumptions = predict(bench, {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}, steps=1)
     assert set(preds) == {"compute", "gf-fp32", "gf-fp16-csc"}
     assert preds["compute"][1].iteration_s == pytest.approx(0.2)  # scaled to the bench's compute mode

@@ -11,8 +11,8 @@ from torch import nn
 
 import gradientflow as gf
 from gradientflow.cli import main
-from gradientflow.trace import trace_file
-from gradientflow.trace_summary import kind_of
+from gradientflow.diagnostics.trace import trace_file
+from gradientflow.diagnostics.trace_summary import kind_of
 
 from _dist import run_distributed
 
@@ -24,16 +24,21 @@ def _trace_worker(rank: int, world_size: int, tmp: str, options: dict) -> None:
     torch.manual_seed(0)
     model = gf.DistributedDataParallel(
         nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
-        fusion_threshold_mb=0.01, trace_path=os.path.join(tmp, "run", "trace-{rank}.json"), trace_steps=WINDOW,
-        check_consistency=True, **options)
+        fusion_threshold_mb=0.01,
+        trace_path=os.path.join(tmp, "run", "trace-{rank}.json"),
+        trace_steps=WINDOW,
+        check_consistency=True,
+        **options,
+    )
     gen = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         model.zero_grad()
         model(torch.randn(4, 32, generator=gen)).square().mean().backward()
 
 
-@pytest.mark.parametrize("options", [{}, {"density": 0.5, "chunk_size": 64, "comm_dtype": "fp16", "warmup_steps": 1}],
-                         ids=["dense", "csc"])
+@pytest.mark.parametrize(
+    "options", [{}, {"density": 0.5, "chunk_size": 64, "comm_dtype": "fp16", "warmup_steps": 1}], ids=["dense", "csc"]
+)
 def test_trace_holds_the_chosen_steps_only(tmp_path, capsys, options: dict) -> None:
     run_distributed(_trace_worker, 2, str(tmp_path), options, timeout=90)
     for rank in range(2):

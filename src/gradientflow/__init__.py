@@ -1,8 +1,8 @@
 """gradientflow: GradientFlow-style gradient communication for PyTorch data-parallel training."""
 
 from .config import GradientFlowConfig
-from .ddp import DistributedDataParallel
-from .errors import CommunicationError, ConsistencyError
+from .diagnostics.errors import CommunicationError, ConsistencyError
+from .wrapper.ddp import DistributedDataParallel
 
 __all__ = ["CommunicationError", "ConsistencyError", "DistributedDataParallel", "GradientFlowConfig"]
 __version__ = "0.1.0"

@@ -37,9 +37,15 @@ def _arguments_worker(rank: int, world_size: int) -> None:
     # Accepted, as DDP accepts them (positionally too: module, device_ids, output_device, dim).
     m = DDP(_net(), None, None, 0)
     assert m.device_ids is None and m.output_device is None and m.dim == 0
-    for kw in ({"find_unused_parameters": True}, {"gradient_as_bucket_view": True}, {"static_graph": True},
-               {"skip_all_reduce_unused_params": True}, {"batched_grad_copy": True}, {"init_sync": False},
-               {"forward_sync_buffers": False}):
+    for kw in (
+        {"find_unused_parameters": True},
+        {"gradient_as_bucket_view": True},
+        {"static_graph": True},
+        {"skip_all_reduce_unused_params": True},
+        {"batched_grad_copy": True},
+        {"init_sync": False},
+        {"forward_sync_buffers": False},
+    ):
         DDP(_net(), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -68,9 +74,11 @@ def _arguments_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="either process_group or device_mesh"):
         DDP(_net(), process_group=dist.group.WORLD, device_mesh=mesh)
     # What has no counterpart here says what to use instead.
-    for kw, hint in (({"mixed_precision": object()}, "comm_dtype"),
-                     ({"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": None}, "_ddp_params_and"),
-                     ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb")):
+    for kw, hint in (
+        ({"mixed_precision": object()}, "comm_dtype"),
+        ({"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": None}, "_ddp_params_and"),
+        ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb"),
+    ):
         with pytest.raises(ValueError, match=hint):
             DDP(_net(), **kw)
     # Modules DDP refuses, and sparse gradients (named).
@@ -127,7 +135,7 @@ def _ignore_worker(rank: int, world_size: int) -> None:
     local.load_state_dict(net.state_dict())
     local(x).sum().backward()
     torch.testing.assert_close(net[1].weight.grad, local[1].weight.grad)  # not averaged
-    assert not torch.equal(net[0].weight.grad, local[0].weight.grad)      # averaged
+    assert not torch.equal(net[0].weight.grad, local[0].weight.grad)  # averaged
 
 
 def test_params_to_ignore() -> None:
@@ -139,7 +147,7 @@ def test_inputs_move_to_the_module_device_as_ddp() -> None:
     from collections import namedtuple
     from dataclasses import dataclass
 
-    from gradientflow.compat import iter_tensors, move_to_device
+    from gradientflow.wrapper.compat import iter_tensors, move_to_device
 
     Pair = namedtuple("Pair", "a b")
 
@@ -148,8 +156,11 @@ def test_inputs_move_to_the_module_device_as_ddp() -> None:
         x: torch.Tensor
         name: str
 
-    inputs = ({"img": torch.ones(2), "ids": [torch.zeros(1), "text", 3]}, Pair(torch.ones(1), None),
-              Batch(torch.ones(3), "b"))
+    inputs = (
+        {"img": torch.ones(2), "ids": [torch.zeros(1), "text", 3]},
+        Pair(torch.ones(1), None),
+        Batch(torch.ones(3), "b"),
+    )
     moved = move_to_device(inputs, torch.device("meta"))
     tensors = list(iter_tensors(moved))
     assert len(tensors) == 4 and all(t.device.type == "meta" for t in tensors)

@@ -18,8 +18,9 @@ from _oracle import batch
 def _readme_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
-    model = gf.DistributedDataParallel(net, fusion_threshold_mb=25, comm_dtype="fp16", density=0.5,
-                                       chunk_size=16, warmup_steps=1, momentum=0.0)
+    model = gf.DistributedDataParallel(
+        net, fusion_threshold_mb=25, comm_dtype="fp16", density=0.5, chunk_size=16, warmup_steps=1, momentum=0.0
+    )
     assert model.module is net
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
@@ -46,9 +47,13 @@ def _readme_worker(rank: int, world_size: int) -> None:
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     torch.manual_seed(0)
-    twin = gf.DistributedDataParallel(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(),
-                                                    nn.Linear(32, 4)), comm_dtype="fp16", density=0.5,
-                                      chunk_size=16, warmup_steps=1)
+    twin = gf.DistributedDataParallel(
+        nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)),
+        comm_dtype="fp16",
+        density=0.5,
+        chunk_size=16,
+        warmup_steps=1,
+    )
     twin.load_state_dict(ckpt["model"])
     twin.load_comm_state_dict(ckpt["comm"])
     for a, b in zip(model.comm_state_dict()["v"], twin.comm_state_dict()["v"]):
@@ -100,13 +105,18 @@ def _auto_check_worker(rank: int, world_size: int) -> None:
 
     # Never calling check_optimizer: momentum twice (CSC's correction and SGD's) is reported at the
     # first step, once, pointing at the user's opt.step() line.
-    (w,) = warnings_of(lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.5, momentum=0.9),
-                       lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    (w,) = warnings_of(
+        lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.5, momentum=0.9),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    )
     assert "momentum" in str(w.message) and w.filename == __file__
     # AdamW below density 0.3, likewise; an explicit call first is not repeated at the first step.
     for explicit in (False, True):
-        (w,) = warnings_of(lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.1),
-                           lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), explicit)
+        (w,) = warnings_of(
+            lambda: gf.DistributedDataParallel(nn.Linear(6, 4), density=0.1),
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            explicit,
+        )
         assert "Adam-type" in str(w.message) and w.filename == __file__
     # Nothing to say: a dense wrapper (no hook at all), or an optimizer of other parameters.
     dense = gf.DistributedDataParallel(nn.Linear(6, 4))

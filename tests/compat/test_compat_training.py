@@ -32,7 +32,7 @@ class Tied(nn.Module):
         self.head.weight = nn.Parameter(self.emb.weight.detach().t().contiguous())
         self.shared = nn.Parameter(torch.ones(8))
         self.alias = self.shared  # the same Parameter under a second name
-        self.emb2 = self.emb      # a module registered twice
+        self.emb2 = self.emb  # a module registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.emb(x)) * self.alias + self.shared
@@ -54,8 +54,13 @@ def _steps(models, rank: int, steps: int, loss_fn, opt_cls=torch.optim.SGD, chec
 def _tied_worker(rank: int, world_size: int) -> None:
     ref, ours = pair(Tied)
     assert len(list(ours.parameters())) == len(list(ref.parameters())) == 3
-    _steps([ref, ours], rank, 3, lambda m, r, s: m(batch(r, s)).pow(2).mean(),
-           check=lambda s: assert_same_grads(ref, ours, what=f"step {s}"))
+    _steps(
+        [ref, ours],
+        rank,
+        3,
+        lambda m, r, s: m(batch(r, s)).pow(2).mean(),
+        check=lambda s: assert_same_grads(ref, ours, what=f"step {s}"),
+    )
     assert_same_params(ref, ours)
 
 
@@ -283,8 +288,12 @@ def _clip_dense_worker(rank: int, world_size: int) -> None:
     make = lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # noqa: E731
     ref, ours = pair(make)
     ref_s, ours_s = pair(make)  # the AMP recipe: scale, unscale_, clip, scaler.step
-    runs = [(ref, None), (ours, None), (ref_s, torch.amp.GradScaler("cpu", init_scale=2.0**8)),
-            (ours_s, torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+    runs = [
+        (ref, None),
+        (ours, None),
+        (ref_s, torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+        (ours_s, torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+    ]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m, _ in runs]
     for step in range(4):
         norms = []

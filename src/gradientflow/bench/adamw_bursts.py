@@ -49,8 +49,9 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().flatten() for t in tensors])
 
 
-def band_table(freq: torch.Tensor, v_ratio: torch.Tensor, step_ddp: torch.Tensor, step_gf: torch.Tensor,
-               moved_ratio: torch.Tensor) -> list[dict[str, Any]]:
+def band_table(
+    freq: torch.Tensor, v_ratio: torch.Tensor, step_ddp: torch.Tensor, step_gf: torch.Tensor, moved_ratio: torch.Tensor
+) -> list[dict[str, Any]]:
     """Medians per send-frequency band (see :data:`BANDS`); bands without elements are left out."""
     rows = []
     for lo, hi in BANDS:
@@ -58,21 +59,32 @@ def band_table(freq: torch.Tensor, v_ratio: torch.Tensor, step_ddp: torch.Tensor
         n = int(sel.sum())
         if n == 0:
             continue
-        rows.append({"band": [lo, hi], "elements": n, "v_gf_over_ddp": float(v_ratio[sel].median()),
-                     "adam_step_ddp": float(step_ddp[sel].median()), "adam_step_gf": float(step_gf[sel].median()),
-                     "moved_gf_over_ddp": float(moved_ratio[sel].median())})
+        rows.append(
+            {
+                "band": [lo, hi],
+                "elements": n,
+                "v_gf_over_ddp": float(v_ratio[sel].median()),
+                "adam_step_ddp": float(step_ddp[sel].median()),
+                "adam_step_gf": float(step_gf[sel].median()),
+                "moved_gf_over_ddp": float(moved_ratio[sel].median()),
+            }
+        )
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float,
-             betas: tuple[float, float]) -> str:
-    lines = ["| chunk sent on | elements | AdamW v, CSC / DDP | AdamW step \\|m\\|/√v, DDP | the same, CSC "
-             f"| moved over the last {counted} steps, CSC / DDP |", "|---|---|---|---|---|---|"]
+def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float, betas: tuple[float, float]) -> str:
+    lines = [
+        "| chunk sent on | elements | AdamW v, CSC / DDP | AdamW step \\|m\\|/√v, DDP | the same, CSC "
+        f"| moved over the last {counted} steps, CSC / DDP |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lo, hi = r["band"]
-        lines.append(f"| {lo:.0%}–{hi:.0%} of steps | {r['elements']:,} ({r['elements'] / total:.0%}) "
-                     f"| {r['v_gf_over_ddp']:.2f} | {r['adam_step_ddp']:.3f} | {r['adam_step_gf']:.3f} "
-                     f"| {r['moved_gf_over_ddp']:.2f} |")
+        lines.append(
+            f"| {lo:.0%}–{hi:.0%} of steps | {r['elements']:,} ({r['elements'] / total:.0%}) "
+            f"| {r['v_gf_over_ddp']:.2f} | {r['adam_step_ddp']:.3f} | {r['adam_step_gf']:.3f} "
+            f"| {r['moved_gf_over_ddp']:.2f} |"
+        )
     lines += ["", f"One isolated burst moves a coordinate {travel:.2f} learning rates in all (betas {tuple(betas)})."]
     return "\n".join(lines) + "\n"
 
@@ -108,8 +120,12 @@ def main(argv: list[str] | None = None) -> None:
             _loss(wrapped(x), y).backward()
             if kind == "gf" and step >= half:
                 # a sent chunk carries a nonzero synchronised gradient; the others are exactly 0
-                now = torch.cat([(q.grad != 0).flatten() if q.grad is not None else torch.zeros(q.numel(), dtype=bool)
-                                 for q in wrapped.parameters()]).float()
+                now = torch.cat(
+                    [
+                        (q.grad != 0).flatten() if q.grad is not None else torch.zeros(q.numel(), dtype=bool)
+                        for q in wrapped.parameters()
+                    ]
+                ).float()
                 sent = now if sent is None else sent + now
             opt.step()
             sched.step()
@@ -121,17 +137,35 @@ def main(argv: list[str] | None = None) -> None:
         m = {k: _flat([s[q]["exp_avg"] for q in ps]) for k, (s, ps) in state.items()}
         moved = {k: (_flat(ps) - start[k]).abs() for k, (_, ps) in state.items()}
         counted = args.steps - half
-        rows = band_table(sent / counted, v["gf"] / v["ddp"].clamp_min(1e-30),
-                          m["ddp"].abs() / (v["ddp"].sqrt() + 1e-8), m["gf"].abs() / (v["gf"].sqrt() + 1e-8),
-                          moved["gf"] / moved["ddp"].clamp_min(1e-30))
+        rows = band_table(
+            sent / counted,
+            v["gf"] / v["ddp"].clamp_min(1e-30),
+            m["ddp"].abs() / (v["ddp"].sqrt() + 1e-8),
+            m["gf"].abs() / (v["gf"].sqrt() + 1e-8),
+            moved["gf"] / moved["ddp"].clamp_min(1e-30),
+        )
         travel = burst_travel(*betas)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         total = int(sent.numel())
-        (out / "results.json").write_text(json.dumps(
-            {"steps": args.steps, "counted_steps": counted, "elements": total, "burst_travel_lr": travel,
-             "job": {"d_model": job.d_model, "n_layers": job.n_layers, "lr": job.lr, "batch_size": job.batch_size},
-             "bands": rows}, indent=1))
+        (out / "results.json").write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "counted_steps": counted,
+                    "elements": total,
+                    "burst_travel_lr": travel,
+                    "job": {
+                        "d_model": job.d_model,
+                        "n_layers": job.n_layers,
+                        "lr": job.lr,
+                        "batch_size": job.batch_size,
+                    },
+                    "bands": rows,
+                },
+                indent=1,
+            )
+        )
         table = markdown(rows, total, counted, travel, betas)
         (out / "table.md").write_text(table)
         print(table)

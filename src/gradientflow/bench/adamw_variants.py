@@ -14,7 +14,7 @@ the measured alternatives that lost, kept so that the README's claims about them
   the pool's (``csc_scope="global"``, whose slice is the whole pool, against the same with the
   pool's top: on this model one slice either way); ``force-old`` sends chunks unsent for 40 steps
   first and ``age-boost`` ranks by score x (1 + steps unsent / 10) (:class:`AgedSelection`).  All
-  replace the engine's ``gradientflow.csc.select_chunks`` while their own run steps (the library
+  replace the engine's ``gradientflow.strategies.csc.select_chunks`` while their own run steps (the library
   has no selection hook: one rule, the paper's, is the product).
 - *residual*: ``residual-decay`` multiplies the residual by 0.95 after every write-back (old
   gradient is forgotten, not delayed); ``predictor`` sends each unsent chunk a shared estimate (the
@@ -40,9 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import gradientflow.csc as csc_module
-from gradientflow.csc import SparseSync
-from gradientflow.selection import select_chunks
+import gradientflow.strategies.csc as csc_module
+from gradientflow.strategies.csc import SparseSync
+from gradientflow.strategies.selection import select_chunks
 
 VARIANTS: dict[str, str] = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -60,8 +60,8 @@ VARIANTS: dict[str, str] = {
     "arrival-adamw-age": "ArrivalAdamW, the move scaled by the steps waited",
 }
 RESIDUAL_DECAY = 0.95
-FORCE_AFTER = 40   # force-old: steps a chunk may stay unsent
-AGE_SCALE = 10     # age-boost: a chunk unsent for 10 steps scores double
+FORCE_AFTER = 40  # force-old: steps a chunk may stay unsent
+AGE_SCALE = 10  # age-boost: a chunk unsent for 10 steps scores double
 FREEZE_FROM = 100  # frozen-v: the library's default ramp length
 
 
@@ -76,10 +76,18 @@ class ArrivalAdamW(torch.optim.Optimizer):
     torch's AdamW.
     """
 
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, scale_by_age: bool = False) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                                  "scale_by_age": scale_by_age})
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        scale_by_age: bool = False,
+    ) -> None:
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "scale_by_age": scale_by_age}
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -92,8 +100,12 @@ class ArrivalAdamW(torch.optim.Optimizer):
                     continue
                 st = self.state[p]
                 if not st:
-                    st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                              arrivals=torch.zeros_like(p), age=torch.zeros_like(p))
+                    st.update(
+                        exp_avg=torch.zeros_like(p),
+                        exp_avg_sq=torch.zeros_like(p),
+                        arrivals=torch.zeros_like(p),
+                        age=torch.zeros_like(p),
+                    )
                 g, m, v, n, age = p.grad, st["exp_avg"], st["exp_avg_sq"], st["arrivals"], st["age"]
                 age += 1
                 got = g != 0
@@ -249,35 +261,50 @@ def _build(variant: str, data: Any, job: Any) -> tuple[torch.nn.Module, torch.op
     """Wrapper, optimizer and selection rule of one variant."""
     from gradientflow.bench.quality import build_recipe
 
-    recipe = {"ddp": "ddp", "gf-global": "gf-recommended:csc_scope='global'",
-              "per-tensor": "gf-recommended:csc_scope='global'",
-              "mc-beside-adamw": "gf-recommended:momentum=0.9"}.get(variant, "gf-recommended")
+    recipe = {
+        "ddp": "ddp",
+        "gf-global": "gf-recommended:csc_scope='global'",
+        "per-tensor": "gf-recommended:csc_scope='global'",
+        "mc-beside-adamw": "gf-recommended:momentum=0.9",
+    }.get(variant, "gf-recommended")
     wrapped, opt, _ = build_recipe(recipe, data.build_model(), job)
     rule = None
     if variant in ("predictor", "residual-decay"):
         PredictorSync.adopt(wrapped._gf_engine.sync, "predictor" if variant == "predictor" else "decay")
     elif variant == "frozen-v":
         g = opt.param_groups[0]
-        opt = FrozenSecondMomentAdamW(wrapped.parameters(), FREEZE_FROM, lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                                      weight_decay=g["weight_decay"])
+        opt = FrozenSecondMomentAdamW(
+            wrapped.parameters(),
+            FREEZE_FROM,
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+        )
     elif variant == "force-old":
         rule = AgedSelection("force", FORCE_AFTER)
     elif variant == "age-boost":
         rule = AgedSelection("boost", AGE_SCALE)
     elif variant.startswith("arrival-adamw"):
         g = opt.param_groups[0]
-        opt = ArrivalAdamW(wrapped.parameters(), lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                           weight_decay=g["weight_decay"], scale_by_age=variant.endswith("-age"))
+        opt = ArrivalAdamW(
+            wrapped.parameters(),
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            scale_by_age=variant.endswith("-age"),
+        )
     elif variant == "rotating":
         sync = wrapped._gf_engine.sync
-        rule = (lambda scores, k, sync=sync: rotating_selection(scores.numel(), k, sync.step))
+        rule = lambda scores, k, sync=sync: rotating_selection(scores.numel(), k, sync.step)
     elif variant == "per-tensor":
         eng = wrapped._gf_engine
         if len(eng.pool.buffers) != 1:
             raise RuntimeError("per-tensor selection is written for a one-buffer pool")
         starts = sorted({s.offset // eng.sync.chunk_size for s in eng.pool.layout.slots})
         groups = list(zip(starts, starts[1:] + [math.inf]))
-        rule = (lambda scores, k, groups=groups: per_tensor_selection(scores, k, groups))  # type: ignore[arg-type]
+        rule = lambda scores, k, groups=groups: per_tensor_selection(scores, k, groups)  # type: ignore[arg-type]
     return wrapped, opt, rule
 
 
@@ -293,8 +320,11 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400, as the quality bench)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; ddp is always run)")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all; ddp is always run)",
+    )
     p.add_argument("--out", default="benchmarks/adamw_variants", help="directory for results.json and table.md")
     args = p.parse_args(argv)
     chosen = ["ddp"] + [v for v in args.variants.split(",") if v and v != "ddp"]
@@ -323,9 +353,21 @@ def main(argv: list[str] | None = None) -> None:
         rows = [{"variant": v, "val_loss": loss, "ratio": loss / losses["ddp"]} for v, loss in losses.items()]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(
-            {"steps": args.steps, "job": {"d_model": job.d_model, "n_layers": job.n_layers, "lr": job.lr,
-                                          "batch_size": job.batch_size}, "rows": rows}, indent=1))
+        (out / "results.json").write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "job": {
+                        "d_model": job.d_model,
+                        "n_layers": job.n_layers,
+                        "lr": job.lr,
+                        "batch_size": job.batch_size,
+                    },
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         table = markdown(rows)
         (out / "table.md").write_text(table)
         print(table)

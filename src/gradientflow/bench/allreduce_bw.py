@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gradientflow.collectives import DEFAULT_PIPELINE_BYTES, DEFAULT_PIPELINE_DEPTH, ring_allreduce
+from gradientflow.comm.ring import DEFAULT_PIPELINE_BYTES, DEFAULT_PIPELINE_DEPTH, ring_allreduce
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "gradientflow.bench.allreduce_bw"  # not __name__: that is "__main__" under -m
@@ -152,8 +152,11 @@ def _markdown(summary: dict, algos: dict[str, dict], meta: dict) -> str:
         cells += [f"{row[n]['line_rate_fraction']:.1%}" for n in names] if rate else []
         lines.append("| " + " | ".join(cells) + " |")
     if rate:
-        lines += ["", f"Line rate {rate / 1e9:g} Gbit/s; one TCP stream between two nodes measured "
-                  f"{meta['tcp_goodput_bps'] / 1e9:.3f} Gbit/s just before."]
+        lines += [
+            "",
+            f"Line rate {rate / 1e9:g} Gbit/s; one TCP stream between two nodes measured "
+            f"{meta['tcp_goodput_bps'] / 1e9:.3f} Gbit/s just before.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -193,8 +196,18 @@ def _run_ranks(args: argparse.Namespace, result_file: Path) -> dict:
         worker += ["--pipeline-depth", *map(str, args.pipeline_depth)]
     env = {"OMP_NUM_THREADS": "1"}
     if not args.bandwidth:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--standalone",
-               f"--nproc-per-node={args.nproc}", "-m", WORKER_MODULE, *worker]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--max-restarts",
+            "0",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            "-m",
+            WORKER_MODULE,
+            *worker,
+        ]
         logger.info("launching: %s", " ".join(cmd))
         try:
             codes = [subprocess.run(cmd, env={**os.environ, **env}, timeout=args.timeout).returncode]
@@ -208,8 +221,15 @@ def _run_ranks(args: argparse.Namespace, result_file: Path) -> dict:
         goodput = cluster.measure_throughput(0, 1)  # one TCP stream: what the link really gives
         procs = []
         for node in range(args.nproc):
-            cmd = torchrun_argv(nnodes=args.nproc, node_rank=node, nproc_per_node=1, master_addr=cluster.master_addr,
-                                master_port=29500, args=worker, module=WORKER_MODULE)
+            cmd = torchrun_argv(
+                nnodes=args.nproc,
+                node_rank=node,
+                nproc_per_node=1,
+                master_addr=cluster.master_addr,
+                master_port=29500,
+                args=worker,
+                module=WORKER_MODULE,
+            )
             procs.append(cluster.popen(node, cmd, env=env))
         deadline = time.monotonic() + args.timeout
         codes = []
@@ -270,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeline-depth", type=int, nargs="*", help="ring pieces in flight to compare")
     p.add_argument("--out", default="benchmarks/")
     p.add_argument("--suffix", default="", help="appended to output file names")
-    p.add_argument("--bandwidth", help="run each rank in its own network namespace, links shaped to this rate "
-                   "(e.g. 1gbit; needs root, see bench/cluster.py)")
+    p.add_argument(
+        "--bandwidth",
+        help="run each rank in its own network namespace, links shaped to this rate "
+        "(e.g. 1gbit; needs root, see bench/cluster.py)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     p.add_argument("--pg-timeout", type=float, default=120, help="seconds for any one collective")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

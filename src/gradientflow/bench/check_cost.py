@@ -51,8 +51,9 @@ def _worker(rank: int, world: int, store_path: str, args: dict[str, Any], result
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
         x, y = synthetic_batch(args["workload"], args["batch_size"], seed=rank)
         models = {}
         for name, opts in VARIANTS.items():
@@ -95,13 +96,17 @@ def _check_latency_us(model: Any, repeats: int = 5, n: int = 200) -> float:
     The step-time differences above drown in a shared machine's noise; this is the figure the
     check adds to a step at most (when ranks arrive together; skew it absorbs is waited for later anyway).
     """
-    from gradientflow.consistency import StepCheck
-    from gradientflow.pool import plan_layout
-    from gradientflow.watchdog import Watchdog
+    from gradientflow.diagnostics.watchdog import Watchdog
+    from gradientflow.engine.consistency import StepCheck
+    from gradientflow.engine.pool import plan_layout
 
     params = [p for p in model.parameters() if p.requires_grad]
-    layout = plan_layout([p.numel() for p in params], [(p.dtype, p.device) for p in params],
-                         list(reversed(range(len(params)))), 25 * 2**20)
+    layout = plan_layout(
+        [p.numel() for p in params],
+        [(p.dtype, p.device) for p in params],
+        list(reversed(range(len(params)))),
+        25 * 2**20,
+    )
     check = StepCheck(Watchdog(dist.group.WORLD, timedelta(seconds=60)), torch.device("cpu"))
     means = []
     for _ in range(repeats):
@@ -124,8 +129,10 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         args = {**args, "tmp": tmp}
-        procs = [ctx.Process(target=_worker, args=(r, args["nproc"], os.path.join(tmp, "store"), args, results),
-                             daemon=True) for r in range(args["nproc"])]
+        procs = [
+            ctx.Process(target=_worker, args=(r, args["nproc"], os.path.join(tmp, "store"), args, results), daemon=True)
+            for r in range(args["nproc"])
+        ]
         for p in procs:
             p.start()
         try:
@@ -147,9 +154,13 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     for n in names:
         t = per_step[n]
         paired = [100 * (a - b) / b for a, b in zip(t, base)]
-        table[n] = {"median_ms": 1e3 * statistics.median(t), "p10_ms": 1e3 * _pct(t, 0.1),
-                    "p90_ms": 1e3 * _pct(t, 0.9), "paired_median_pct": statistics.median(paired),
-                    "step_s": t}
+        table[n] = {
+            "median_ms": 1e3 * statistics.median(t),
+            "p10_ms": 1e3 * _pct(t, 0.1),
+            "p90_ms": 1e3 * _pct(t, 0.9),
+            "paired_median_pct": statistics.median(paired),
+            "step_s": t,
+        }
     return table
 
 
@@ -163,20 +174,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1200, help="seconds before the run is abandoned (1200)")
     p.add_argument("--out", default=None, help="also write the per-step times as JSON here")
     a = p.parse_args(argv)
-    table = run({"workload": a.workload, "nproc": a.nproc, "batch_size": a.batch_size, "steps": a.steps,
-                 "warmup": a.warmup, "timeout": a.timeout})
-    print(f"{a.workload}, {a.nproc} ranks (Gloo, loopback, 1 thread each), batch {a.batch_size}/rank, "
-          f"{a.steps} rounds after {a.warmup} warm-up rounds; slowest rank per step\n")
+    table = run(
+        {
+            "workload": a.workload,
+            "nproc": a.nproc,
+            "batch_size": a.batch_size,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "timeout": a.timeout,
+        }
+    )
+    print(
+        f"{a.workload}, {a.nproc} ranks (Gloo, loopback, 1 thread each), batch {a.batch_size}/rank, "
+        f"{a.steps} rounds after {a.warmup} warm-up rounds; slowest rank per step\n"
+    )
     print("| variant | step ms, median (p10–p90) | vs baseline, median of paired differences |")
     print("|---|---|---|")
     for name, row in table.items():
         if name.startswith("_"):
             continue
-        print(f"| {name} | {row['median_ms']:.0f} ({row['p10_ms']:.0f}–{row['p90_ms']:.0f}) | "
-              f"{row['paired_median_pct']:+.1f}% |")
+        print(
+            f"| {name} | {row['median_ms']:.0f} ({row['p10_ms']:.0f}–{row['p90_ms']:.0f}) | "
+            f"{row['paired_median_pct']:+.1f}% |"
+        )
     base_ms = table["baseline (all off)"]["median_ms"]
-    print(f"\ncheck_consistency's step check alone: {table['_check_us']:.0f} µs per step back to back "
-          f"(slowest rank) = {100 * table['_check_us'] / 1e3 / base_ms:.2f}% of the baseline's median step")
+    print(
+        f"\ncheck_consistency's step check alone: {table['_check_us']:.0f} µs per step back to back "
+        f"(slowest rank) = {100 * table['_check_us'] / 1e3 / base_ms:.2f}% of the baseline's median step"
+    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(table, f, indent=1)

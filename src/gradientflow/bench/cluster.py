@@ -119,8 +119,26 @@ def can_emulate() -> tuple[bool, str]:
         if made.returncode != 0:
             return False, f"'ip netns add' failed: {made.stderr.strip()}"
         _run(["ip", "-n", probe, "link", "set", "lo", "up"], check=False)
-        tbf = _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf",
-                    "rate", "1gbit", "burst", "512kb", "latency", _TBF_LATENCY], check=False)
+        tbf = _run(
+            [
+                "tc",
+                "-n",
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1gbit",
+                "burst",
+                "512kb",
+                "latency",
+                _TBF_LATENCY,
+            ],
+            check=False,
+        )
         if tbf.returncode != 0:
             return False, f"'tc qdisc add ... tbf' failed: {tbf.stderr.strip()}"
         return True, "ok"
@@ -193,8 +211,9 @@ class EmulatedCluster:
         except BaseException:
             self.close()
             raise
-        logger.info("emulated cluster %s: %d nodes at %s, addresses %s",
-                    self.prefix, self.nodes, self.rate, self.addresses)
+        logger.info(
+            "emulated cluster %s: %d nodes at %s, addresses %s", self.prefix, self.nodes, self.rate, self.addresses
+        )
 
     def close(self) -> None:
         """Tear everything down. Idempotent; safe from a signal handler or atexit."""
@@ -215,8 +234,7 @@ class EmulatedCluster:
                     # a namespace outlives its name while a process is inside it; say so
                     pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
                     if pids:
-                        logger.warning("processes %s still run in %s; its veths live until they "
-                                       "exit", pids, ns)
+                        logger.warning("processes %s still run in %s; its veths live until they exit", pids, ns)
                     _run(["ip", "netns", "del", ns], check=False)
         finally:
             self._restore_handlers()
@@ -249,8 +267,7 @@ class EmulatedCluster:
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # created directly in both namespaces, so the pair never appears in the root one
-            _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth",
-                  "peer", "name", node_if, "netns", ns])
+            _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth", "peer", "name", node_if, "netns", ns])
             _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
             _run(["ip", "-n", sw, "link", "set", sw_if, "up"])
@@ -263,8 +280,25 @@ class EmulatedCluster:
 
     def _shape(self, ns: str, dev: str) -> None:
         burst = tbf_burst_bytes(self.rate_bps or 0)
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_bps}bit",
-              "burst", str(burst), "latency", _TBF_LATENCY])
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{self.rate_bps}bit",
+                "burst",
+                str(burst),
+                "latency",
+                _TBF_LATENCY,
+            ]
+        )
 
     # ---- signals ---------------------------------------------------------------------
     def _install_handlers(self) -> None:
@@ -292,8 +326,7 @@ class EmulatedCluster:
             os.kill(os.getpid(), signum)
 
     # ---- processes -------------------------------------------------------------------
-    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None,
-              **kw: object) -> subprocess.Popen:
+    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
         """Start ``argv`` inside node ``node``'s namespace.
 
         ``env`` is added to a copy of this process's environment; ``GLOO_SOCKET_IFNAME`` is
@@ -308,8 +341,7 @@ class EmulatedCluster:
         full_env["GLOO_SOCKET_IFNAME"] = self.ifnames[node]
         full_env.update(env or {})
         kw.setdefault("start_new_session", True)
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv],
-                                env=full_env, **kw)  # type: ignore[arg-type]
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **kw)  # type: ignore[arg-type]
         self._children.append(proc)
         return proc
 
@@ -331,23 +363,28 @@ class EmulatedCluster:
         self._children = []
 
     # ---- measurement -----------------------------------------------------------------
-    def measure_throughput(self, src: int, dst: int, nbytes: int = 20_000_000,
-                           timeout: float = 60.0) -> float:
+    def measure_throughput(self, src: int, dst: int, nbytes: int = 20_000_000, timeout: float = 60.0) -> float:
         """Goodput in bits/s of one TCP stream of ``nbytes`` from node ``src`` to node ``dst``.
 
         Timed at the receiver from the first to the last byte, so connection setup and
         process start-up are excluded.
         """
-        recv = self.popen(dst, [sys.executable, "-c", _RECEIVER, self.addresses[dst]],
-                          stdout=subprocess.PIPE, text=True)
+        recv = self.popen(
+            dst, [sys.executable, "-c", _RECEIVER, self.addresses[dst]], stdout=subprocess.PIPE, text=True
+        )
         procs = [recv]
         try:
             assert recv.stdout is not None
             port = recv.stdout.readline().strip()
             if not port:
                 raise RuntimeError("throughput receiver did not start")
-            procs.append(self.popen(src, [sys.executable, "-c", _SENDER, self.addresses[dst],
-                                          port, str(nbytes)], stdout=subprocess.DEVNULL))
+            procs.append(
+                self.popen(
+                    src,
+                    [sys.executable, "-c", _SENDER, self.addresses[dst], port, str(nbytes)],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
             procs[1].wait(timeout=timeout)
             out, _ = recv.communicate(timeout=timeout)
         finally:

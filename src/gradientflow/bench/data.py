@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect")
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.2
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def load_digits_split(
+    seed: int = 0, test_fraction: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), split
     stratified by class: ``(x_train [N,1,8,8] float in [0,1], y_train, x_test, y_test)``."""
     from sklearn.datasets import load_digits  # optional dependency: only the demo needs it
@@ -29,14 +30,13 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
     y = torch.tensor(digits.target, dtype=torch.long)
     idx_train, idx_test = train_test_split(
-        torch.arange(len(y)).numpy(), test_size=test_fraction, random_state=seed,
-        stratify=y.numpy())
+        torch.arange(len(y)).numpy(), test_size=test_fraction, random_state=seed, stratify=y.numpy()
+    )
     tr, te = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
     return x[tr], y[tr], x[te], y[te]
 
 
-def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's strided shard ``x[rank::world_size]``, after dropping the remainder so every
     rank holds the same number of samples (and so runs the same number of collectives)."""
     if world_size < 1 or not 0 <= rank < world_size:
@@ -52,8 +52,11 @@ def char_corpus(modules: tuple[str, ...] = CORPUS_MODULES) -> str:
     modules (about 50 kB on CPython 3.10-3.13). Same Python version, same text."""
     # `import this` would print the Zen to stdout, so read its rot13 string without running it
     zen_src = _stdlib_source("this")
-    zen = next(ast.literal_eval(node.value) for node in ast.parse(zen_src).body
-               if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "s")
+    zen = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(zen_src).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "s"
+    )
     parts = [codecs.decode(zen, "rot13")]
     parts += [_stdlib_source(name) for name in modules]
     return "\n".join(parts)
@@ -100,8 +103,9 @@ def decode(ids: torch.Tensor | list[int], vocab: list[str]) -> str:
     return "".join(vocab[int(i)] for i in ids)
 
 
-def lm_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_batch(
+    ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of ``ids``: inputs [B, T] and next-character targets [B, T]."""
     if len(ids) <= seq_len:
         raise ValueError(f"corpus of {len(ids)} tokens is too short for seq_len {seq_len}")

@@ -88,7 +88,7 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
         for step in bar:
             if pos + opts.batch_size > len(order):  # next epoch
                 order, pos = torch.randperm(len(xs), generator=gen), 0
-            idx = order[pos:pos + opts.batch_size]
+            idx = order[pos : pos + opts.batch_size]
             pos += opts.batch_size
             opt.zero_grad(set_to_none=True)
             # bf16 autocast: CPU supports it natively and it needs no loss scaling (fp32's exponent range)
@@ -107,11 +107,20 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
         if rank != 0:
             return None
         return {
-            "ranks": world, "steps": opts.steps, "seconds": seconds, "steps_per_s": opts.steps / seconds,
-            "test_accuracy": acc, "test_samples": len(y_test), "final_loss": float(loss.item()),
-            "payload_bytes": payload, "ddp_bytes": dense,
-            "mode": (f"comm_dtype={opts.comm_dtype}, " + (f"CSC density={opts.density} chunk_size={opts.chunk_size}"
-                     if csc else "dense") + (", bf16 autocast" if opts.amp else ", fp32 compute")),
+            "ranks": world,
+            "steps": opts.steps,
+            "seconds": seconds,
+            "steps_per_s": opts.steps / seconds,
+            "test_accuracy": acc,
+            "test_samples": len(y_test),
+            "final_loss": float(loss.item()),
+            "payload_bytes": payload,
+            "ddp_bytes": dense,
+            "mode": (
+                f"comm_dtype={opts.comm_dtype}, "
+                + (f"CSC density={opts.density} chunk_size={opts.chunk_size}" if csc else "dense")
+                + (", bf16 autocast" if opts.amp else ", fp32 compute")
+            ),
             "options": asdict(opts),
         }
     finally:
@@ -125,12 +134,21 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from gradientflow.bench.runner import free_port
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=f"gf-demo-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=opts.nproc,
+        run_id=f"gf-demo-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.2,
         start_method="spawn",
     )
-    logger.info("gradientflow demo: %d ranks (Gloo, 127.0.0.1), small_cnn on scikit-learn digits, %d steps",
-                opts.nproc, opts.steps)
+    logger.info(
+        "gradientflow demo: %d ranks (Gloo, 127.0.0.1), small_cnn on scikit-learn digits, %d steps",
+        opts.nproc,
+        opts.steps,
+    )
     results = elastic_launch(config, demo_worker)(opts)
     rep = results[0]
     saved = 1 - rep["payload_bytes"] / rep["ddp_bytes"] if rep["ddp_bytes"] else 0.0
@@ -140,8 +158,16 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "  speed           %.1f steps/s (%d steps in %.1f s, %d ranks)\n"
         "  bytes sent      %.2f MB per rank, handed to allreduce over the run\n"
         "  DDP would send  %.2f MB (dense fp32 allreduce of every gradient) -> %.1f%% less",
-        rep["mode"], 100 * rep["test_accuracy"], rep["test_samples"], rep["final_loss"], rep["steps_per_s"],
-        rep["steps"], rep["seconds"], rep["ranks"], rep["payload_bytes"] / 2**20, rep["ddp_bytes"] / 2**20,
+        rep["mode"],
+        100 * rep["test_accuracy"],
+        rep["test_samples"],
+        rep["final_loss"],
+        rep["steps_per_s"],
+        rep["steps"],
+        rep["seconds"],
+        rep["ranks"],
+        rep["payload_bytes"] / 2**20,
+        rep["ddp_bytes"] / 2**20,
         100 * saved,
     )
     if opts.out:

@@ -8,7 +8,10 @@ compute dominates the step, as it does on a GPU cluster.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +40,8 @@ class Bottleneck(nn.Module):
         self.downsample: nn.Module | None = None
         if stride != 1 or in_ch != out_ch:
             self.downsample = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch))
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -98,26 +102,36 @@ class AlexNet(nn.Module):
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, 11, stride=4, padding=2), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 64, 11, stride=4, padding=2),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2),
-            nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True),
+            nn.Conv2d(64, 192, 5, padding=2),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2),
-            nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(192, 384, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, 3, padding=1),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2),
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
-            nn.Dropout(dropout), nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True),
-            nn.Dropout(dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(256 * 6 * 6, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
             nn.Linear(4096, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if min(x.shape[-2:]) < ALEXNET_MIN_SIZE:
-            raise ValueError(f"AlexNet needs inputs of at least {ALEXNET_MIN_SIZE}x{ALEXNET_MIN_SIZE}, "
-                             f"got {tuple(x.shape[-2:])}")
+            raise ValueError(
+                f"AlexNet needs inputs of at least {ALEXNET_MIN_SIZE}x{ALEXNET_MIN_SIZE}, got {tuple(x.shape[-2:])}"
+            )
         x = self.avgpool(self.features(x))
         return self.classifier(torch.flatten(x, 1))
 
@@ -131,12 +145,16 @@ def alexnet(num_classes: int = 1000) -> nn.Module:
 def small_cnn(num_classes: int = 10) -> nn.Module:
     """A small CNN for 1x8x8 images (scikit-learn digits): two 3x3 stages and a linear head."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),  # 8x8 -> 4x4
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(64 * 4 * 4, 128), nn.ReLU(),
+        nn.Linear(64 * 4 * 4, 128),
+        nn.ReLU(),
         nn.Linear(128, num_classes),
     )
 
@@ -146,10 +164,13 @@ def digits_wide(num_classes: int = 10, width: int = 2048) -> nn.Module:
     holding nearly all of its 8.4M parameters.  Little compute per byte of gradient, as AlexNet's
     FC layers: communication-bound on a 1 Gbit/s link (time to accuracy)."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
         nn.Flatten(),  # 32 x 8 x 8 = 2048
-        nn.Linear(32 * 8 * 8, width), nn.ReLU(),
-        nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(32 * 8 * 8, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
         nn.Linear(width, num_classes),
     )
 
@@ -159,17 +180,31 @@ class TinyTransformer(nn.Module):
     """Character-level causal LM: token + learned position embeddings, pre-norm encoder layers
     under a causal mask, final LayerNorm and an (untied) LM head. Returns logits [B, T, vocab]."""
 
-    def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
-                 seq_len: int = 64, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        seq_len: int = 64,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d_model, n_heads, dim_feedforward=4 * d_model,
-                                       dropout=dropout, activation="gelu", batch_first=True,
-                                       norm_first=True)
-            for _ in range(n_layers))
+            nn.TransformerEncoderLayer(
+                d_model,
+                n_heads,
+                dim_feedforward=4 * d_model,
+                dropout=dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(n_layers)
+        )
         self.norm = nn.LayerNorm(d_model)
         # untied head: a shared parameter would appear twice in a gradient pool's layout
         self.head = nn.Linear(d_model, vocab_size)
@@ -186,8 +221,9 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def tiny_transformer(vocab_size: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
-                     seq_len: int = 64) -> nn.Module:
+def tiny_transformer(
+    vocab_size: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 64
+) -> nn.Module:
     """A small causal character-level transformer LM returning logits [B, T, vocab_size]."""
     return TinyTransformer(vocab_size, d_model, n_layers, n_heads, seq_len)
 
@@ -233,8 +269,9 @@ def build_model(name: str, **kw: object) -> nn.Module:
     return _BUILDERS[name](**kw)
 
 
-def synthetic_batch(name: str, batch_size: int, seed: int,
-                    device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    name: str, batch_size: int, seed: int, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic random batch ``(x, y)`` shaped for ``WORKLOADS[name]``.
 
     Images: x ~ N(0, 1) of shape [B, C, H, W], y class ids [B]. Tokens: x and y token ids
@@ -250,3 +287,21 @@ def synthetic_batch(name: str, batch_size: int, seed: int,
     x = torch.randn((batch_size, *w.input_shape), generator=gen)
     y = torch.randint(0, w.num_classes, (batch_size,), generator=gen)
     return x.to(device), y.to(device)
+
+
+def resolve_model(spec: str) -> tuple[str, Callable[[], nn.Module]]:
+    """``alexnet`` | ``resnet50`` | ``package.module:factory`` -> (name, zero-argument factory)."""
+    if spec in ("alexnet", "resnet50"):
+        return spec, lambda: build_model(spec)
+    if ":" not in spec:
+        raise ValueError(f"--model must be alexnet, resnet50 or module:factory (e.g. mypkg.nets:build), got {spec!r}")
+    mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module beside the user is found
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load --model {spec!r}: {exc}; is the module on PYTHONPATH?") from None
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r} is not callable; give a function returning an nn.Module")
+    return spec, factory

@@ -49,8 +49,10 @@ USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
-TTA_RECIPES = {"transformer": ["ddp", "gf-recommended", "gf-fp16-dense", "gf-density-0.3"],
-               "digits": ["ddp", "gf-recommended"]}
+TTA_RECIPES = {
+    "transformer": ["ddp", "gf-recommended", "gf-fp16-dense", "gf-density-0.3"],
+    "digits": ["ddp", "gf-recommended"],
+}
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
 alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it."""
 WORKLOAD_OF_CLI = {"tiny_transformer": "transformer", "small_cnn": "digits"}
@@ -158,8 +160,12 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         if recipe in USER_OPTIMIZER_DENSITY:
             options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
         elif recipe == "gf-paper":
-            options = {"comm_dtype": "fp16", "density": DENSITY, "momentum": PAPER_MOMENTUM,
-                       "warmup_steps": job.paper_warmup_steps}
+            options = {
+                "comm_dtype": "fp16",
+                "density": DENSITY,
+                "momentum": PAPER_MOMENTUM,
+                "warmup_steps": job.paper_warmup_steps,
+            }
         else:  # gf-fp16-dense
             options = {"comm_dtype": "fp16"}
         options.update(overrides)
@@ -211,16 +217,34 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
 
     def transformer(name: str, size: tuple[int, int], steps: int, batch: int, recipes: list[str]) -> Job:
         d, layers = size
-        return Job(name=name, workload="transformer", steps=steps, batch_size=opts.batch_size or batch,
-                   eval_every=every(steps), recipes=recipes,
-                   lr=6e-3 * 128 / d,  # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
-                   paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
-                   paper_warmup_steps=max(1, steps // 20), d_model=d, n_layers=layers, n_heads=max(1, d // 32))
+        return Job(
+            name=name,
+            workload="transformer",
+            steps=steps,
+            batch_size=opts.batch_size or batch,
+            eval_every=every(steps),
+            recipes=recipes,
+            lr=6e-3 * 128 / d,  # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
+            paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
+            paper_warmup_steps=max(1, steps // 20),
+            d_model=d,
+            n_layers=layers,
+            n_heads=max(1, d // 32),
+        )
 
     def digits(name: str, model: str, steps: int, recipes: list[str]) -> Job:
-        return Job(name=name, workload="digits", model=model, steps=steps, batch_size=opts.batch_size or 32,
-                   eval_every=every(steps), recipes=recipes, lr=0.05, paper_lr=0.05,
-                   paper_warmup_steps=max(1, steps // 20))
+        return Job(
+            name=name,
+            workload="digits",
+            model=model,
+            steps=steps,
+            batch_size=opts.batch_size or 32,
+            eval_every=every(steps),
+            recipes=recipes,
+            lr=0.05,
+            paper_lr=0.05,
+            paper_warmup_steps=max(1, steps // 20),
+        )
 
     def chosen(default: list[str]) -> list[str]:
         # the plain recipes in their table order, then the variants (gf-…:option=value) of those
@@ -251,16 +275,28 @@ def _launch_jobs(name: str, jobs: list[Job], opts: QualityOptions, out: Path, cl
 
     raw_path = out / f"raw-{name}.json"
     raw_path.unlink(missing_ok=True)
-    spec = QualitySpec(jobs=[asdict(j) for j in jobs], out_path=str(raw_path.resolve()), seed=opts.seed,
-                       threads=opts.threads)
+    spec = QualitySpec(
+        jobs=[asdict(j) for j in jobs], out_path=str(raw_path.resolve()), seed=opts.seed, threads=opts.threads
+    )
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
-    reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, opts.timeout_s,
-                                               opts.threads, module="gradientflow.bench.quality_worker")
+    reason, log_path, seconds = launch_workers(
+        name,
+        spec_path,
+        out,
+        opts.nproc,
+        cluster,
+        opts.timeout_s,
+        opts.threads,
+        module="gradientflow.bench.quality_worker",
+    )
     if reason is not None or not raw_path.exists():
         detail = error_from_log(log_path)
-        raise RuntimeError(f"quality launch '{name}' failed: {reason or 'no results written'}"
-                           + (f": {detail}" if detail else "") + f" (log: {log_path})")
+        raise RuntimeError(
+            f"quality launch '{name}' failed: {reason or 'no results written'}"
+            + (f": {detail}" if detail else "")
+            + f" (log: {log_path})"
+        )
     logger.info("quality: launch '%s' took %.0f s", name, seconds)
     return {**json.loads(raw_path.read_text()), "seconds": seconds}
 
@@ -277,8 +313,13 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     t0 = time.monotonic()
     launches: dict[str, Any] = {}
     if jobs:
-        logger.info("quality: %s, %d ranks on loopback, %d steps, recipes %s", " + ".join(j.name for j in jobs),
-                    opts.nproc, opts.steps, ", ".join(jobs[0].recipes))
+        logger.info(
+            "quality: %s, %d ranks on loopback, %d steps, recipes %s",
+            " + ".join(j.name for j in jobs),
+            opts.nproc,
+            opts.steps,
+            ", ".join(jobs[0].recipes),
+        )
         launches["quality"] = _launch_jobs("quality", jobs, opts, out, None)
     skipped = None
     if tta:
@@ -288,8 +329,13 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
             print(f"gradientflow bench --quality: {skipped}; no time-to-accuracy run", file=sys.stderr)
         else:
             with EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix) as cluster:
-                logger.info("quality: time to accuracy (%s), %d nodes at %s, %d steps",
-                            ", ".join(j.name for j in tta), opts.nproc, opts.bandwidth, opts.tta_steps)
+                logger.info(
+                    "quality: time to accuracy (%s), %d nodes at %s, %d steps",
+                    ", ".join(j.name for j in tta),
+                    opts.nproc,
+                    opts.bandwidth,
+                    opts.tta_steps,
+                )
                 launches["tta"] = _launch_jobs("tta", tta, opts, out, cluster)
     summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
     quality_report.write_all(summary, out)

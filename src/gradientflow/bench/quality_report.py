@@ -23,17 +23,17 @@ RECIPE_WHAT = {
 }
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "
-             "(above 1 = worse), validation accuracy for digits (below 1 = worse)",
+    "(above 1 = worse), validation accuracy for digits (below 1 = worse)",
     "sent": "bytes one rank hands to allreduce per step, mean over all steps (gradientflow: measured, "
-            "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c)",
+    "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c)",
     "sparse": "share of steps on which CSC sent fewer than all chunks (dense warm-up steps and dense recipes: 0)",
     "tta": "time to X s: training wall clock until the validation loss first reaches X (linear between "
-           "validation points); X = ddp's final validation loss, then the worst final loss of the recipes (a loss "
-           "every recipe reached); ddp / this = how many times faster than ddp",
+    "validation points); X = ddp's final validation loss, then the worst final loss of the recipes (a loss "
+    "every recipe reached); ddp / this = how many times faster than ddp",
     "exposed": "exposed comm ms: gradientflow's comm_stats()['exposed_seconds'], the time the end of backward "
-               "waited on communication, median over steps (— for torch DDP, which does not report it)",
+    "waited on communication, median over steps (— for torch DDP, which does not report it)",
     "time": "training wall clock: the sum of every step's time (forward, backward with its communication, "
-            "optimizer), slowest rank per step; validation is outside the clock",
+    "optimizer), slowest rank per step; validation is outside the clock",
 }
 
 
@@ -67,10 +67,22 @@ def is_sparse_step(stats: dict[str, float]) -> bool:
 def _library_defaults() -> dict[str, Any]:
     from gradientflow import GradientFlowConfig
 
-    return {f.name: f.default for f in fields(GradientFlowConfig) if f.name in (
-        "fusion_threshold_mb", "comm_dtype", "algorithm", "chunk_size", "warmup_steps", "momentum", "dense_1d",
-        "csc_scope")
-        or f.name.startswith(("density", "ramp", "warmup"))}
+    return {
+        f.name: f.default
+        for f in fields(GradientFlowConfig)
+        if f.name
+        in (
+            "fusion_threshold_mb",
+            "comm_dtype",
+            "algorithm",
+            "chunk_size",
+            "warmup_steps",
+            "momentum",
+            "dense_1d",
+            "csc_scope",
+        )
+        or f.name.startswith(("density", "ramp", "warmup"))
+    }
 
 
 def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
@@ -80,34 +92,51 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
     for run in raw["runs"]:
         wall = np.concatenate([[0.0], np.cumsum(run["step_s"])]) if run["step_s"] else np.zeros(1)
         evals = run["evals"]
-        curve = {"step": [e["step"] for e in evals], "val_loss": [e["val_loss"] for e in evals],
-                 "val_acc": [e["val_acc"] for e in evals], "train_loss": [e["train_loss"] for e in evals],
-                 "wall_s": [float(wall[min(e["step"], len(wall) - 1)]) for e in evals]}
+        curve = {
+            "step": [e["step"] for e in evals],
+            "val_loss": [e["val_loss"] for e in evals],
+            "val_acc": [e["val_acc"] for e in evals],
+            "train_loss": [e["train_loss"] for e in evals],
+            "wall_s": [float(wall[min(e["step"], len(wall) - 1)]) for e in evals],
+        }
         payload = [s["payload_bytes"] for s in run["stats"] if "payload_bytes" in s]
         exposed = [s["exposed_seconds"] for s in run["stats"] if "exposed_seconds" in s]
         chunks = [s["n_chunks"] for s in run["stats"] if "n_chunks" in s]
-        rows.append({
-            "recipe": run["recipe"], "what": _what(run["recipe"]), "options": run["options"],
-            "status": run["status"], "error": run["error"], "steps": len(run["step_s"]),
-            "final_val_loss": evals[-1]["val_loss"] if evals else None,
-            "final_val_acc": evals[-1]["val_acc"] if evals else None,
-            "bytes_per_step": float(np.mean(payload)) if payload else 4.0 * n,
-            "bytes_source": "measured" if payload else "computed",
-            "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
-            "n_chunks": int(max(chunks)) if chunks else None,
-            "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,
-            "median_exposed_s": float(np.median(exposed)) if exposed else None,
-            "train_s": float(wall[-1]),
-            "curve": curve,
-        })
+        rows.append(
+            {
+                "recipe": run["recipe"],
+                "what": _what(run["recipe"]),
+                "options": run["options"],
+                "status": run["status"],
+                "error": run["error"],
+                "steps": len(run["step_s"]),
+                "final_val_loss": evals[-1]["val_loss"] if evals else None,
+                "final_val_acc": evals[-1]["val_acc"] if evals else None,
+                "bytes_per_step": float(np.mean(payload)) if payload else 4.0 * n,
+                "bytes_source": "measured" if payload else "computed",
+                "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
+                "n_chunks": int(max(chunks)) if chunks else None,
+                "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,
+                "median_exposed_s": float(np.median(exposed)) if exposed else None,
+                "train_s": float(wall[-1]),
+                "curve": curve,
+            }
+        )
     by = {r["recipe"]: r for r in rows}
     for r in rows:
         for ref, key in (("ddp", "ratio_to_ddp"), ("ddp-sgd", "ratio_to_ddp_sgd")):
             base = by.get(ref, {}).get(f"final_{metric}")
             mine = r[f"final_{metric}"]
             r[key] = mine / base if base and mine is not None else None
-    return {"name": raw["job"]["name"], "job": job, "n_params": n, "metric": metric, "probe_s": raw["probe_s"],
-            "compute_step_s": float(np.median(raw["probe_s"])) if raw["probe_s"] else None, "rows": rows}
+    return {
+        "name": raw["job"]["name"],
+        "job": job,
+        "n_params": n,
+        "metric": metric,
+        "probe_s": raw["probe_s"],
+        "compute_step_s": float(np.median(raw["probe_s"])) if raw["probe_s"] else None,
+        "rows": rows,
+    }
 
 
 def _summarize_tta(job: dict[str, Any], bandwidth: str) -> dict[str, Any]:
@@ -123,10 +152,15 @@ def _summarize_tta(job: dict[str, Any], bandwidth: str) -> dict[str, Any]:
     gf_t = by.get("gf-recommended", {}).get("time_to_target_s")
     comp, ddp_step = job["compute_step_s"], by["ddp"]["median_step_s"]
     ddp_c, gf_c = by["ddp"]["time_to_common_s"], by.get("gf-recommended", {}).get("time_to_common_s")
-    return {**job, "bandwidth": bandwidth, "target_val_loss": target, "common_val_loss": common,
-            "speedup": ddp_t / gf_t if ddp_t and gf_t else None,
-            "speedup_common": ddp_c / gf_c if ddp_c and gf_c else None,
-            "ddp_comm_share": 1 - comp / ddp_step if comp and ddp_step else None}
+    return {
+        **job,
+        "bandwidth": bandwidth,
+        "target_val_loss": target,
+        "common_val_loss": common,
+        "speedup": ddp_t / gf_t if ddp_t and gf_t else None,
+        "speedup_common": ddp_c / gf_c if ddp_c and gf_c else None,
+        "ddp_comm_share": 1 - comp / ddp_step if comp and ddp_step else None,
+    }
 
 
 def summarize(launches: dict[str, Any], opts: Any, seconds: float, tta_skipped: str | None) -> dict[str, Any]:
@@ -170,28 +204,41 @@ def _describe(w: dict[str, Any], world: int, head: str | None = None) -> str:
     """One line on what was trained, led by ``head`` (default: the job's name in bold)."""
     j = w["job"]
     if j["workload"] == "transformer":
-        what = (f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
-                f"characters of pydoc_data.topics, batch {j['batch_size']} x {j['seq_len']} tokens/rank")
+        what = (
+            f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
+            f"characters of pydoc_data.topics, batch {j['batch_size']} x {j['seq_len']} tokens/rank"
+        )
     else:
-        what = f"{j.get('model', 'small_cnn')} ({w['n_params']:,} parameters) on scikit-learn digits, " \
-               f"batch {j['batch_size']}/rank"
+        what = (
+            f"{j.get('model', 'small_cnn')} ({w['n_params']:,} parameters) on scikit-learn digits, "
+            f"batch {j['batch_size']}/rank"
+        )
     head = head or f"**{w['name']}**"
-    return (f"{head}: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
-            f"then cosine to 10%, validated every {j['eval_every']} steps")
+    return (
+        f"{head}: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
+        f"then cosine to 10%, validated every {j['eval_every']} steps"
+    )
 
 
 def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     world = summary["world_size"]
-    lines = [f"`{summary['command']}` ({summary['date']}, {summary['seconds']:.0f} s)" if summary["command"]
-             else f"({summary['date']}, {summary['seconds']:.0f} s)", ""]
+    lines = [
+        f"`{summary['command']}` ({summary['date']}, {summary['seconds']:.0f} s)"
+        if summary["command"]
+        else f"({summary['date']}, {summary['seconds']:.0f} s)",
+        "",
+    ]
     for w in summary["workloads"].values():
         digits = w["metric"] == "val_acc"
-        lines += [_describe(w, world), "",
-                  "| recipe | optimizer | " + ("final val accuracy | ratio to ddp | final val loss"
-                                              if digits else "final val loss | ratio to ddp")
-                  + " | MB sent/step | sparse steps |",
-                  "|---|---|---|---|---|---|" + ("---|" if digits else "")]
+        lines += [
+            _describe(w, world),
+            "",
+            "| recipe | optimizer | "
+            + ("final val accuracy | ratio to ddp | final val loss" if digits else "final val loss | ratio to ddp")
+            + " | MB sent/step | sparse steps |",
+            "|---|---|---|---|---|---|" + ("---|" if digits else ""),
+        ]
         for r in w["rows"]:
             mb = _f(r["bytes_per_step"] / 1e6, ".3f") + (" c" if r["bytes_source"] == "computed" else "")
             if r["status"] != "ok":
@@ -199,32 +246,43 @@ def markdown(summary: dict[str, Any]) -> str:
             ratio = _f(r["ratio_to_ddp"], ".3f")
             if r.get("ratio_to_ddp_sgd") is not None and r["recipe"] == "gf-paper":
                 ratio += f" ({r['ratio_to_ddp_sgd']:.3f} to ddp-sgd)"
-            q = (f"{_f(_times(r['final_val_acc'], 100), '.1f')}% | {ratio} | "
-                 f"{_f(r['final_val_loss'], '.3f')}" if digits else f"{_f(r['final_val_loss'], '.3f')} | {ratio}")
+            q = (
+                f"{_f(_times(r['final_val_acc'], 100), '.1f')}% | {ratio} | {_f(r['final_val_loss'], '.3f')}"
+                if digits
+                else f"{_f(r['final_val_loss'], '.3f')} | {ratio}"
+            )
             lines.append(f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {mb} | {r['sparse_share']:.0%} |")
         lines.append("")
     for t in summary["tta"]:
         head = f"**time to accuracy ({t['name']})**, emulated {t['bandwidth']} per node"
-        lines += [_describe(t, world, head)
-                  + f"; target = ddp's final validation loss {t['target_val_loss']:.3f}. Compute alone (ddp's step "
-                  f"without communication, median of {len(t['probe_s'])} spread over the run): "
-                  f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so communication and its overheads are "
-                  f"{_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense DDP step.", "",
-                  f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
-                  f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
-                  "| training s | MB sent/step | sparse steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            _describe(t, world, head)
+            + f"; target = ddp's final validation loss {t['target_val_loss']:.3f}. Compute alone (ddp's step "
+            f"without communication, median of {len(t['probe_s'])} spread over the run): "
+            f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so communication and its overheads are "
+            f"{_f(_times(t['ddp_comm_share'], 100), '.0f')}% of a dense DDP step.",
+            "",
+            f"| recipe | final val loss | time to {t['target_val_loss']:.3f} s | ddp / this "
+            f"| time to {t['common_val_loss']:.3f} s | ddp / this | median step ms | exposed comm ms "
+            "| training s | MB sent/step | sparse steps |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         ddp_row = next(r for r in t["rows"] if r["recipe"] == "ddp")
         for r in t["rows"]:
             cells = []
             for key in ("time_to_target_s", "time_to_common_s"):
                 tt, base = r[key], ddp_row[key]
-                cells.append(f"{_f(tt, '.1f') if tt is not None else 'not reached'} | "
-                             f"{_f(base / tt if base and tt else None, '.2f')}")
-            lines.append(f"| {r['recipe']} | {_f(r['final_val_loss'], '.3f')} | {' | '.join(cells)} | "
-                         f"{_f(_times(r['median_step_s'], 1e3), '.0f')} | "
-                         f"{_f(_times(r['median_exposed_s'], 1e3), '.0f')} | {r['train_s']:.1f} | "
-                         f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
-                         f"{r['sparse_share']:.0%} |")
+                cells.append(
+                    f"{_f(tt, '.1f') if tt is not None else 'not reached'} | "
+                    f"{_f(base / tt if base and tt else None, '.2f')}"
+                )
+            lines.append(
+                f"| {r['recipe']} | {_f(r['final_val_loss'], '.3f')} | {' | '.join(cells)} | "
+                f"{_f(_times(r['median_step_s'], 1e3), '.0f')} | "
+                f"{_f(_times(r['median_exposed_s'], 1e3), '.0f')} | {r['train_s']:.1f} | "
+                f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
+                f"{r['sparse_share']:.0%} |"
+            )
         lines.append("")
     if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
@@ -252,10 +310,14 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
 
     paths = []
     # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
-    style = {"ddp": {"color": "black", "lw": 3, "alpha": 0.5}, "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
-             "gf-recommended": {"color": "tab:orange"}, "gf-density-0.3": {"color": "tab:blue"},
-             "gf-paper": {"color": "tab:green"},
-             "ddp-sgd": {"color": "tab:purple", "ls": ":"}}
+    style = {
+        "ddp": {"color": "black", "lw": 3, "alpha": 0.5},
+        "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
+        "gf-recommended": {"color": "tab:orange"},
+        "gf-density-0.3": {"color": "tab:blue"},
+        "gf-paper": {"color": "tab:green"},
+        "ddp-sgd": {"color": "tab:purple", "ls": ":"},
+    }
     for w in summary["workloads"].values():
         digits = w["metric"] == "val_acc"
         fig, axes = plt.subplots(1, 2 if digits else 1, figsize=(12 if digits else 7, 4.5), squeeze=False)
@@ -282,8 +344,9 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in t["rows"]:
             c = r["curve"]
-            line, = ax.plot(c["wall_s"], c["val_loss"], marker="o", ms=3, label=r["recipe"],
-                            **style.get(r["recipe"], {}))
+            (line,) = ax.plot(
+                c["wall_s"], c["val_loss"], marker="o", ms=3, label=r["recipe"], **style.get(r["recipe"], {})
+            )
             if r["time_to_target_s"] is not None:
                 ax.axvline(r["time_to_target_s"], color=line.get_color(), ls=":", lw=1)
         ax.axhline(t["target_val_loss"], color="gray", ls="--", lw=1, label="ddp's final loss")
@@ -292,8 +355,11 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
         finite = [v for r in t["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
         if finite:
             ax.set_ylim(min(finite) - 0.05, max(finite) + 0.1)
-        ax.set(xlabel="training wall clock, s (validation excluded)", ylabel="validation loss",
-               title=f"time to accuracy, {t['name']}: {t['n_params']:,} parameters, emulated {t['bandwidth']}")
+        ax.set(
+            xlabel="training wall clock, s (validation excluded)",
+            ylabel="validation loss",
+            title=f"time to accuracy, {t['name']}: {t['n_params']:,} parameters, emulated {t['bandwidth']}",
+        )
         ax.legend()
         fig.tight_layout()
         paths.append(out / f"{t['name']}.png")

@@ -63,7 +63,7 @@ class _Data:
         while True:
             order = torch.randperm(len(self.xs), generator=gen)
             for pos in range(0, len(order) - b + 1, b):
-                idx = order[pos:pos + b]
+                idx = order[pos : pos + b]
                 yield self.xs[idx], self.ys[idx]
 
     def build_model(self) -> nn.Module:
@@ -71,8 +71,14 @@ class _Data:
 
         torch.manual_seed(self.seed)
         if self.job.workload == "transformer":
-            return build_model("tiny_transformer", vocab_size=len(self.vocab), d_model=self.job.d_model,
-                               n_layers=self.job.n_layers, n_heads=self.job.n_heads, seq_len=self.job.seq_len)
+            return build_model(
+                "tiny_transformer",
+                vocab_size=len(self.vocab),
+                d_model=self.job.d_model,
+                n_layers=self.job.n_layers,
+                n_heads=self.job.n_heads,
+                seq_len=self.job.seq_len,
+            )
         return build_model(self.job.model)
 
 
@@ -85,14 +91,14 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
     strided share and the sums are allreduced.  Not part of any timed step."""
     was = module.training
     module.eval()
-    x, y = data.val_x[data.rank::data.world], data.val_y[data.rank::data.world]
+    x, y = data.val_x[data.rank :: data.world], data.val_y[data.rank :: data.world]
     with torch.no_grad():
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(x), 64):
-            out = module(x[i:i + 64])
-            total[0] += float(_loss(out, y[i:i + 64], "sum"))
-            total[1] += y[i:i + 64].numel()
-            total[2] += float((out.argmax(-1) == y[i:i + 64]).sum())
+            out = module(x[i : i + 64])
+            total[0] += float(_loss(out, y[i : i + 64], "sum"))
+            total[1] += y[i : i + 64].numel()
+            total[2] += float((out.argmax(-1) == y[i : i + 64]).sum())
     module.train(was)
     dist.all_reduce(total)
     acc = float(total[2] / total[1]) if data.job.workload == "digits" else None
@@ -143,8 +149,11 @@ class _Probe:
     def __init__(self, data: _Data, job: Job) -> None:
         self.model = data.build_model()
         params = self.model.parameters()
-        self.opt = (torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
-                    if job.workload == "transformer" else torch.optim.SGD(params, lr=0.0, momentum=0.9))
+        self.opt = (
+            torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
+            if job.workload == "transformer"
+            else torch.optim.SGD(params, lr=0.0, momentum=0.9)
+        )
         self.batches = data.batches()
         self.times: list[float] = []
         for _ in range(2):  # untimed: first-call costs
@@ -180,13 +189,25 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         for run in runs:
             if run.status == "ok":
                 loss, acc = evaluate(run.wrapped.module, data)
-                recent = run.train_losses[-job.eval_every:]
-                run.evals.append({"step": step, "val_loss": loss, "val_acc": acc,
-                                  "train_loss": sum(recent) / len(recent) if recent else None})
+                recent = run.train_losses[-job.eval_every :]
+                run.evals.append(
+                    {
+                        "step": step,
+                        "val_loss": loss,
+                        "val_acc": acc,
+                        "train_loss": sum(recent) / len(recent) if recent else None,
+                    }
+                )
 
     eval_all(0)
-    bar = tqdm(range(job.steps), desc=f"{job.name}: {len(runs)} recipes", unit="step", disable=rank != 0,
-               file=sys.stderr, mininterval=2.0)
+    bar = tqdm(
+        range(job.steps),
+        desc=f"{job.name}: {len(runs)} recipes",
+        unit="step",
+        disable=rank != 0,
+        file=sys.stderr,
+        mininterval=2.0,
+    )
     for step in bar:
         if step % probe_every == 0:
             probe.step()
@@ -215,13 +236,29 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 losses = {r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}
                 bar.set_postfix(losses, refresh=False)
                 # the launcher shows MARK lines on the user's terminal (the bar goes to the launch log)
-                print(f"{MARK}{job.name} step {step + 1}/{job.steps}, validation loss: "
-                      + ", ".join(f"{k} {v}" for k, v in losses.items()), file=sys.stderr, flush=True)
+                print(
+                    f"{MARK}{job.name} step {step + 1}/{job.steps}, validation loss: "
+                    + ", ".join(f"{k} {v}" for k, v in losses.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
     bar.close()
     return {
-        "job": asdict(job), "n_params": n_params, "probe_s": probe.times,
-        "runs": [{"recipe": r.recipe, "options": r.options, "status": r.status, "error": r.error,
-                  "step_s": r.step_s, "stats": r.stats, "evals": r.evals} for r in runs],
+        "job": asdict(job),
+        "n_params": n_params,
+        "probe_s": probe.times,
+        "runs": [
+            {
+                "recipe": r.recipe,
+                "options": r.options,
+                "status": r.status,
+                "error": r.error,
+                "step_s": r.step_s,
+                "stats": r.stats,
+                "evals": r.evals,
+            }
+            for r in runs
+        ],
     }
 
 
@@ -254,8 +291,9 @@ def worker_main(spec_path: str) -> None:
             dist.all_gather_object(gathered, mine)
             results.append(_merge(gathered))
         if rank == 0:
-            Path(spec.out_path).write_text(json.dumps({"world_size": world, "threads_per_rank": spec.threads,
-                                                       "jobs": results}))
+            Path(spec.out_path).write_text(
+                json.dumps({"world_size": world, "threads_per_rank": spec.threads, "jobs": results})
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gradientflow.bench.runner import ALONE_SUFFIX
-from gradientflow.stats import PHASES
+from gradientflow.diagnostics.stats import PHASES
 
 SPEEDUP_DEF = (
     "speedup = N x t_1rank / t_Nrank (the paper's metric), where t_1rank is the median step time of the "
@@ -62,13 +61,22 @@ EXPOSED_DEF = (
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
 )
 
+ALONE_SUFFIX = " alone"
+"""Suffix of a mode's name when it runs alone (one-rank group): the report pairs it with the mode."""
+
 
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world: int, batch: int,
-         alone: tuple[dict[str, Any], float] | None = None) -> dict[str, Any]:
+def _row(
+    v: dict[str, Any],
+    ref_s: float | None,
+    ref_cpu_s: float | None,
+    world: int,
+    batch: int,
+    alone: tuple[dict[str, Any], float] | None = None,
+) -> dict[str, Any]:
     """One variant's statistics; ``alone``: its alone twin's record (see ``Variant.alone``) and the
     compute reference of the twin's own launch, if the twin was timed."""
     steps = v.get("step_s") or []
@@ -88,8 +96,12 @@ def _row(v: dict[str, Any], ref_s: float | None, ref_cpu_s: float | None, world:
     stats = v.get("stats") or {}
     if alone is not None:
         twin, twin_ref = alone
-        row.update(alone_s=_pct(twin["step_s"], 50), alone_p10_s=_pct(twin["step_s"], 10),
-                   alone_p90_s=_pct(twin["step_s"], 90), alone_ref_compute_s=twin_ref)
+        row.update(
+            alone_s=_pct(twin["step_s"], 50),
+            alone_p10_s=_pct(twin["step_s"], 10),
+            alone_p90_s=_pct(twin["step_s"], 90),
+            alone_ref_compute_s=twin_ref,
+        )
     if ref_s:
         row["compute_share"] = min(1.0, ref_s / med)
         if alone is not None:  # the twin over the compute mode of its own launch, both timed side by side
@@ -132,8 +144,13 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         comp = _compute_variant(launch)
         ref = refs[launch["name"]] = _pct(comp["step_s"], 50) if comp else None
         if ref is not None:
-            twins.update({v["name"].removesuffix(ALONE_SUFFIX): (v, ref) for v in launch["variants"]
-                          if v.get("alone") and v.get("status") == "ok" and v.get("step_s")})
+            twins.update(
+                {
+                    v["name"].removesuffix(ALONE_SUFFIX): (v, ref)
+                    for v in launch["variants"]
+                    if v.get("alone") and v.get("status") == "ok" and v.get("step_s")
+                }
+            )
     for launch in launches:
         comp = _compute_variant(launch)
         ref = refs[launch["name"]]
@@ -157,7 +174,8 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         sweep.append(pair)
     return {
         "reference_warnings": reference_warnings(launches),
-        "command": " ".join(["gradientflow", *sys.argv[1:]]) if sys.argv[0].endswith(("gradientflow", "cli.py"))
+        "command": " ".join(["gradientflow", *sys.argv[1:]])
+        if sys.argv[0].endswith(("gradientflow", "cli.py"))
         else None,
         "options": asdict(opts) if is_dataclass(opts) else dict(vars(opts)),
         "network": f"emulated {opts.bandwidth} per node (tc tbf, network namespaces)" if emulated else "loopback",
@@ -167,8 +185,15 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "threads_per_rank": main.get("threads_per_rank"),
         "base_rss_mb": main.get("base_rss_mb"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
-        "definitions": {"speedup": SPEEDUP_DEF, "memory": MEMORY_DEF, "wire": WIRE_DEF, "exposed": EXPOSED_DEF,
-                        "alone": ALONE_DEF, "shares": SHARE_DEF, "thread_cpu": CPU_DEF},
+        "definitions": {
+            "speedup": SPEEDUP_DEF,
+            "memory": MEMORY_DEF,
+            "wire": WIRE_DEF,
+            "exposed": EXPOSED_DEF,
+            "alone": ALONE_DEF,
+            "shares": SHARE_DEF,
+            "thread_cpu": CPU_DEF,
+        },
         "rows": rows,
         "sweep": sweep,
         "launches": launches,
@@ -285,21 +310,31 @@ def markdown(summary: dict[str, Any]) -> str:
         exp = r.get("exposed_s")
         exp_s = "—" if exp is None else _ms(exp) + (" d" if r.get("exposed_source") == "derived" else "")
         speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
-        lines.append(f"| {r['name']} | {theta} | {_step_cell(r)} | {_alone_cell(r)} "
-                     f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
-                     f"| {_mem(r)} |")
+        lines.append(
+            f"| {r['name']} | {theta} | {_step_cell(r)} | {_alone_cell(r)} "
+            f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
+            f"| {_mem(r)} |"
+        )
     phased = [r for r in summary["rows"] if r.get("phases_ms") and step_table_row(r)]
     if phased:
-        lines += ["", "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
-                  "comm_stats()' phase_*_s):", "",
-                  "| mode | " + " | ".join(PHASES) + " | phases total | host syncs/step |",
-                  "|---|" + "---|" * (len(PHASES) + 2)]
+        lines += [
+            "",
+            "Per-phase host time of gradientflow's own work (median ms per step, slowest rank; "
+            "comm_stats()' phase_*_s):",
+            "",
+            "| mode | " + " | ".join(PHASES) + " | phases total | host syncs/step |",
+            "|---|" + "---|" * (len(PHASES) + 2),
+        ]
         lines += _own_work_rows(phased, lambda r: r["name"])
     if summary["sweep"]:
         by_name = {r["name"]: r for r in summary["rows"]}
-        lines += ["", "θ sweep (gradientflow fusion_threshold_mb vs DDP bucket_cap_mb, same run):", "",
-                  "| θ MB | gradientflow fp32 ms (p10–p90) | collectives/step | DDP ms (p10–p90) | gf / DDP |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "θ sweep (gradientflow fusion_threshold_mb vs DDP bucket_cap_mb, same run):",
+            "",
+            "| θ MB | gradientflow fp32 ms (p10–p90) | collectives/step | DDP ms (p10–p90) | gf / DDP |",
+            "|---|---|---|---|---|",
+        ]
         for pair in summary["sweep"]:
             g, d = by_name.get(pair["gf"] or ""), by_name.get(pair["ddp"] or "")
 
@@ -308,14 +343,22 @@ def markdown(summary: dict[str, Any]) -> str:
                     return "failed" if r else "—"
                 return _step_cell(r)
 
-            ratio = (f"{g['median_s'] / d['median_s']:.2f}" if g and d and g.get("median_s") and d.get("median_s")
-                     else "—")
+            ratio = (
+                f"{g['median_s'] / d['median_s']:.2f}" if g and d and g.get("median_s") and d.get("median_s") else "—"
+            )
             coll = f"{g['collectives']:.0f}" if g and g.get("collectives") is not None else "—"
             lines.append(f"| {pair['theta_mb']:g} | {cell(g)} | {coll} | {cell(d)} | {ratio} |")
     d = summary["definitions"]
-    lines += ["", f"- {d['speedup']}", f"- {d['alone']}", f"- {d['wire']}", f"- {d['exposed']}", f"- {d['shares']}",
-              f"- {d['thread_cpu']}", f"- {d['memory']} "
-              f"Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB."]
+    lines += [
+        "",
+        f"- {d['speedup']}",
+        f"- {d['alone']}",
+        f"- {d['wire']}",
+        f"- {d['exposed']}",
+        f"- {d['shares']}",
+        f"- {d['thread_cpu']}",
+        f"- {d['memory']} Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB.",
+    ]
     return "\n".join(lines).strip() + "\n"
 
 
@@ -332,13 +375,22 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax = axes[0][0]
     med = [r["median_s"] * 1e3 for r in rows]
     err = [[m - r["p10_s"] * 1e3 for m, r in zip(med, rows)], [r["p90_s"] * 1e3 - m for m, r in zip(med, rows)]]
-    colors = ["tab:gray" if r["mode"] == "compute" else "tab:blue" if r["mode"].startswith("gf") else "tab:orange"
-              for r in rows]
+    colors = [
+        "tab:gray" if r["mode"] == "compute" else "tab:blue" if r["mode"].startswith("gf") else "tab:orange"
+        for r in rows
+    ]
     ax.bar([r["name"] for r in rows], med, yerr=err, color=colors, capsize=4)
     alone = [(r["name"], r["alone_s"] * 1e3) for r in rows if r.get("alone_s") is not None]
     if alone:
-        ax.scatter([a for a, _ in alone], [b for _, b in alone], marker="_", s=400, color="black", zorder=3,
-                   label="the same mode alone (no network)")
+        ax.scatter(
+            [a for a, _ in alone],
+            [b for _, b in alone],
+            marker="_",
+            s=400,
+            color="black",
+            zorder=3,
+            label="the same mode alone (no network)",
+        )
         ax.legend(fontsize=8)
     ax.set_ylabel("step time, ms (median, p10–p90)")
     o = summary["options"]
@@ -348,8 +400,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         by_name = {r["name"]: r for r in summary["rows"]}
         ax2 = axes[0][1]
         for kind, label, color in (("gf", "gradientflow fp32", "tab:blue"), ("ddp", "torch DDP", "tab:orange")):
-            pts = [(p["theta_mb"], by_name[p[kind]]) for p in summary["sweep"]
-                   if p.get(kind) and by_name.get(p[kind], {}).get("status") == "ok"]
+            pts = [
+                (p["theta_mb"], by_name[p[kind]])
+                for p in summary["sweep"]
+                if p.get(kind) and by_name.get(p[kind], {}).get("status") == "ok"
+            ]
             if pts:
                 ax2.plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], "o-", label=label, color=color)
         ax2.set_xscale("symlog", linthresh=1)
@@ -363,12 +418,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 MODE_LABELS = {
-    "compute": "compute (no communication)", "gf-fp32": "gradientflow fp32", "gf-fp16": "gradientflow fp16",
+    "compute": "compute (no communication)",
+    "gf-fp32": "gradientflow fp32",
+    "gf-fp16": "gradientflow fp16",
     "gf-bf16": 'gradientflow bf16 (`"half"` on CPU)',
     "gf-fp16-csc": 'gradientflow fp16 + CSC 0.1, `csc_scope="global"`',
     "gf-fp16-csc-slice": 'gradientflow fp16 + CSC 0.1 (default `"slice"`)',
     "gf-bf16-csc-slice": 'gradientflow bf16 + CSC 0.1, `"slice"` (`"half"` on CPU)',
-    "ddp": "torch DDP", "ddp-fp16": "DDP + fp16_compress_hook",
+    "ddp": "torch DDP",
+    "ddp-fp16": "DDP + fp16_compress_hook",
     "ddp-powersgd": "DDP + PowerSGD hook (rank 1, one bucket; own launch)",
 }
 """The README's names of the bench's modes."""
@@ -380,6 +438,7 @@ def readme_tables(summary: dict[str, Any]) -> str:
     """The README's form of the step-time and own-work tables: fewer columns than :func:`markdown`,
     plain-language mode names, the headline mode in bold.  ``readme.md`` holds it; a test checks that
     the README's tables are exactly this, made from the committed ``results.json``."""
+
     def bold(r: dict[str, Any], text: str) -> str:
         return f"**{text}**" if r["name"] == HEADLINE_MODE else text
 
@@ -387,19 +446,29 @@ def readme_tables(summary: dict[str, Any]) -> str:
         return bold(r, MODE_LABELS.get(r["name"], r["name"]))
 
     rows = [r for r in summary["rows"] if step_table_row(r) and r["status"] == "ok"]
-    out = ["| mode | step ms (p10–p90) | alone ms | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
-           "| thread CPU ms (vs compute) | +mem MB |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| mode | step ms (p10–p90) | alone ms | speedup | wire MB/step | exposed ms | compute / own CPU / comm % "
+        "| thread CPU ms (vs compute) | +mem MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         step = bold(r, _step_cell(r))
         speed = "—" if r.get("speedup") is None else bold(r, f"{r['speedup']:.2f}")
         wire = "—" if r.get("wire_bytes") is None else f"{r['wire_bytes'] / 2**20:.2f}"
         alone = _alone_cell(r, spread=False)
-        out.append(f"| {label(r)} | {step} | {alone} | {speed} | {wire} | {_ms(r.get('exposed_s'))} | {_shares(r)} "
-                   f"| {_cpu(r)} | {_mem(r)} |")
+        out.append(
+            f"| {label(r)} | {step} | {alone} | {speed} | {wire} | {_ms(r.get('exposed_s'))} | {_shares(r)} "
+            f"| {_cpu(r)} | {_mem(r)} |"
+        )
     phased = [r for r in rows if r.get("phases_ms")]
     if phased:
-        out += ["", "| own work, ms/step | " + " | ".join(p.replace("_", " ") for p in PHASES)
-                + " | phases total | host syncs |", "|---|" + "---|" * (len(PHASES) + 2)]
+        out += [
+            "",
+            "| own work, ms/step | "
+            + " | ".join(p.replace("_", " ") for p in PHASES)
+            + " | phases total | host syncs |",
+            "|---|" + "---|" * (len(PHASES) + 2),
+        ]
         out += _own_work_rows(phased, label)
     return "\n".join(out) + "\n"
 

@@ -38,13 +38,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.selection import auto_chunk_size
-from gradientflow.stats import PHASES
+from gradientflow.bench import report
+from gradientflow.bench.report import ALONE_SUFFIX
+from gradientflow.config import auto_chunk_size
+from gradientflow.diagnostics.stats import PHASES
 
 logger = logging.getLogger(__name__)
 
-MODES = ("gf-fp32", "gf-fp16", "gf-bf16", "gf-fp16-csc", "gf-fp16-csc-slice", "gf-bf16-csc-slice", "ddp",
-         "ddp-fp16", "ddp-powersgd", "compute")
+MODES = (
+    "gf-fp32",
+    "gf-fp16",
+    "gf-bf16",
+    "gf-fp16-csc",
+    "gf-fp16-csc-slice",
+    "gf-bf16-csc-slice",
+    "ddp",
+    "ddp-fp16",
+    "ddp-powersgd",
+    "compute",
+)
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
 must not take the other modes with it."""
@@ -115,8 +127,7 @@ def process_group_backend(device: torch.device, ranks_per_node: int) -> str:
 
 def make_model(workload: str) -> nn.Module:
     """A built-in model by name, or the user's: ``"package.module:factory"`` (a zero-argument callable)."""
-    from gradientflow.bench.models import build_model
-    from gradientflow.sim.presets import resolve_model
+    from gradientflow.bench.models import build_model, resolve_model
 
     if ":" in workload:
         return resolve_model(workload)[1]()
@@ -135,9 +146,6 @@ def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor |
     return torch.randn((spec.batch_size, *spec.input_shape), generator=gen), None
 
 
-ALONE_SUFFIX = " alone"
-
-
 def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], alone: bool = True) -> list[Variant]:
     """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD again
     on a one-rank group (see :attr:`Variant.alone`), then the θ sweep (gf-fp32 and ddp at each θ).
@@ -152,8 +160,9 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], 
         theta = fusion_mb if m.startswith("gf-") else None
         out.append(Variant(m, m, theta))
     if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
-        out += [Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True) for v in out[1:]
-                if v.mode not in ISOLATED]
+        out += [
+            Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True) for v in out[1:] if v.mode not in ISOLATED
+        ]
     for theta in theta_sweep:
         if not ("gf-fp32" in modes and theta == fusion_mb):
             out.append(Variant(f"gf-fp32 θ={theta:g}", "gf-fp32", theta, sweep=True))
@@ -203,8 +212,9 @@ def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, m
     return 4 * total
 
 
-def _build(v: Variant, spec: BenchSpec, chunk_size: int, device: torch.device,
-           group: dist.ProcessGroup | None = None) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
+def _build(
+    v: Variant, spec: BenchSpec, chunk_size: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
     """Model + wrapper + optimizer of one variant (its collectives on ``group``, None = the default
     one); also the computed wire bytes (None = measured)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -251,8 +261,9 @@ def _build(v: Variant, spec: BenchSpec, chunk_size: int, device: torch.device,
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
             # start_powerSGD_iter=2 is the earliest torch allows; the bench's warm-up covers it
-            state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
-                                       start_powerSGD_iter=2)
+            state = psgd.PowerSGDState(
+                process_group=group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2
+            )
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
             wire = powersgd_wire_bytes(params)
     opt = torch.optim.SGD(wrapped.parameters(), lr=spec.lr, momentum=momentum)
@@ -330,7 +341,8 @@ def timing_allocator() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD) and libc.mallopt(
-            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD)
+            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD
+        )
     except (OSError, AttributeError):
         ok = False
     if not ok:
@@ -360,13 +372,20 @@ def worker_main(spec_path: str) -> None:
     del probe
     base_rss = _rss_mb()
     # every rank creates every group (new_group's contract); each keeps the one holding only itself
-    alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) \
-        else None
+    alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) else None
     runs: list[dict[str, Any]] = []
     for vd in spec.variants:
         v = Variant(**vd)
-        rec: dict[str, Any] = {**vd, "status": "ok", "error": None, "step_s": [], "cpu_s": [], "stats": [],
-                               "computed_wire_bytes": None, "mem_added_mb": None}
+        rec: dict[str, Any] = {
+            **vd,
+            "status": "ok",
+            "error": None,
+            "step_s": [],
+            "cpu_s": [],
+            "stats": [],
+            "computed_wire_bytes": None,
+            "mem_added_mb": None,
+        }
         before = _rss_mb()
         if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
             torch.cuda.reset_peak_memory_stats(device)
@@ -441,7 +460,10 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
         out["mem_added_mb"] = max((r["mem_added_mb"] or 0.0) for r in ranks)
         variants.append(out)
     return {
-        "world_size": world, "n_params": n_params, "chunk_size": chunk, "threads_per_rank": spec.threads,
+        "world_size": world,
+        "n_params": n_params,
+        "chunk_size": chunk,
+        "threads_per_rank": spec.threads,
         "base_rss_mb": max(r["base_rss_mb"] for r in per_rank),
         "maxrss_mb": [r["maxrss_mb"] for r in per_rank],
         "variants": variants,
@@ -456,14 +478,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun_argv(*, nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
-                  args: list[str], module: str = "gradientflow.bench.runner") -> list[str]:
+def torchrun_argv(
+    *,
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int,
+    args: list[str],
+    module: str = "gradientflow.bench.runner",
+) -> list[str]:
     """``python -m torch.distributed.run`` (torchrun) of ``module``, static rendezvous at the master."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc_per_node),
-        "--master-addr", master_addr, "--master-port", str(master_port), "--max-restarts", "0",
-        "-m", module, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+        "--max-restarts",
+        "0",
+        "-m",
+        module,
+        *args,
     ]
 
 
@@ -513,7 +557,7 @@ def _pump(stream: IO[str], log: IO[str], lock: threading.Lock) -> threading.Thre
                 log.write(line)
                 log.flush()
             if MARK in line:
-                sys.stderr.write("  " + line[line.index(MARK) + len(MARK):])
+                sys.stderr.write("  " + line[line.index(MARK) + len(MARK) :])
                 sys.stderr.flush()
 
     t = threading.Thread(target=run, daemon=True)
@@ -583,8 +627,16 @@ class BenchOptions:
     device: str = "cpu"
 
 
-def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: Any, timeout: float,
-                   threads: int, module: str = "gradientflow.bench.runner") -> tuple[str | None, Path, float]:
+def launch_workers(
+    name: str,
+    spec_path: Path,
+    out: Path,
+    nproc: int,
+    cluster: Any,
+    timeout: float,
+    threads: int,
+    module: str = "gradientflow.bench.runner",
+) -> tuple[str | None, Path, float]:
     """Run ``python -m module SPEC`` on ``nproc`` ranks: one torchrun on loopback (``cluster`` None) or one
     torchrun per node of an emulated cluster; every line goes to ``out/launch-{name}.log``.
 
@@ -604,15 +656,28 @@ def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: A
         try:
             io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
             if cluster is None:
-                argv = torchrun_argv(nnodes=1, node_rank=0, nproc_per_node=nproc, master_addr="127.0.0.1",
-                                     master_port=free_port(), args=args, module=module)
+                argv = torchrun_argv(
+                    nnodes=1,
+                    node_rank=0,
+                    nproc_per_node=nproc,
+                    master_addr="127.0.0.1",
+                    master_port=free_port(),
+                    args=args,
+                    module=module,
+                )
                 procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **io))
             else:
                 port = next(_CLUSTER_PORTS)
                 for i in range(nproc):
-                    argv = torchrun_argv(nnodes=nproc, node_rank=i, nproc_per_node=1,
-                                         master_addr=cluster.master_addr, master_port=port, args=args,
-                                         module=module)
+                    argv = torchrun_argv(
+                        nnodes=nproc,
+                        node_rank=i,
+                        nproc_per_node=1,
+                        master_addr=cluster.master_addr,
+                        master_port=port,
+                        args=args,
+                        module=module,
+                    )
                     procs.append(cluster.popen(i, argv, env=env, **io))
             pumps = [_pump(p.stdout, log, lock) for p in procs]
             reason = wait_all(procs, timeout)
@@ -624,16 +689,26 @@ def launch_workers(name: str, spec_path: Path, out: Path, nproc: int, cluster: A
     return reason, log_path, time.monotonic() - t0
 
 
-def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, cluster: Any,
-            timeout: float) -> tuple[dict[str, Any] | None, str | None, float]:
+def _launch(
+    name: str, variants: list[Variant], opts: BenchOptions, out: Path, cluster: Any, timeout: float
+) -> tuple[dict[str, Any] | None, str | None, float]:
     """Run one torchrun launch of ``variants``; returns (merged results or None, error, seconds)."""
     threads = opts.threads or max(1, (os.cpu_count() or 1) // opts.nproc)  # ranks share this machine
     raw_path = out / f"raw-{name}.json"
     raw_path.unlink(missing_ok=True)
-    spec = BenchSpec(workload=opts.workload, batch_size=opts.batch_size, steps=opts.steps, warmup=opts.warmup,
-                     variants=[asdict(v) for v in variants], out_path=str(raw_path.resolve()), threads=threads,
-                     algorithm=opts.algorithm, chunk_size=opts.chunk_size,
-                     input_shape=list(opts.input_shape) if opts.input_shape else None, device=opts.device)
+    spec = BenchSpec(
+        workload=opts.workload,
+        batch_size=opts.batch_size,
+        steps=opts.steps,
+        warmup=opts.warmup,
+        variants=[asdict(v) for v in variants],
+        out_path=str(raw_path.resolve()),
+        threads=threads,
+        algorithm=opts.algorithm,
+        chunk_size=opts.chunk_size,
+        input_shape=list(opts.input_shape) if opts.input_shape else None,
+        device=opts.device,
+    )
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, timeout, threads)
@@ -646,7 +721,6 @@ def _launch(name: str, variants: list[Variant], opts: BenchOptions, out: Path, c
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the bench, write ``results.json``, ``table.md`` and ``bench.png`` to ``opts.out``; return the summary."""
-    from gradientflow.bench import report
     from gradientflow.bench.cluster import EmulatedCluster, can_emulate
 
     out = Path(opts.out)
@@ -656,14 +730,15 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     # Extra launches, each with its own compute reference: torch's PowerSGD hook (kept apart in case it
     # fails) and the alone twins (own launch: twice the models in one process would not fit AlexNet's
     # 2 x ~9 GB in this machine's memory; a twin is compared with the compute mode of its own launch).
-    extra = [("isolated", [v for v in variants if v.mode in ISOLATED]),
-             ("alone", [v for v in variants if v.alone])]
+    extra = [("isolated", [v for v in variants if v.mode in ISOLATED]), ("alone", [v for v in variants if v.alone])]
     emulate = opts.bandwidth != "none"
     if emulate:
         ok, why = can_emulate()
         if not ok:
-            print(f"gradientflow bench: cannot emulate a {opts.bandwidth} cluster ({why}); running on loopback",
-                  file=sys.stderr)
+            print(
+                f"gradientflow bench: cannot emulate a {opts.bandwidth} cluster ({why}); running on loopback",
+                file=sys.stderr,
+            )
             emulate = False
     launches: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -671,8 +746,14 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         if emulate:
             cluster = stack.enter_context(EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix))
         where = f"{opts.nproc} emulated nodes at {opts.bandwidth}" if cluster else f"{opts.nproc} ranks on loopback"
-        logger.info("bench %s: %s; %d variants, %d warm-up + %d timed steps each", opts.workload, where,
-                    len(variants), opts.warmup, opts.steps)
+        logger.info(
+            "bench %s: %s; %d variants, %d warm-up + %d timed steps each",
+            opts.workload,
+            where,
+            len(variants),
+            opts.warmup,
+            opts.steps,
+        )
         raw, err, secs = _launch("main", main, opts, out, cluster, opts.timeout_s)
         if raw is None:
             raise RuntimeError(f"bench launch failed: {err}")
@@ -686,8 +767,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             logger.info("bench: %s in launch '%s' (timeout %.0f s)", ", ".join(v.name for v in vs), name, limit)
             raw, err, secs = _launch(name, [Variant("compute", "compute"), *vs], opts, out, cluster, limit)
             if raw is None:
-                raw = {"variants": [{**asdict(v), "status": "error", "error": err, "step_s": [], "stats": {}}
-                                    for v in vs]}
+                raw = {
+                    "variants": [{**asdict(v), "status": "error", "error": err, "step_s": [], "stats": {}} for v in vs]
+                }
                 logger.warning("bench: %s failed: %s", ", ".join(v.name for v in vs), err)
             launches.append({"name": name, "seconds": secs, **raw})
     summary = report.summarize(launches, opts, emulated=cluster is not None)

@@ -38,7 +38,7 @@ REPEATS = 9
 
 def agreement(rows: torch.Tensor, density: float = DENSITY) -> dict[str, float]:
     """Overlap and L1-mass ratio of the sampled top-k against the exact top-k of ``rows``."""
-    from gradientflow.selection import chunk_scores, n_selected, select_chunks
+    from gradientflow.strategies.selection import chunk_scores, n_selected, select_chunks
 
     exact = chunk_scores(rows)
     sampled = chunk_scores(rows, sampled=True)
@@ -49,7 +49,7 @@ def agreement(rows: torch.Tensor, density: float = DENSITY) -> dict[str, float]:
 
 
 def _pass_ms(rows: torch.Tensor, sampled: bool) -> float:
-    from gradientflow.selection import chunk_scores, score_scratch
+    from gradientflow.strategies.selection import chunk_scores, score_scratch
 
     out = torch.empty(rows.shape[0])
     scratch = score_scratch(rows.shape[1], rows.dtype, sampled)
@@ -65,7 +65,7 @@ def measure(workload: str, steps: int, batch_size: int = 8) -> dict[str, Any]:
     """Train ``workload`` for ``steps`` steps on one rank; agreement per step, pass times at the end."""
     import gradientflow as gf
     from gradientflow.bench.models import build_model, synthetic_batch
-    from gradientflow.selection import samples_chunks
+    from gradientflow.strategies.selection import samples_chunks
 
     torch.manual_seed(0)
     model = gf.DistributedDataParallel(build_model(workload), density=DENSITY, warmup_steps=0)
@@ -81,30 +81,43 @@ def measure(workload: str, steps: int, batch_size: int = 8) -> dict[str, Any]:
         scored = [sync.res.rows(k) + sync._pool_rows[k] for k in range(len(sync._pool_rows))]
         rows = torch.cat(scored)  # one global top-k over every pool buffer
         if not samples_chunks("sampled_l1", rows.shape[1]):
-            raise ValueError(f"{workload}: chunks of {rows.shape[1]} are scored exactly even under sampled_l1; "
-                             "pick a model of at least 200 x 32768 parameters (resnet50, alexnet)")
+            raise ValueError(
+                f"{workload}: chunks of {rows.shape[1]} are scored exactly even under sampled_l1; "
+                "pick a model of at least 200 x 32768 parameters (resnet50, alexnet)"
+            )
         per_step.append({"step": step + 1, **agreement(rows)})
         opt.step()
     assert rows is not None
-    return {"workload": workload, "chunk_size": rows.shape[1], "n_chunks": rows.shape[0], "per_step": per_step,
-            "exact_ms": _pass_ms(rows, False), "sampled_ms": _pass_ms(rows, True)}
+    return {
+        "workload": workload,
+        "chunk_size": rows.shape[1],
+        "n_chunks": rows.shape[0],
+        "per_step": per_step,
+        "exact_ms": _pass_ms(rows, False),
+        "sampled_ms": _pass_ms(rows, True),
+    }
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["| workload | chunks | overlap (min / median) | L1 mass (min / median) | exact ms/pass "
-             "| sampled ms/pass |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | chunks | overlap (min / median) | L1 mass (min / median) | exact ms/pass | sampled ms/pass |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         ov = [s["overlap"] for s in r["per_step"]]
         mass = [s["mass"] for s in r["per_step"]]
-        lines.append(f"| {r['workload']} | {r['n_chunks']} x {r['chunk_size']} | {min(ov):.3f} / "
-                     f"{statistics.median(ov):.3f} | {min(mass):.4f} / {statistics.median(mass):.4f} | "
-                     f"{r['exact_ms']:.1f} | {r['sampled_ms']:.1f} |")
+        lines.append(
+            f"| {r['workload']} | {r['n_chunks']} x {r['chunk_size']} | {min(ov):.3f} / "
+            f"{statistics.median(ov):.3f} | {min(mass):.4f} / {statistics.median(mass):.4f} | "
+            f"{r['exact_ms']:.1f} | {r['sampled_ms']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m gradientflow.bench.score_agreement",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m gradientflow.bench.score_agreement", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--workloads", nargs="+", default=["resnet50", "alexnet"])
     ap.add_argument("--steps", type=int, default=20, help="training steps per workload (default 20)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/score_agreement"))

@@ -17,5 +17,16 @@ from .cost import allreduce_s, ring_flat_s, tree_flat_s
 from .model_profile import ModelProfile, flop_profile, measured_profile
 from .schedule import TECHNIQUES, Iteration, simulate
 
-__all__ = ["CONFIGS", "SimConfig", "allreduce_s", "ring_flat_s", "tree_flat_s", "ModelProfile", "flop_profile",
-           "measured_profile", "TECHNIQUES", "Iteration", "simulate"]
+__all__ = [
+    "CONFIGS",
+    "SimConfig",
+    "allreduce_s",
+    "ring_flat_s",
+    "tree_flat_s",
+    "ModelProfile",
+    "flop_profile",
+    "measured_profile",
+    "TECHNIQUES",
+    "Iteration",
+    "simulate",
+]

@@ -13,14 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradientflow.bench.models import resolve_model
+
 from .config import CONFIGS, SimConfig, parse_bandwidth
 from .model_profile import ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown
-from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values, resolve_model
+from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
-DEFAULTS: dict[str, Any] = {"latency": 50e-6, "intra_latency": 10e-6, "batch": 32, "gpus_per_node": 1,
-                            "theta_mb": 25.0, "density": 0.1, "chunk_size": 32768}
+DEFAULTS: dict[str, Any] = {
+    "latency": 50e-6,
+    "intra_latency": 10e-6,
+    "batch": 32,
+    "gpus_per_node": 1,
+    "theta_mb": 25.0,
+    "density": 0.1,
+    "chunk_size": 32768,
+}
 
 
 def parse_seconds(text: str) -> float:
@@ -74,17 +83,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--theta-mb", type=float, help="θ of lazy allreduce in MiB of fp32 gradient (default 25)")
     p.add_argument("--density", type=float, help="CSC: fraction of chunks sent (default 0.1)")
     p.add_argument("--chunk-size", type=int, help="CSC: gradients per chunk (default 32768)")
-    p.add_argument("--pass-gbps", type=float, help="GB/s of one elementwise pass over the fp32 gradient pool "
-                   "(default: free; --preset paper: 450; --profile times the engine's own passes here instead)")
-    p.add_argument("--input-shape", type=parse_shape, help="per-sample input shape (default 3,224,224; with "
-                   "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)")
-    p.add_argument("--profile", action="store_true", help="time forward/backward/update of the model here "
-                   "(CPU, 1 thread, --batch) instead of scaling FLOP shares to --gpu-images-per-s")
-    p.add_argument("--plan", action="store_true", help="planner: DDP, DDP + fp16 and gradientflow at several "
-                   "densities, with the best θ per GPU count")
+    p.add_argument(
+        "--pass-gbps",
+        type=float,
+        help="GB/s of one elementwise pass over the fp32 gradient pool "
+        "(default: free; --preset paper: 450; --profile times the engine's own passes here instead)",
+    )
+    p.add_argument(
+        "--input-shape",
+        type=parse_shape,
+        help="per-sample input shape (default 3,224,224; with "
+        "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time forward/backward/update of the model here "
+        "(CPU, 1 thread, --batch) instead of scaling FLOP shares to --gpu-images-per-s",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="planner: DDP, DDP + fp16 and gradientflow at several densities, with the best θ per GPU count",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", metavar="PATH", help="write the speedup-vs-GPUs plot here (default without --json: "
-                   "simulate_<model>.png in the current directory)")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the speedup-vs-GPUs plot here (default without --json: "
+        "simulate_<model>.png in the current directory)",
+    )
 
 
 def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[str, Any]]:
@@ -93,11 +121,19 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
     values: dict[str, Any] = dict(DEFAULTS)
     if args.preset == "paper":
         values.update(paper_values(name))
-    given = {"gpus_per_node": args.gpus_per_node, "bandwidth": args.bandwidth, "latency": args.latency,
-             "intra_bandwidth": args.intra_bandwidth, "intra_latency": args.intra_latency, "batch": args.batch,
-             "gpu_images_per_s": args.gpu_images_per_s, "theta_mb": args.theta_mb, "density": args.density,
-             "chunk_size": args.chunk_size,
-             "pass_bytes_per_s": None if args.pass_gbps is None else args.pass_gbps * 1e9}
+    given = {
+        "gpus_per_node": args.gpus_per_node,
+        "bandwidth": args.bandwidth,
+        "latency": args.latency,
+        "intra_bandwidth": args.intra_bandwidth,
+        "intra_latency": args.intra_latency,
+        "batch": args.batch,
+        "gpu_images_per_s": args.gpu_images_per_s,
+        "theta_mb": args.theta_mb,
+        "density": args.density,
+        "chunk_size": args.chunk_size,
+        "pass_bytes_per_s": None if args.pass_gbps is None else args.pass_gbps * 1e9,
+    }
     values.update({k: v for k, v in given.items() if v is not None})
     if "bandwidth" not in values:
         raise ValueError("give --bandwidth (one node's link, e.g. 10gbit) or --preset paper")
@@ -140,13 +176,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = to_json(name, assumptions, rows)
         if planned is not None:
-            out["plan"] = [{"gpus": r.gpus, "system": r.system, "theta_mb": r.theta_mb,
-                            "iteration_s": r.result.iteration_s, "speedup": r.result.speedup,
-                            "bytes_per_gpu": r.result.bytes_per_gpu} for r in planned]
+            out["plan"] = [
+                {
+                    "gpus": r.gpus,
+                    "system": r.system,
+                    "theta_mb": r.theta_mb,
+                    "iteration_s": r.result.iteration_s,
+                    "speedup": r.result.speedup,
+                    "bytes_per_gpu": r.result.bytes_per_gpu,
+                }
+                for r in planned
+            ]
         print(json.dumps(out, indent=1, default=lambda v: None))
         return 0
-    print(f"{name}: {profile.n_params:,} parameters, layer times from {profile.source}; t(1) = "
-          f"{rows[0].compute_s * 1e3:.1f} ms per iteration; configs cumulative: {', '.join(CONFIGS)}\n")
+    print(
+        f"{name}: {profile.n_params:,} parameters, layer times from {profile.source}; t(1) = "
+        f"{rows[0].compute_s * 1e3:.1f} ms per iteration; configs cumulative: {', '.join(CONFIGS)}\n"
+    )
     print(ablation_markdown(rows))
     if args.preset == "paper":
         print(paper_comparison(name, profile, cfg))

@@ -24,8 +24,16 @@ def parse_bandwidth(text: str) -> float:
         raise ValueError(f"bandwidth must look like '56gbit', '100mbit' or '12gb/s' (bytes), got {text!r}")
     v = float(m.group(1))
     unit = m.group(2)
-    scale = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
-             "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9}[unit]
+    scale = {
+        "bit": 1 / 8,
+        "kbit": 1e3 / 8,
+        "mbit": 1e6 / 8,
+        "gbit": 1e9 / 8,
+        "b/s": 1.0,
+        "kb/s": 1e3,
+        "mb/s": 1e6,
+        "gb/s": 1e9,
+    }[unit]
     if v <= 0:
         raise ValueError(f"bandwidth must be positive, got {text!r}")
     return v * scale
@@ -86,8 +94,9 @@ class SimConfig:
         if not 0 < self.backward_fraction <= 1:
             raise ValueError(f"backward_fraction must be in (0, 1], got {self.backward_fraction!r}")
         if isinstance(self.theta_mb, bool) or not isinstance(self.theta_mb, (int, float)) or not self.theta_mb >= 0:
-            raise ValueError(f"theta_mb must be >= 0 (0 = one collective per tensor, inf = one per step), "
-                             f"got {self.theta_mb!r}")
+            raise ValueError(
+                f"theta_mb must be >= 0 (0 = one collective per tensor, inf = one per step), got {self.theta_mb!r}"
+            )
         d = self.density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
             raise ValueError(f"density must be in (0, 1] (fraction of CSC chunks sent; 1 = dense), got {d!r}")

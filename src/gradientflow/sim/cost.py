@@ -41,8 +41,10 @@ def _levels(n: int, cfg: SimConfig) -> tuple[int, int]:
     """(GPUs per node actually used, nodes) for ``n`` GPUs; n <= g is one partly filled node."""
     g = min(cfg.gpus_per_node, n)
     if n % g:
-        raise ValueError(f"{n} GPUs do not fill whole nodes of {cfg.gpus_per_node}; "
-                         "pick a GPU count that is a multiple of --gpus-per-node")
+        raise ValueError(
+            f"{n} GPUs do not fill whole nodes of {cfg.gpus_per_node}; "
+            "pick a GPU count that is a multiple of --gpus-per-node"
+        )
     return g, n // g
 
 

@@ -47,14 +47,35 @@ def _run(args: argparse.Namespace, result: Path) -> dict:
     from gradientflow.bench.runner import torchrun_argv
 
     sizes = [args.sizes_mb[0], *args.sizes_mb]  # the first record is a warm-up, dropped in main()
-    worker = ["--worker", "--result-file", str(result), "--sizes-mb", *map(str, sizes),
-              "--repeats", str(args.repeats), "--pg-timeout", "120"]
+    worker = [
+        "--worker",
+        "--result-file",
+        str(result),
+        "--sizes-mb",
+        *map(str, sizes),
+        "--repeats",
+        str(args.repeats),
+        "--pg-timeout",
+        "120",
+    ]
     with EmulatedCluster(nodes=args.nproc, rate=args.bandwidth, prefix=args.prefix) as cluster:
         goodput = cluster.measure_throughput(0, 1)
-        procs = [cluster.popen(node, torchrun_argv(nnodes=args.nproc, node_rank=node, nproc_per_node=1,
-                                                   master_addr=cluster.master_addr, master_port=29500,
-                                                   args=worker, module=WORKER_MODULE), env={"OMP_NUM_THREADS": "1"})
-                 for node in range(args.nproc)]
+        procs = [
+            cluster.popen(
+                node,
+                torchrun_argv(
+                    nnodes=args.nproc,
+                    node_rank=node,
+                    nproc_per_node=1,
+                    master_addr=cluster.master_addr,
+                    master_port=29500,
+                    args=worker,
+                    module=WORKER_MODULE,
+                ),
+                env={"OMP_NUM_THREADS": "1"},
+            )
+            for node in range(args.nproc)
+        ]
         deadline = time.monotonic() + args.timeout
         try:
             codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
@@ -82,22 +103,35 @@ def main(argv: list[str] | None = None) -> int:
         raw = json.loads(result.read_text())
     raw["records"] = raw["records"][1:]
     n = raw["world_size"]
-    out: dict = {"command": "python -m gradientflow.sim.measure " + " ".join(argv), "world_size": n,
-                 "network": f"emulated {args.bandwidth} per node (netns + veth + tc tbf)", **net,
-                 "loadavg_1min": os.getloadavg()[0], "fits": {}}
+    out: dict = {
+        "command": "python -m gradientflow.sim.measure " + " ".join(argv),
+        "world_size": n,
+        "network": f"emulated {args.bandwidth} per node (netns + veth + tc tbf)",
+        **net,
+        "loadavg_1min": os.getloadavg()[0],
+        "fits": {},
+    }
     for algo in raw["records"][0]["times_s"]:
         pts = [(2 * (n - 1) / n * rec["bytes"], statistics.median(rec["times_s"][algo])) for rec in raw["records"]]
         alpha, bw = fit_alpha_beta(pts)
         out["fits"][algo] = {
-            "alpha_s": alpha, "bandwidth_Bps": bw, "bandwidth_gbit": bw * 8 / 1e9,
-            "points": [{"bytes": rec["bytes"], "median_s": t, "model_s": alpha + x / bw,
-                        "error": (alpha + x / bw - t) / t} for rec, (x, t) in zip(raw["records"], pts)],
+            "alpha_s": alpha,
+            "bandwidth_Bps": bw,
+            "bandwidth_gbit": bw * 8 / 1e9,
+            "points": [
+                {"bytes": rec["bytes"], "median_s": t, "model_s": alpha + x / bw, "error": (alpha + x / bw - t) / t}
+                for rec, (x, t) in zip(raw["records"], pts)
+            ],
         }
-        print(f"{algo}: α = {alpha * 1e6:.0f} µs, B = {bw * 8 / 1e9:.3f} Gbit/s "
-              f"(one TCP stream: {net['tcp_goodput_bps'] / 1e9:.3f} Gbit/s)")
+        print(
+            f"{algo}: α = {alpha * 1e6:.0f} µs, B = {bw * 8 / 1e9:.3f} Gbit/s "
+            f"(one TCP stream: {net['tcp_goodput_bps'] / 1e9:.3f} Gbit/s)"
+        )
         for pt in out["fits"][algo]["points"]:
-            print(f"  {pt['bytes'] / MB:8.3f} MB  measured {pt['median_s'] * 1e3:8.2f} ms  "
-                  f"model {pt['model_s'] * 1e3:8.2f} ms  ({pt['error']:+.1%})")
+            print(
+                f"  {pt['bytes'] / MB:8.3f} MB  measured {pt['median_s'] * 1e3:8.2f} ms  "
+                f"model {pt['model_s'] * 1e3:8.2f} ms  ({pt['error']:+.1%})"
+            )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "alpha_beta.json").write_text(json.dumps(out, indent=1))
     return 0

@@ -89,14 +89,19 @@ def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple
         raise ValueError(f"model {name!r} has no trainable parameters: nothing to communicate")
     index = {id(p): i for i, p in enumerate(params)}
     calls: list[tuple[nn.Module, float]] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, _leaf_flops(m, i, o))))
-             for m in model.modules() if not list(m.children())]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: calls.append((m, _leaf_flops(m, i, o))))
+        for m in model.modules()
+        if not list(m.children())
+    ]
     try:
         with torch.no_grad():
             model(x)
     except Exception as exc:
-        raise ValueError(f"model {name!r} failed on an input of shape {(1, *input_shape)} ({exc}); "
-                         "pass its per-sample shape with --input-shape") from None
+        raise ValueError(
+            f"model {name!r} failed on an input of shape {(1, *input_shape)} ({exc}); "
+            "pass its per-sample shape with --input-shape"
+        ) from None
     finally:
         for h in hooks:
             h.remove()
@@ -108,8 +113,9 @@ def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple
         for p in mod.parameters(recurse=False):
             if id(p) in index:
                 ready[index[id(p)]] = done / total  # a later (earlier-in-forward) call overrides
-    return ModelProfile(name, tuple(p.numel() for p in params), _order(ready), tuple(ready), "flops",
-                        flops_per_sample=total)
+    return ModelProfile(
+        name, tuple(p.numel() for p in params), _order(ready), tuple(ready), "flops", flops_per_sample=total
+    )
 
 
 def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
@@ -123,8 +129,8 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
     the cost model scales it by the fraction of chunks selected.
     """
-    from gradientflow.precision import from_wire, to_wire  # noqa: PLC0415
-    from gradientflow.selection import chunk_scores  # noqa: PLC0415
+    from gradientflow.comm.precision import from_wire, to_wire  # noqa: PLC0415
+    from gradientflow.strategies.selection import chunk_scores  # noqa: PLC0415
 
     g = torch.randn(numel)
     residual = torch.randn(numel)
@@ -132,14 +138,18 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     every = torch.arange(rows.shape[0])
     packed = torch.empty_like(rows)
     wire = torch.empty(numel, dtype=torch.float16)  # the engine keeps its wire buffers between steps
-    ops = {"fp32": [lambda: to_wire(g, None, 2)],
-           "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
-           "csc": [lambda: chunk_scores(rows)],
-           "csc_accumulate": [lambda: residual.add_(g)],
-           "csc_chunks": [lambda: rows.index_fill_(0, every, 0.0),
-                          lambda: torch.index_select(rows, 0, every, out=packed),
-                          lambda: rows.index_copy_(0, every, packed),
-                          lambda: rows.index_fill_(0, every, 0.0)]}
+    ops = {
+        "fp32": [lambda: to_wire(g, None, 2)],
+        "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
+        "csc": [lambda: chunk_scores(rows)],
+        "csc_accumulate": [lambda: residual.add_(g)],
+        "csc_chunks": [
+            lambda: rows.index_fill_(0, every, 0.0),
+            lambda: torch.index_select(rows, 0, every, out=packed),
+            lambda: rows.index_copy_(0, every, packed),
+            lambda: rows.index_fill_(0, every, 0.0),
+        ],
+    }
     out = {}
     for kind, calls in ops.items():
         total = 0.0
@@ -155,8 +165,14 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     return out
 
 
-def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], batch: int,
-                     steps: int = 3, threads: int = 1) -> ModelProfile:
+def measured_profile(
+    name: str,
+    factory: Callable[[], nn.Module],
+    input_shape: tuple[int, ...],
+    batch: int,
+    steps: int = 3,
+    threads: int = 1,
+) -> ModelProfile:
     """Time ``steps`` local training steps (after one warm-up) of ``factory()`` on this CPU.
 
     1. SGD with momentum, cross-entropy on random labels, ``threads`` torch threads (the bench
@@ -196,5 +212,6 @@ def measured_profile(name: str, factory: Callable[[], nn.Module], input_shape: t
     ready = [statistics.median(r[i] for r in readies) for i in range(len(params))]
     times = (statistics.median(fwd), statistics.median(bwd), statistics.median(upd))
     numels = tuple(p.numel() for p in params)
-    return ModelProfile(name, numels, _order(ready), tuple(ready), "profile", times=times,
-                        local_s=local_costs(sum(numels)), batch=batch)
+    return ModelProfile(
+        name, numels, _order(ready), tuple(ready), "profile", times=times, local_s=local_costs(sum(numels)), batch=batch
+    )

@@ -37,8 +37,9 @@ def best_theta(profile: ModelProfile, cfg: SimConfig, gpus: int, thetas: tuple[f
     return min(t for s, t in times if s <= fastest * 1.001)
 
 
-def plan(profile: ModelProfile, cfg: SimConfig, gpus_list: list[int],
-         densities: tuple[float, ...] = DENSITIES) -> list[PlanRow]:
+def plan(
+    profile: ModelProfile, cfg: SimConfig, gpus_list: list[int], densities: tuple[float, ...] = DENSITIES
+) -> list[PlanRow]:
     """For every GPU count:
     1. DDP and DDP + fp16 at 25 MiB buckets;
     2. the best θ for gradientflow's dense fp16 lazy allreduce, and that configuration;
@@ -59,15 +60,21 @@ def plan(profile: ModelProfile, cfg: SimConfig, gpus_list: list[int],
 
 
 def plan_markdown(rows: list[PlanRow]) -> str:
-    lines = ["| GPUs | system | θ MiB | iteration ms | speedup | efficiency | MB per GPU per step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| GPUs | system | θ MiB | iteration ms | speedup | efficiency | MB per GPU per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         it = r.result
-        lines.append(f"| {r.gpus} | {r.system} | {r.theta_mb:g} | {it.iteration_s * 1e3:.1f} | {it.speedup:.1f} | "
-                     f"{it.efficiency:.1%} | {it.bytes_per_gpu / 1e6:.1f} |")
+        lines.append(
+            f"| {r.gpus} | {r.system} | {r.theta_mb:g} | {it.iteration_s * 1e3:.1f} | {it.speedup:.1f} | "
+            f"{it.efficiency:.1%} | {it.bytes_per_gpu / 1e6:.1f} |"
+        )
     lines.append("")
     for n in dict.fromkeys(r.gpus for r in rows):
         best = min((r for r in rows if r.gpus == n), key=lambda r: r.result.iteration_s)
-        lines.append(f"- {n} GPUs: fastest is {best.system} at θ = {best.theta_mb:g} MiB "
-                     f"({best.result.speedup:.1f}x, {best.result.efficiency:.0%} efficiency).")
+        lines.append(
+            f"- {n} GPUs: fastest is {best.system} at θ = {best.theta_mb:g} MiB "
+            f"({best.result.speedup:.1f}x, {best.result.efficiency:.0%} efficiency)."
+        )
     return "\n".join(lines) + "\n"

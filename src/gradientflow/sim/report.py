@@ -15,8 +15,9 @@ from .schedule import Iteration, simulate
 logger = logging.getLogger(__name__)
 
 
-def ablation(profile: ModelProfile, cfg: SimConfig, gpus_list: list[int],
-             configs: tuple[str, ...] = CONFIGS) -> list[Iteration]:
+def ablation(
+    profile: ModelProfile, cfg: SimConfig, gpus_list: list[int], configs: tuple[str, ...] = CONFIGS
+) -> list[Iteration]:
     """Every configuration at every GPU count, GPU count major."""
     return [simulate(profile, cfg, n, c) for n in gpus_list for c in configs]
 
@@ -26,8 +27,17 @@ def to_json(model: str, assumptions: dict[str, Any], rows: list[Iteration]) -> d
     return {
         "model": model,
         "assumptions": assumptions,
-        "rows": [{"gpus": r.gpus, "config": r.config, "iteration_s": r.iteration_s, "speedup": r.speedup,
-                  "efficiency": r.efficiency, "bytes_per_gpu": int(r.bytes_per_gpu)} for r in rows],
+        "rows": [
+            {
+                "gpus": r.gpus,
+                "config": r.config,
+                "iteration_s": r.iteration_s,
+                "speedup": r.speedup,
+                "efficiency": r.efficiency,
+                "bytes_per_gpu": int(r.bytes_per_gpu),
+            }
+            for r in rows
+        ],
     }
 
 
@@ -39,18 +49,23 @@ def ablation_markdown(rows: list[Iteration]) -> str:
     head = "| config | " + " | ".join(f"{n} GPU{'s' * (n > 1)}: speedup (eff.), ms" for n in gpus) + " | MB/GPU/step |"
     lines = [head, "|---|" + "---|" * len(gpus) + "---|"]
     for c in configs:
-        cells = [f"{cell[c, n].speedup:.1f} ({cell[c, n].efficiency:.0%}), {cell[c, n].iteration_s * 1e3:.1f}"
-                 for n in gpus]
+        cells = [
+            f"{cell[c, n].speedup:.1f} ({cell[c, n].efficiency:.0%}), {cell[c, n].iteration_s * 1e3:.1f}" for n in gpus
+        ]
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {cell[c, gpus[-1]].bytes_per_gpu / 1e6:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def paper_comparison(model: str, profile: ModelProfile, cfg: SimConfig) -> str:
     """Predictions next to the paper's figures, and how far one assumption at a time moves them."""
-    lines = ["| model | GPUs | config | paper | predicted | difference | paper's source |",
-             "|---|---|---|---|---|---|---|"]
-    sens = ["| model | GPUs | config | preset | " + " | ".join(label for _, label, _ in SENSITIVITY) + " |",
-            "|---|---|---|---|" + "---|" * len(SENSITIVITY)]
+    lines = [
+        "| model | GPUs | config | paper | predicted | difference | paper's source |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    sens = [
+        "| model | GPUs | config | preset | " + " | ".join(label for _, label, _ in SENSITIVITY) + " |",
+        "|---|---|---|---|" + "---|" * len(SENSITIVITY),
+    ]
     for m, n, c, target, src in PAPER_TARGETS:
         if m != model:
             continue
@@ -68,8 +83,9 @@ def paper_comparison(model: str, profile: ModelProfile, cfg: SimConfig) -> str:
     return "\n".join(lines) + "\n\nSensitivity (speedup with one assumption moved):\n\n" + "\n".join(sens) + "\n"
 
 
-def plot(model: str, rows: list[Iteration], path: str | Path,
-         targets: list[tuple[int, float, str]] | None = None) -> bool:
+def plot(
+    model: str, rows: list[Iteration], path: str | Path, targets: list[tuple[int, float, str]] | None = None
+) -> bool:
     """Speedup against GPU count, one line per configuration, ideal dashed, ``targets`` (GPUs,
     speedup, label) as black stars; False without matplotlib."""
     try:

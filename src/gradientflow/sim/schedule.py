@@ -4,9 +4,9 @@ Timeline of one GPU (all GPUs are alike, so one stands for all):
 
   forward ─► backward (gradients become ready one by one) ─► [link busy] ─► local passes ─► update
 
-The fusion schedule is the engine's own: :func:`gradientflow.pool.plan_layout` cuts the pool in
+The fusion schedule is the engine's own: :func:`gradientflow.engine.pool.plan_layout` cuts the pool in
 backward order at θ (θ = 0: one bucket per tensor), and CSC's selection size is
-:func:`gradientflow.selection.n_selected` — the model calls them, it does not re-derive them.
+:func:`gradientflow.strategies.selection.n_selected` — the model calls them, it does not re-derive them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradientflow.pool import plan_layout
-from gradientflow.selection import n_selected
+from gradientflow.engine.pool import plan_layout
+from gradientflow.strategies.selection import n_selected
 
 from .config import CONFIGS, MIB, SimConfig
 from .cost import allreduce_s
@@ -28,13 +28,13 @@ from .model_profile import ModelProfile
 class Technique:
     """What one configuration does; each row of :data:`TECHNIQUES` adds one thing to the last."""
 
-    algorithm: str     # "tree" (baseline's allreduce) or "ring"
-    overlap: bool      # a bucket may start while backward still runs
-    wire_bytes: int    # bytes per gradient on the wire: 4 fp32, 2 fp16
-    fused: bool        # θ fusion (lazy allreduce) instead of one collective per tensor
-    csc: bool          # coarse-grained sparse communication at cfg.density
-    local: str         # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
-                       # out and back, 3 passes); CSC selecting k < n chunks: see PASSES
+    algorithm: str  # "tree" (baseline's allreduce) or "ring"
+    overlap: bool  # a bucket may start while backward still runs
+    wire_bytes: int  # bytes per gradient on the wire: 4 fp32, 2 fp16
+    fused: bool  # θ fusion (lazy allreduce) instead of one collective per tensor
+    csc: bool  # coarse-grained sparse communication at cfg.density
+    local: str  # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
+    # out and back, 3 passes); CSC selecting k < n chunks: see PASSES
 
 
 PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_accumulate": 1, "csc_chunks": 4}
@@ -64,11 +64,11 @@ class Iteration:
     gpus: int
     config: str
     iteration_s: float
-    compute_s: float       # t(1): one GPU, no communication
-    speedup: float         # N · t(1) / t(N), the paper's metric
-    bytes_per_gpu: int     # payload one GPU hands to allreduce per step
+    compute_s: float  # t(1): one GPU, no communication
+    speedup: float  # N · t(1) / t(N), the paper's metric
+    bytes_per_gpu: int  # payload one GPU hands to allreduce per step
     collectives: int
-    exposed_s: float       # communication not hidden behind backward
+    exposed_s: float  # communication not hidden behind backward
 
     @property
     def efficiency(self) -> float:
@@ -100,8 +100,9 @@ def _passes_s(profile: ModelProfile, cfg: SimConfig, kind: str) -> float:
     return PASSES[kind] * 4 * profile.n_params / cfg.pass_bytes_per_s
 
 
-def simulate(profile: ModelProfile, cfg: SimConfig, gpus: int, config: str,
-             technique: Technique | None = None) -> Iteration:
+def simulate(
+    profile: ModelProfile, cfg: SimConfig, gpus: int, config: str, technique: Technique | None = None
+) -> Iteration:
     """One iteration of ``config`` (or of ``technique``, named ``config``) on ``gpus`` GPUs.
 
     1. Compute: forward, then backward; parameter i's gradient is ready at

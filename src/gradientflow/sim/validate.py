@@ -38,15 +38,19 @@ from .schedule import TECHNIQUES, Iteration, Technique, simulate
 
 MODE_TECHNIQUE: dict[str, Technique] = {
     "compute": TECHNIQUES["lazy"],  # evaluated at 1 GPU: no communication
-    "gf-fp32": DDP, "ddp": DDP, "gf-fp16": TECHNIQUES["lazy"], "ddp-fp16": DDP_FP16,
+    "gf-fp32": DDP,
+    "ddp": DDP,
+    "gf-fp16": TECHNIQUES["lazy"],
+    "ddp-fp16": DDP_FP16,
     "gf-fp16-csc": TECHNIQUES["csc"],
 }
 
 
 def _profile_job(job: tuple[str, int, int, int]) -> ModelProfile:
     workload, batch, steps, threads = job
-    return measured_profile(workload, lambda: build_model(workload), WORKLOADS[workload].input_shape, batch,
-                            steps=steps, threads=threads)
+    return measured_profile(
+        workload, lambda: build_model(workload), WORKLOADS[workload].input_shape, batch, steps=steps, threads=threads
+    )
 
 
 def profile_like_the_bench(workload: str, batch: int, steps: int, threads: int, copies: int) -> ModelProfile:
@@ -59,54 +63,84 @@ def profile_like_the_bench(workload: str, batch: int, steps: int, threads: int, 
     return max(profs, key=lambda p: sum(p.times or ()))
 
 
-def predict(bench: dict, fit: dict, steps: int = 5, copies: int = 1) -> tuple[dict[str, tuple[Iteration, Iteration]],
-                                                                             dict]:
+def predict(
+    bench: dict, fit: dict, steps: int = 5, copies: int = 1
+) -> tuple[dict[str, tuple[Iteration, Iteration]], dict]:
     """Steps 2-3: per bench mode, the prediction from the profile and from the bench's compute time."""
     opts = bench["options"]
     workload = opts["workload"]
     prof = profile_like_the_bench(workload, opts["batch_size"], steps, bench.get("threads_per_rank") or 1, copies)
     t1 = sum(prof.times or ())
-    cfg = SimConfig(bandwidth=fit["bandwidth_Bps"], latency=fit["alpha_s"], batch=opts["batch_size"],
-                    gpu_images_per_s=opts["batch_size"] / t1, theta_mb=opts["fusion_mb"], density=CSC_DENSITY,
-                    chunk_size=bench["chunk_size"])
+    cfg = SimConfig(
+        bandwidth=fit["bandwidth_Bps"],
+        latency=fit["alpha_s"],
+        batch=opts["batch_size"],
+        gpu_images_per_s=opts["batch_size"] / t1,
+        theta_mb=opts["fusion_mb"],
+        density=CSC_DENSITY,
+        chunk_size=bench["chunk_size"],
+    )
     n = bench["world_size"]
     ref = next(r["median_s"] for r in bench["rows"] if r["mode"] == "compute")
     # The bench's ranks share this machine's cores and memory bandwidth, a lone profile does not:
     # the second prediction slows every local CPU cost (compute and passes) by the one factor the
     # bench itself measured, its compute mode over the profile (no communication in either).
-    scaled = dataclasses.replace(prof, times=tuple(t * ref / t1 for t in prof.times or ()),
-                                 local_s={k: v * ref / t1 for k, v in (prof.local_s or {}).items()})
+    scaled = dataclasses.replace(
+        prof,
+        times=tuple(t * ref / t1 for t in prof.times or ()),
+        local_s={k: v * ref / t1 for k, v in (prof.local_s or {}).items()},
+    )
     out = {}
     for row in bench["rows"]:
         tech = MODE_TECHNIQUE.get(row["mode"])
         if tech is not None and step_table_row(row) and row["status"] == "ok":
             gpus = 1 if row["mode"] == "compute" else n
-            out[row["name"]] = (simulate(prof, cfg, gpus, row["mode"], tech),
-                                simulate(scaled, cfg, gpus, row["mode"], tech))
-    assumptions = {**cfg.as_dict(), "measured_forward_backward_update_s": list(prof.times or ()), "copies": copies,
-                   "loadavg_1min_at_profile": os.getloadavg()[0],
-                   "bench_compute_s": ref, "contention_factor": ref / t1,
-                   "local_passes_s": prof.local_s}
+            out[row["name"]] = (
+                simulate(prof, cfg, gpus, row["mode"], tech),
+                simulate(scaled, cfg, gpus, row["mode"], tech),
+            )
+    assumptions = {
+        **cfg.as_dict(),
+        "measured_forward_backward_update_s": list(prof.times or ()),
+        "copies": copies,
+        "loadavg_1min_at_profile": os.getloadavg()[0],
+        "bench_compute_s": ref,
+        "contention_factor": ref / t1,
+        "local_passes_s": prof.local_s,
+    }
     return out, assumptions
 
 
 def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration]]) -> tuple[str, list[dict]]:
     """Step 4's rows: measured vs predicted step time (both compute sources) and speedup, per mode."""
     rows = []
-    lines = ["| mode | measured step ms (p10–p90) | predicted ms, profiled compute | difference | "
-             "predicted ms, bench's compute | difference | measured speedup | predicted speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | measured step ms (p10–p90) | predicted ms, profiled compute | difference | "
+        "predicted ms, bench's compute | difference | measured speedup | predicted speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in bench["rows"]:
         if r["name"] not in preds:
             continue
         p, q = preds[r["name"]]
         dp, dq = ((x.iteration_s - r["median_s"]) / r["median_s"] for x in (p, q))
-        rows.append({"mode": r["name"], "measured_s": r["median_s"], "predicted_s": p.iteration_s, "difference": dp,
-                     "predicted_bench_compute_s": q.iteration_s, "difference_bench_compute": dq,
-                     "measured_speedup": r["speedup"], "predicted_speedup": q.speedup})
-        lines.append(f"| {r['name']} | {r['median_s'] * 1e3:.0f} ({r['p10_s'] * 1e3:.0f}–{r['p90_s'] * 1e3:.0f}) | "
-                     f"{p.iteration_s * 1e3:.0f} | {dp:+.0%} | {q.iteration_s * 1e3:.0f} | {dq:+.0%} | "
-                     f"{r['speedup']:.2f} | {'—' if r['mode'] == 'compute' else f'{q.speedup:.2f}'} |")
+        rows.append(
+            {
+                "mode": r["name"],
+                "measured_s": r["median_s"],
+                "predicted_s": p.iteration_s,
+                "difference": dp,
+                "predicted_bench_compute_s": q.iteration_s,
+                "difference_bench_compute": dq,
+                "measured_speedup": r["speedup"],
+                "predicted_speedup": q.speedup,
+            }
+        )
+        lines.append(
+            f"| {r['name']} | {r['median_s'] * 1e3:.0f} ({r['p10_s'] * 1e3:.0f}–{r['p90_s'] * 1e3:.0f}) | "
+            f"{p.iteration_s * 1e3:.0f} | {dp:+.0%} | {q.iteration_s * 1e3:.0f} | {dq:+.0%} | "
+            f"{r['speedup']:.2f} | {'—' if r['mode'] == 'compute' else f'{q.speedup:.2f}'} |"
+        )
     return "\n".join(lines) + "\n", rows
 
 
@@ -117,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench", default="benchmarks/sim_validation/bench_resnet50_1gbit/results.json")
     p.add_argument("--algorithm", default="native", help="whose α/B fit to use (the bench's --algorithm)")
     p.add_argument("--steps", type=int, default=5, help="profiled local steps")
-    p.add_argument("--copies", type=int, default=1, help="profile in this many processes at once, as the bench's "
-                   "ranks share this machine (default 1: the model alone)")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="profile in this many processes at once, as the bench's "
+        "ranks share this machine (default 1: the model alone)",
+    )
     p.add_argument("--out", default="benchmarks/sim_validation")
     args = p.parse_args(argv)
     bench = json.loads(Path(args.bench).read_text())
@@ -127,20 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     preds, assumptions = predict(bench, fit, args.steps, copies)
     md, rows = table(bench, preds)
     a = assumptions
-    head = (f"`python -m gradientflow.sim.validate {' '.join(argv)}`\n\n"
-            f"Bench: `{bench['command']}`. Model inputs, all measured here: α = {a['latency'] * 1e6:.0f} µs, "
-            f"B = {a['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({args.alpha_beta}); forward/backward/update = "
-            + "/".join(f"{t * 1e3:.0f}" for t in a["measured_forward_backward_update_s"])
-            + f" ms (profiled, 1 thread, {a['copies']} copies at once, "
-            f"load average {a['loadavg_1min_at_profile']:.1f}; "
-            f"the bench's compute mode: {a['bench_compute_s'] * 1e3:.0f} ms); "
-            "local passes (the engine's own calls, timed here): "
-            + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in a["local_passes_s"].items()) + ".\n\n")
+    head = (
+        f"`python -m gradientflow.sim.validate {' '.join(argv)}`\n\n"
+        f"Bench: `{bench['command']}`. Model inputs, all measured here: α = {a['latency'] * 1e6:.0f} µs, "
+        f"B = {a['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({args.alpha_beta}); forward/backward/update = "
+        + "/".join(f"{t * 1e3:.0f}" for t in a["measured_forward_backward_update_s"])
+        + f" ms (profiled, 1 thread, {a['copies']} copies at once, "
+        f"load average {a['loadavg_1min_at_profile']:.1f}; "
+        f"the bench's compute mode: {a['bench_compute_s'] * 1e3:.0f} ms); "
+        "local passes (the engine's own calls, timed here): "
+        + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in a["local_passes_s"].items())
+        + ".\n\n"
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "validation.md").write_text(head + md)
-    (Path(args.out) / "validation.json").write_text(json.dumps({"command": "python -m gradientflow.sim.validate "
-                                                                + " ".join(argv), "assumptions": assumptions,
-                                                                "rows": rows}, indent=1))
+    (Path(args.out) / "validation.json").write_text(
+        json.dumps(
+            {
+                "command": "python -m gradientflow.sim.validate " + " ".join(argv),
+                "assumptions": assumptions,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(head + md)
     return 0
 

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 
-def divide(src: torch.Tensor, world_size: int, wire_dtype: torch.dtype | None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def divide(
+    src: torch.Tensor, world_size: int, wire_dtype: torch.dtype | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``src / world_size``, computed as the wire needs it, into ``out`` (default: ``src``, in place).
 
     A pool-dtype wire divides; a cast wire multiplies by the reciprocal (the fp32 product, rounded
@@ -29,8 +30,13 @@ def divide(src: torch.Tensor, world_size: int, wire_dtype: torch.dtype | None,
     return torch.mul(src, 1.0 / world_size, out=out)
 
 
-def to_wire(flat: torch.Tensor, wire_dtype: torch.dtype | None, world_size: int,
-            out: torch.Tensor | None = None, divided: bool = False) -> torch.Tensor:
+def to_wire(
+    flat: torch.Tensor,
+    wire_dtype: torch.dtype | None,
+    world_size: int,
+    out: torch.Tensor | None = None,
+    divided: bool = False,
+) -> torch.Tensor:
     """Return ``flat / world_size`` in ``wire_dtype`` (``None``: its own dtype), in ``out`` if given.
 
     ``flat`` itself is divided in place (its content is replaced by the reduced result anyway),

@@ -89,8 +89,18 @@ class TraceRecorder:
         """An event on the engine track from ``perf_counter`` stamps ``t0`` to ``t1``."""
         self._poll()
         args["step"] = self.step
-        self._events.append({"name": name, "cat": cat, "ph": "X", "ts": self._us(t0),
-                             "dur": round(max(0.0, t1 - t0) * 1e6, 3), "pid": self.rank, "tid": 0, "args": args})
+        self._events.append(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": self._us(t0),
+                "dur": round(max(0.0, t1 - t0) * 1e6, 3),
+                "pid": self.rank,
+                "tid": 0,
+                "args": args,
+            }
+        )
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
@@ -138,20 +148,40 @@ class TraceRecorder:
             lane = next((i for i, end in enumerate(self._lane_end) if end <= t0), len(self._lane_end))
             if lane == len(self._lane_end):
                 self._lane_end.append(t1)
-                events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1 + lane,
-                               "args": {"name": f"comm {lane}"}})
+                events.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": self.rank,
+                        "tid": 1 + lane,
+                        "args": {"name": f"comm {lane}"},
+                    }
+                )
             self._lane_end[lane] = t1
-            events.append({"name": kind, "cat": "collective", "ph": "X", "ts": self._us(t0),
-                           "dur": round(max(0.0, t1 - t0) * 1e6, 3), "pid": self.rank, "tid": 1 + lane,
-                           "args": args})
+            events.append(
+                {
+                    "name": kind,
+                    "cat": "collective",
+                    "ph": "X",
+                    "ts": self._us(t0),
+                    "dur": round(max(0.0, t1 - t0) * 1e6, 3),
+                    "pid": self.rank,
+                    "tid": 1 + lane,
+                    "args": args,
+                }
+            )
         self._done = []
         if self._file is None:
             directory = os.path.dirname(self.path)
             if directory:
                 os.makedirs(directory, exist_ok=True)
             self._file = open(self.path, "w")  # kept open across the traced steps
-            other = {"producer": "gradientflow", "rank": self.rank, "world_size": self.world_size,
-                     "trace_steps": [self.start, self.stop]}
+            other = {
+                "producer": "gradientflow",
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "trace_steps": [self.start, self.stop],
+            }
             self._file.write(f'{{"displayTimeUnit": "ms", "otherData": {json.dumps(other)}, "traceEvents": [')
             events = [
                 {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
@@ -168,6 +198,7 @@ class TraceRecorder:
         if self.step + 1 >= self.stop:
             f.close()
             self._file = None
+
 
 def phase_start(watchdog: Any) -> float | None:
     """A ``perf_counter`` stamp when ``watchdog``'s trace is recording, else ``None`` (no clock read)."""

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .stats import StepStats
-from .watchdog import Watchdog
+from ..diagnostics.stats import StepStats
+from ..diagnostics.watchdog import Watchdog
 
 
 class ParamUsage:
@@ -23,7 +23,7 @@ class ParamUsage:
 
     def __init__(self, n: int, static_graph: bool) -> None:
         self.fresh = bytearray(n)  # 1: .grad was None when bound, and no backward has produced it since
-        self.used = bytearray(n)   # 1: a backward on this rank produced the gradient since the last sync
+        self.used = bytearray(n)  # 1: a backward on this rank produced the gradient since the last sync
         self.static_graph = static_graph
         self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
 
@@ -32,8 +32,9 @@ class ParamUsage:
         self.fresh = bytearray(len(self.fresh))
         self.used = bytearray(len(self.used))
 
-    def start_exchange(self, group: Callable[[], dist.ProcessGroup], device: torch.device,
-                       stats: StepStats) -> tuple[dist.Work, torch.Tensor] | None:
+    def start_exchange(
+        self, group: Callable[[], dist.ProcessGroup], device: torch.device, stats: StepStats
+    ) -> tuple[dist.Work, torch.Tensor] | None:
         """Start the MAX allreduce of the used bytes on ``group()``; None when ``static_graph``
         already knows the unused parameters."""
         if self.static_unused is not None:

@@ -5,7 +5,7 @@ buffers from rank 0, arming the backward), ``no_sync``, ``Join`` (its hook in :m
 device/dtype changes, pickling, and the communication checkpoint (kept by :mod:`.comm_state`).
 What happens during a synchronised backward
 (``.grad`` bound to the pool, buckets launched in order, the final callback) is the
-:class:`~gradientflow.reducer.Reducer`'s, built here and rebuilt after ``.to()``.
+:class:`~gradientflow.engine.reducer.Reducer`'s, built here and rebuilt after ``.to()``.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import comm_state
-from .collectives import broadcast_coalesced
+from ..comm.collectives import broadcast_coalesced
+from ..config import GradientFlowConfig
+from ..diagnostics.watchdog import Watchdog, resolve_timeout
+from ..engine import comm_state
+from ..engine.consistency import check_same_setup
+from ..engine.pool import GradPool
+from ..engine.reducer import Reducer
+from ..strategies import build_strategy
 from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
-from .config import GradientFlowConfig
-from .consistency import check_same_setup
 from .join import GradientFlowJoinHook, common_rank
-from .pool import GradPool
-from .reducer import Reducer
-from .watchdog import Watchdog, resolve_timeout
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -106,12 +107,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)
         settings = resolve_ddp_args(
-            module, device_ids=device_ids, output_device=output_device, broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers, init_sync=init_sync, process_group=process_group,
-            device_mesh=device_mesh, bucket_cap_mb=bucket_cap_mb, fusion_threshold_mb=fusion_threshold_mb,
-            bucket_cap_mb_list=bucket_cap_mb_list, static_graph=static_graph,
+            module,
+            device_ids=device_ids,
+            output_device=output_device,
+            broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers,
+            init_sync=init_sync,
+            process_group=process_group,
+            device_mesh=device_mesh,
+            bucket_cap_mb=bucket_cap_mb,
+            fusion_threshold_mb=fusion_threshold_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            static_graph=static_graph,
             delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
         )
         self.config = GradientFlowConfig(
             fusion_threshold_mb=settings.fusion_threshold_mb,
@@ -204,8 +214,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         if old is not None:
             old.remove_hooks()
         control = self._gf_control_group() if self.config.sparse else None
-        self._gf_engine = Reducer(self._gf_params, self._gf_names, self.config, self.process_group,
-                                  self._gf_watchdog, control, self.static_graph, order)
+        make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
+        self._gf_engine = Reducer(
+            self._gf_params,
+            self._gf_names,
+            self.config,
+            self.process_group,
+            self._gf_watchdog,
+            control,
+            self.static_graph,
+            order,
+            make_sync,
+        )
         self._gf_engine.layout_final = layout_final
         if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
             self._gf_engine.register_grad_scaler(self._gf_scaler)
@@ -283,8 +303,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
         with torch.no_grad():
-            broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog,
-                                 "buffer broadcast")
+            broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog, "buffer broadcast")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -11,7 +11,7 @@ Checkpoints hold the unscaled residual.
 
 v is kept in fp32 for 16-bit pools (small residuals must not vanish in fp16), otherwise in the
 pool's own dtype; a pool whose v has the parameters' dtype can take ``.grad`` views of v
-("direct" accumulation, see :mod:`gradientflow.csc`).
+("direct" accumulation, see :mod:`gradientflow.strategies.csc`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .pool import Layout, transfer
+from ..engine.pool import Layout, transfer
 
 
 def residual_dtype(pool_dtype: torch.dtype) -> torch.dtype:
@@ -45,12 +45,16 @@ class Residuals:
         self.param_views = self._param_views()
 
     def _zeros(self) -> list[torch.Tensor]:
-        return [torch.zeros(n * self.chunk_size, dtype=residual_dtype(dtype), device=device)
-                for n, (dtype, device) in zip(self.n_chunks, self.layout.keys)]
+        return [
+            torch.zeros(n * self.chunk_size, dtype=residual_dtype(dtype), device=device)
+            for n, (dtype, device) in zip(self.n_chunks, self.layout.keys)
+        ]
 
     def _param_views(self) -> list[torch.Tensor]:
-        return [self.v[s.pool][s.offset : s.offset + s.numel].view(shape)
-                for s, shape in zip(self.layout.slots, self._shapes)]
+        return [
+            self.v[s.pool][s.offset : s.offset + s.numel].view(shape)
+            for s, shape in zip(self.layout.slots, self._shapes)
+        ]
 
     def rows(self, k: int, which: str = "v") -> torch.Tensor:
         """Pool ``k``'s v (or u) as ``[n_chunks, chunk_size]``."""

@@ -9,7 +9,7 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      pass of ours touches the pool.  With momentum correction (or a 16-bit pool, whose v is
      fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in bucket by
      bucket: ``u = m*u + g; v += u`` (or ``v += g``).
-  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.selection.chunk_scores`), in the
+  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`), in the
      launch of the bucket that completes the chunk, so scoring runs while backward goes on.
   3. Exchange scores and select: the scores of a *slice* of chunks are SUM-allreduced, and each
      slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower
@@ -22,17 +22,17 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      and backward never waits for a slower peer.  ``"global"`` (the paper): one slice per pool
      buffer, exchanged and selected after backward, one packed allreduce.
   4. Send: the selected rows of v are gathered into one packed buffer per slice and allreduced
-     through :class:`~gradientflow.dense.DenseSync` (pre-divided, cast to the wire dtype).
+     through :class:`~gradientflow.strategies.dense.DenseSync` (pre-divided, cast to the wire dtype).
   5. Write back, after one host read (the step's only one: is everything finite?): the pool is
      zeroed, gets the reduced chunks, and the sent chunks leave v and u (momentum factor
      masking).  ``.grad`` point at the pool again, ready for the optimizer.
-  6. Warm-up: a density ramp (:func:`~gradientflow.selection.density_at`): step t of the first
+  6. Warm-up: a density ramp (:func:`~gradientflow.strategies.selection.density_at`): step t of the first
      ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks; step 0 (density 1),
      and any step whose chunks and scores would be no fewer bytes than a dense step
-     (:func:`~gradientflow.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
+     (:func:`~gradientflow.strategies.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
 
 Loss scaling: v and u are kept in units of the current loss scale
-(:class:`~gradientflow.residual.Residuals`); ``model.register_grad_scaler(scaler)`` lets CSC
+(:class:`~gradientflow.strategies.residual.Residuals`); ``model.register_grad_scaler(scaler)`` lets CSC
 follow the scale (without it the scale is taken as 1).  A non-finite value anywhere (a local
 gradient on any rank: the allreduced scores are non-finite everywhere; or an fp16 wire that
 overflowed: the reduced chunks are) makes every rank fill the pool with NaN, so
@@ -61,17 +61,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import GradientFlowConfig
+from ..comm.precision import loss_scale
+from ..config import GradientFlowConfig
+from ..diagnostics.stats import StepStats
+from ..diagnostics.trace import phase_end, phase_start
+from ..engine.pool import Bucket, GradPool, Layout
+from ..engine.protocol import SyncStrategy
 from .dense import DenseSync
 from .pitfalls import optimizer_pitfalls
-from .pool import Bucket, GradPool, Layout
-from .precision import loss_scale
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
 from .selection import chunk_scores, dense_from, density_at, n_selected, samples_chunks, score_scratch, select_chunks
 from .slices import Slice, SliceQueue
-from .stats import StepStats
-from .strategy import SyncStrategy
-from .trace import phase_end, phase_start
 
 
 class SparseSync(SyncStrategy):
@@ -135,7 +135,7 @@ class SparseSync(SyncStrategy):
         # Autograd can accumulate into v only where v has the parameters' dtype and nothing
         # (momentum) must happen between the gradient and v.
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
-        self._ready = [0] * len(self.sizes)   # elements of each buffer accumulated this step
+        self._ready = [0] * len(self.sizes)  # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
         self._clean_versions: list[int] | None = None  # see _clear_pool
@@ -176,7 +176,7 @@ class SparseSync(SyncStrategy):
         self._scaler = scaler
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:
-        """Warn about the measured pitfalls of ``optimizer`` under this CSC (:mod:`gradientflow.pitfalls`)."""
+        """Warn about the measured pitfalls of ``optimizer`` under this CSC (:mod:`.pitfalls`)."""
         for message in optimizer_pitfalls(optimizer, self.density, self.momentum):
             warnings.warn(message, stacklevel=stacklevel)
 
@@ -209,8 +209,10 @@ class SparseSync(SyncStrategy):
         if not any(self._direct):
             return None
         pool_views = self.pool.views
-        return [rv if self._direct[s.pool] else pv
-                for s, rv, pv in zip(self.pool.layout.slots, self.res.param_views, pool_views)]
+        return [
+            rv if self._direct[s.pool] else pv
+            for s, rv, pv in zip(self.pool.layout.slots, self.res.param_views, pool_views)
+        ]
 
     def gradient_slice(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """v's slice for a direct pool during a sparse step (its gradient plus the finite residual)."""
@@ -272,15 +274,17 @@ class SparseSync(SyncStrategy):
         rows = self.res.rows(k)
         if rows.device.type == "cpu" and (self._score_scratch is None or self._score_scratch.dtype != rows.dtype):
             self._score_scratch = score_scratch(C, rows.dtype, self.sampled)
-        chunk_scores(rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch,
-                     sampled=self.sampled)
+        chunk_scores(
+            rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch, sampled=self.sampled
+        )
         self._scored[k] = upto
         return lo, upto
 
     def _open_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
         """Start the exchange of the scores of chunks [lo, hi) of pool k."""
-        self._queue.open(k, lo, hi, self.scores[self.offsets[k] + lo : self.offsets[k] + hi], stats,
-                         self.dense.watchdog)
+        self._queue.open(
+            k, lo, hi, self.scores[self.offsets[k] + lo : self.offsets[k] + hi], stats, self.dense.watchdog
+        )
 
     def _send_slice(self, sl: Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
@@ -333,9 +337,15 @@ class SparseSync(SyncStrategy):
         stats.host_syncs += 1
         stats.phase("check", t0)
         self._write_back(slices, ok, stats)
-        stats.extra.update(n_chunks=self.total_chunks, warmup=0, overflow=int(not ok), density=self.density_now(),
-                           selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,
-                           slices=len(slices), slices_in_backward=sent)
+        stats.extra.update(
+            n_chunks=self.total_chunks,
+            warmup=0,
+            overflow=int(not ok),
+            density=self.density_now(),
+            selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,
+            slices=len(slices),
+            slices_in_backward=sent,
+        )
         self.last_slice_sizes = [sl.hi - sl.lo for sl in slices]
         self.step += 1
 

@@ -82,7 +82,7 @@ class Watchdog:
     """Bounds every wait of one wrapper by ``timeout`` and turns a failure into a named error.
 
     ``step`` is the synchronised step (0-based) the engine is in, for messages and the trace;
-    ``trace`` is the :class:`~gradientflow.trace.TraceRecorder` or ``None`` (collectives report
+    ``trace`` is the :class:`~gradientflow.diagnostics.trace.TraceRecorder` or ``None`` (collectives report
     their launch and completion to it).
     """
 
@@ -109,7 +109,10 @@ class Watchdog:
                 f"gradientflow: step {self.step}: {what} not attempted: an earlier collective failed (step "
                 f"{self.failed.step}: {self.failed.collective}, missing ranks {self.failed.missing_ranks}). "
                 + RESTART_ADVICE,
-                step=self.step, collective=what, nbytes=nbytes, missing_ranks=self.failed.missing_ranks,
+                step=self.step,
+                collective=what,
+                nbytes=nbytes,
+                missing_ranks=self.failed.missing_ranks,
             )
         t0 = time.perf_counter()
         try:
@@ -132,8 +135,10 @@ class Watchdog:
             f"of {self.world_size}."
         ]
         if missing is None:
-            parts.append("Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
-                         "have died or stalled, or ranks issued different collectives.")
+            parts.append(
+                "Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
+                "have died or stalled, or ranks issued different collectives."
+            )
         elif missing:
             parts.append(
                 f"Rank(s) {missing} never reached a failing wait within {self.grace_s:g} s: a peer may have died, "
@@ -141,18 +146,19 @@ class Watchdog:
                 "inside no_sync() while the others synchronise)."
             )
         elif elsewhere:
-            parts.append("Every rank checked in, but not all at this collective: ranks issued collectives in a "
-                         "different order (a collective outside gradientflow on some ranks only?).")
+            parts.append(
+                "Every rank checked in, but not all at this collective: ranks issued collectives in a "
+                "different order (a collective outside gradientflow on some ranks only?)."
+            )
         else:
-            parts.append("Every rank reached a failing wait at this collective: the network or the backend "
-                         "failed, not one rank.")
+            parts.append(
+                "Every rank reached a failing wait at this collective: the network or the backend failed, not one rank."
+            )
         for r, w in sorted(elsewhere.items()):
             step, _, coll = w.partition("|")
             parts.append(f"Rank {r} was waiting on {coll} of step {step} instead.")
         parts.append(RESTART_ADVICE)
-        err = CommunicationError(
-            " ".join(parts), step=self.step, collective=what, nbytes=nbytes, missing_ranks=missing
-        )
+        err = CommunicationError(" ".join(parts), step=self.step, collective=what, nbytes=nbytes, missing_ranks=missing)
         self.failed = err
         logger.debug("gradientflow: %s", err)  # raised, not logged: the caller decides what to print
         return err

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +24,12 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 class DDPSettings:
     """What the wrapper takes from torch DDP's arguments."""
 
-    device: torch.device | None          # inputs are moved here at forward (device_ids given), else None
+    device: torch.device | None  # inputs are moved here at forward (device_ids given), else None
     process_group: dist.ProcessGroup
     fusion_threshold_mb: float
-    forward_sync_buffers: bool           # broadcast buffers from rank 0 at every synchronised forward
-    init_sync: bool                      # compare models and broadcast rank 0's state at construction
-    init_sync_buffers: bool              # ... buffers included (the deprecated broadcast_buffers=False excludes them)
+    forward_sync_buffers: bool  # broadcast buffers from rank 0 at every synchronised forward
+    init_sync: bool  # compare models and broadcast rank 0's state at construction
+    init_sync_buffers: bool  # ... buffers included (the deprecated broadcast_buffers=False excludes them)
     static_graph: bool
 
 
@@ -38,8 +37,9 @@ def _device_index(d: Any) -> torch.device:
     if isinstance(d, torch.device):
         return d
     if isinstance(d, int):
-        return torch.device(torch.accelerator.current_accelerator().type if torch.accelerator.is_available()
-                            else "cuda", d)
+        return torch.device(
+            torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cuda", d
+        )
     return torch.device(d)
 
 
@@ -103,8 +103,10 @@ def resolve_ddp_args(
     group = process_group if process_group is not None else dist.group.WORLD
 
     # 2. θ.
-    if bucket_cap_mb is not None and fusion_threshold_mb is not None and float(bucket_cap_mb) != float(
-        fusion_threshold_mb
+    if (
+        bucket_cap_mb is not None
+        and fusion_threshold_mb is not None
+        and float(bucket_cap_mb) != float(fusion_threshold_mb)
     ):
         raise ValueError(
             f"bucket_cap_mb={bucket_cap_mb} and fusion_threshold_mb={fusion_threshold_mb} disagree: they are the "
@@ -195,21 +197,7 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: move_to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(
+            obj, **{f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        )
     return obj
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a forward's output (tuples, namedtuples, lists, dicts, dataclasses)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from iter_tensors(o)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))

@@ -33,9 +33,7 @@ def optimizer_pitfalls(optimizer: torch.optim.Optimizer, density: float, momentu
             f"density={ADAPTIVE_MIN_DENSITY} loses less than {density}, and so does csc_scope='global' on a "
             "model cut into several slices."
         )
-    if momentum > 0 and any(
-        g.get("momentum", 0) or (g.get("betas") is not None and g["betas"][0] > 0) for g in groups
-    ):
+    if momentum > 0 and any(g.get("momentum", 0) or (g.get("betas") is not None and g["betas"][0] > 0) for g in groups):
         found.append(
             f"gradientflow: CSC applies momentum correction (momentum={momentum}); the "
             "optimizer applies momentum again. Use SGD(momentum=0), or momentum=0 in "

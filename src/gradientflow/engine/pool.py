@@ -43,15 +43,18 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Layout:
-    keys: tuple[PoolKey, ...]          # (dtype, device) of each pool
-    sizes: tuple[int, ...]             # elements in each pool
-    slots: tuple[Slot, ...]            # indexed by parameter index
-    buckets: tuple[Bucket, ...]        # in launch order (= backward order)
-    order: tuple[int, ...]             # parameter indices in backward order
+    keys: tuple[PoolKey, ...]  # (dtype, device) of each pool
+    sizes: tuple[int, ...]  # elements in each pool
+    slots: tuple[Slot, ...]  # indexed by parameter index
+    buckets: tuple[Bucket, ...]  # in launch order (= backward order)
+    order: tuple[int, ...]  # parameter indices in backward order
 
 
 def plan_layout(
-    numels: Sequence[int], keys: Sequence[PoolKey], order: Sequence[int], threshold_bytes: float,
+    numels: Sequence[int],
+    keys: Sequence[PoolKey],
+    order: Sequence[int],
+    threshold_bytes: float,
     tail_bytes: float | None = None,
 ) -> Layout:
     """Lay gradients out in ``order`` (the order backward produces them) and cut buckets.
@@ -102,8 +105,9 @@ def plan_layout(
     return Layout(tuple(pool_keys), tuple(sizes), tuple(slots), tuple(buckets), tuple(order))  # type: ignore[arg-type]
 
 
-def _split_tails(buckets: list[Bucket], numels: Sequence[int], itemsize: Sequence[int],
-                 tail_bytes: float) -> list[Bucket]:
+def _split_tails(
+    buckets: list[Bucket], numels: Sequence[int], itemsize: Sequence[int], tail_bytes: float
+) -> list[Bucket]:
     """Cut each pool's last bucket so that its trailing part holds at most ``tail_bytes``."""
     last = {b.pool: b.index for b in buckets}
     out: list[Bucket] = []
@@ -201,8 +205,10 @@ def transfer(
     so a caller can move straight into its own (e.g. padded) buffers without a second copy.
     """
     if out is None:
-        out = [torch.zeros(size, dtype=buffers[0].dtype if buffers else dtype, device=device)
-               for (dtype, device), size in zip(new.keys, new.sizes)]
+        out = [
+            torch.zeros(size, dtype=buffers[0].dtype if buffers else dtype, device=device)
+            for (dtype, device), size in zip(new.keys, new.sizes)
+        ]
     for s_old, s_new in zip(old.slots, new.slots):
         out[s_new.pool][s_new.offset : s_new.offset + s_new.numel].copy_(
             buffers[s_old.pool][s_old.offset : s_old.offset + s_old.numel]

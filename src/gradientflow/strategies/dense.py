@@ -12,19 +12,26 @@ import time
 import torch
 import torch.distributed as dist
 
-from .collectives import PendingAllreduce, start_allreduce
-from .pool import Bucket, Scratch
-from .precision import divide, from_wire, to_wire
-from .stats import StepStats
-from .strategy import SyncStrategy
-from .watchdog import Watchdog
+from ..comm.collectives import PendingAllreduce, start_allreduce
+from ..comm.precision import divide, from_wire, to_wire
+from ..diagnostics.stats import StepStats
+from ..diagnostics.watchdog import Watchdog
+from ..engine.pool import Bucket, Scratch
+from ..engine.protocol import SyncStrategy
 
 
 class DenseSync(SyncStrategy):
     """Every gradient, every step: one allreduce per bucket in the wire dtype."""
 
-    def __init__(self, *, group: dist.ProcessGroup, world_size: int, wire_dtype: torch.dtype | None, algorithm: str,
-                 watchdog: Watchdog | None = None):
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        world_size: int,
+        wire_dtype: torch.dtype | None,
+        algorithm: str,
+        watchdog: Watchdog | None = None,
+    ):
         self.group = group
         self.watchdog = watchdog  # bounds every wait, names the collective; CSC's collectives use it too
         self.world_size = world_size

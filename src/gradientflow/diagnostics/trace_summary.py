@@ -1,6 +1,6 @@
 """``gradientflow trace-summary FILE...``: where the time went in a trace written with ``trace_path=``.
 
-Reads the Chrome-trace JSON of :mod:`gradientflow.trace` and prints, per file (= per rank):
+Reads the Chrome-trace JSON of :mod:`gradientflow.diagnostics.trace` and prints, per file (= per rank):
 
 1. the engine track per category, in ms per step: forward, backward (compute plus handing
    buckets over), the final wait (communication not hidden behind backward, plus CSC's
@@ -30,7 +30,7 @@ def load_events(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def kind_of(name: str) -> str:
-    """"wait bucket 3" -> "bucket", "scores of pool 0 chunks 0-9" -> "scores", "x (y)" -> "x"."""
+    """ "wait bucket 3" -> "bucket", "scores of pool 0 chunks 0-9" -> "scores", "x (y)" -> "x"."""
     name = re.sub(r"^wait ", "", name)
     name = re.sub(r"\s*\(.*\)$", "", name)
     name = re.sub(r" of pool .*$", "", name)
@@ -59,18 +59,22 @@ def summarize(path: str) -> str:
         if e["cat"] in ("csc", "check"):
             by_name[(e["cat"], e["name"])] += e["dur"] / 1e3
 
-    lines = [f"{path}: rank {meta.get('rank', '?')} of {meta.get('world_size', '?')}, "
-             f"{len(steps)} step(s) {steps}",
-             f"  {'engine track':<44}{'total ms':>10}{'ms/step':>10}{'% of step':>11}"]
+    lines = [
+        f"{path}: rank {meta.get('rank', '?')} of {meta.get('world_size', '?')}, {len(steps)} step(s) {steps}",
+        f"  {'engine track':<44}{'total ms':>10}{'ms/step':>10}{'% of step':>11}",
+    ]
 
     def row(label: str, ms: float, indent: int = 2) -> None:
         share = f"{100 * ms / step_ms:.1f}" if step_ms > 0 else "-"
         lines.append(f"{' ' * indent}{label:<{46 - indent}}{ms:>10.2f}{ms / n:>10.2f}{share:>11}")
 
     row("step (first to last event of the step)", step_ms)
-    labels = [("forward", "forward"), ("backward", "backward (compute + bucket hand-over)"),
-              ("launch", "bucket hand-over (cast / CSC accumulate)"),
-              ("final", "final wait (exposed comm + CSC finish)")]
+    labels = [
+        ("forward", "forward"),
+        ("backward", "backward (compute + bucket hand-over)"),
+        ("launch", "bucket hand-over (cast / CSC accumulate)"),
+        ("final", "final wait (exposed comm + CSC finish)"),
+    ]
     for cat, label in labels:
         if cat in by_cat:
             row(label, by_cat[cat], 4 if cat == "launch" else 2)

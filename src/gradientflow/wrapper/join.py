@@ -11,17 +11,14 @@ joined last, so all ranks end with identical models.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .collectives import broadcast_coalesced
-from .watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+from ..comm.collectives import broadcast_coalesced
+from ..diagnostics.watchdog import Watchdog
 
 
 def max_over_ranks(value: int, group: dist.ProcessGroup, device: torch.device, watchdog: Watchdog, what: str) -> int:
@@ -43,7 +40,7 @@ def common_rank(group: dist.ProcessGroup, device: torch.device, watchdog: Watchd
 class GradientFlowJoinHook(JoinHook):
     """Shadows one synchronised iteration per call; syncs the final model at the end."""
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self, ddp: Any) -> None:  # the wrapper (typed loosely: ddp.py imports this file)
         self.ddp = ddp
 
     def main_hook(self) -> None:

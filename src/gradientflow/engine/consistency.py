@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import LOCAL_OPTIONS, GradientFlowConfig
-from .errors import ConsistencyError
+from ..config import LOCAL_OPTIONS, GradientFlowConfig
+from ..diagnostics.errors import ConsistencyError
+from ..diagnostics.watchdog import Watchdog
 from .pool import Bucket, Layout
-from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ def _digest(obj: Any) -> int:
 
 
 def check_same_setup(
-    config: GradientFlowConfig, signature: Signature, group: dist.ProcessGroup, watchdog: Watchdog,
+    config: GradientFlowConfig,
+    signature: Signature,
+    group: dist.ProcessGroup,
+    watchdog: Watchdog,
     device: torch.device,
 ) -> None:
     """Raise ``ValueError`` on every rank if ranks were built with different options or models.
@@ -122,8 +125,11 @@ def layout_hash(layout: Layout) -> int:
 
 
 _FIELDS = (
-    ("forward passes run so far", "a rank ran a forward/backward pass inside no_sync() (or skipped one) while "
-     "the others synchronised. Enter and leave no_sync() on every rank together, with the same number of passes"),
+    (
+        "forward passes run so far",
+        "a rank ran a forward/backward pass inside no_sync() (or skipped one) while "
+        "the others synchronised. Enter and leave no_sync() on every rank together, with the same number of passes",
+    ),
     ("synchronised steps so far", "a rank skipped a synchronised backward (or ran an extra one)"),
     ("gradient buckets", "ranks cut the gradient pool differently (different models or options)"),
     ("bucket layout hash", "ranks cut the gradient pool differently (different models or options)"),

@@ -1,31 +1,21 @@
-"""How a flat tensor is allreduced: the backend's own collective ("native") or our ring ("ring").
+"""Gradientflow's ring allreduce, built only on ``P2POp`` + ``batch_isend_irecv``.
 
-Contract used by the engine: ``start_allreduce(tensor, group=..., algorithm=...)`` begins an
-in-place SUM allreduce and returns a :class:`PendingAllreduce`; ``wait()`` blocks until the
-tensor holds the sum.  Collectives are always *started* from the caller's thread, in the
-same order on every rank (Gloo matches operations by order).
-
-The ring (:func:`ring_allreduce`) is built only on ``P2POp`` + ``batch_isend_irecv``, so it
-runs on any backend that has point-to-point operations (Gloo on CPU, NCCL on GPU).  It is
-synchronous: ``start_allreduce(..., algorithm="ring")`` returns an already-completed handle.
+It runs on any backend with point-to-point operations (Gloo on CPU, NCCL on GPU) and is
+synchronous: :func:`gradientflow.comm.collectives.start_allreduce` with ``algorithm="ring"``
+returns an already-completed handle.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .watchdog import Watchdog
-
 logger = logging.getLogger(__name__)
-
-ALGORITHMS = ("native", "ring")
 
 # Size of one pipelined message, and how many are in flight (posted receives) at once.
 # Tuned on 2-3 Gloo ranks over loopback on 2 shared cores (benchmarks/allreduce_bw_2r_tuning.md;
@@ -36,97 +26,6 @@ ALGORITHMS = ("native", "ring")
 # buffer at 32 MB.  Tensors up to N * 16 MB are therefore sent as one piece per segment.
 DEFAULT_PIPELINE_BYTES = 16 << 20
 DEFAULT_PIPELINE_DEPTH = 2
-
-
-class PendingAllreduce:
-    """An allreduce in flight.  ``completed_at`` is a ``time.perf_counter()`` stamp once done.
-
-    Completion is *polled* (:meth:`poll`) rather than reported by a future callback: a Python
-    callback would run on the backend's worker thread and has to take the GIL first, stalling
-    the next queued collective behind the training thread.
-    """
-
-    def __init__(
-        self, work: dist.Work | None, tensor: torch.Tensor, watchdog: Watchdog | None = None, what: str = "allreduce"
-    ) -> None:
-        self.tensor = tensor
-        self.completed_at: float | None = None
-        self._work = work
-        self._watchdog = watchdog
-        self.what = what
-        if work is None:
-            self.completed_at = time.perf_counter()
-
-    def poll(self) -> bool:
-        """Stamp ``completed_at`` if the collective has finished; never blocks."""
-        if self.completed_at is None and self._work is not None and self._work.is_completed():
-            self.completed_at = time.perf_counter()
-        return self.completed_at is not None
-
-    def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
-        """Block until done; with a watchdog, bounded by its timeout (``CommunicationError``)."""
-        if self._work is not None and self._watchdog is not None:
-            self._watchdog.wait(self._work, self.what, self.tensor.numel() * self.tensor.element_size())
-            if self.completed_at is None:
-                self.completed_at = time.perf_counter()
-        elif self._work is not None:
-            try:
-                if timeout is None:
-                    self._work.wait()
-                else:
-                    self._work.wait(timeout)
-            except RuntimeError as exc:  # Gloo/NCCL timeouts and peer failures surface here
-                raise RuntimeError(
-                    f"gradientflow: allreduce of {self.tensor.numel()} x {self.tensor.dtype} failed: {exc}. "
-                    "A peer may have died or ranks issued different collectives (mismatched models, "
-                    "or a collective outside gradientflow on some ranks only)."
-                ) from exc
-            if self.completed_at is None:
-                self.completed_at = time.perf_counter()
-        return self.tensor
-
-
-def start_allreduce(
-    tensor: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None = None,
-    algorithm: str = "native",
-    watchdog: Watchdog | None = None,
-    what: str = "allreduce",
-) -> PendingAllreduce:
-    """Start an in-place SUM allreduce of ``tensor`` over ``group`` with ``algorithm``.
-
-    "native" is asynchronous (the backend's own allreduce).  "ring" runs :func:`ring_allreduce`
-    to completion before returning: progressing it from another thread or a callback would
-    break the one-thread ordering rule of DESIGN.md.  With a ``watchdog`` every wait is bounded
-    by its timeout and a failure names ``what`` (e.g. "bucket 3"); the watchdog's trace, when
-    recording, gets the collective from launch to completion.
-    """
-    trace = watchdog.trace if watchdog is not None else None
-    if trace is not None and not trace.active:
-        trace = None
-    t0 = time.perf_counter() if trace is not None else 0.0
-    if algorithm == "native":
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        handle = PendingAllreduce(work, tensor, watchdog, what)
-    elif algorithm == "ring":
-        t_wait = time.monotonic()
-        try:
-            ring_allreduce(tensor, group, timeout=watchdog.timeout if watchdog is not None else None)
-        except RuntimeError as exc:  # same advice as the native path's wait()
-            if watchdog is not None:
-                nbytes = tensor.numel() * tensor.element_size()
-                raise watchdog.failure(f"{what} (ring)", nbytes, exc, time.monotonic() - t_wait) from exc
-            raise RuntimeError(
-                f"gradientflow: ring allreduce of {tensor.numel()} x {tensor.dtype} failed: {exc}. "
-                "A peer may have died or ranks issued different collectives."
-            ) from exc
-        handle = PendingAllreduce(None, tensor, watchdog, what)
-    else:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if trace is not None:
-        trace.collective(handle, what, tensor.numel() * tensor.element_size(), t0, algorithm=algorithm)
-    return handle
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -307,27 +206,3 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
-
-
-def broadcast_coalesced(
-    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, watchdog: Watchdog, what: str
-) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` with one collective per (dtype, device).
-
-    Written through ``.data`` (its own version counter) and not at all on ``src``: a forward that
-    re-broadcasts BatchNorm buffers must not invalidate an earlier forward's graph that saved
-    them (two forwards before one backward), as torch DDP's C++ broadcast does not.
-    """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    receive = dist.get_rank() != src
-    for ts in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        work = dist.broadcast(flat, src=src, group=group, async_op=True)
-        watchdog.wait(work, what, flat.numel() * flat.element_size())
-        offset = 0
-        for t in ts:
-            if receive:
-                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -3,7 +3,7 @@
 :class:`gradientflow.DistributedDataParallel` is the ``nn.Module`` face (arguments, forward,
 buffers, ``Join``, checkpoints); this is its engine, torch DDP's ``Reducer`` in spirit.  It
 owns the gradient pool and the strategy and decides *when* buckets go on the wire; the strategy
-(:mod:`gradientflow.strategy`) decides *what*.  Per synchronised backward:
+(:mod:`gradientflow.engine.protocol`) decides *what*.  Per synchronised backward:
 
   1. When backward starts (a hook on the forward's outputs) every ``.grad`` is bound to its view
      of the pool, so autograd accumulates straight into the pool.  Before that a ``.grad`` is
@@ -26,22 +26,20 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .compat import iter_tensors
-from .config import GradientFlowConfig
+from ..config import GradientFlowConfig
+from ..diagnostics.stats import StepStats
+from ..diagnostics.trace import TraceRecorder
+from ..diagnostics.watchdog import Watchdog
 from .consistency import FiniteCheck, StepCheck
-from .dense import DenseSync
+from .hooks import iter_tensors, weak_hook
 from .pool import GradPool, Layout, plan_layout, small_last
-from .stats import StepStats
-from .strategy import SyncStrategy
-from .trace import TraceRecorder
+from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage
-from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -59,31 +57,14 @@ class _Backward:
         self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
 
 
-def _weak_hook(reducer: Reducer, method: Callable[..., None], *bound: int) -> Callable[[torch.Tensor], None]:
-    """``method(reducer, *bound, tensor)`` as an autograd hook that does not keep ``reducer`` alive.
-
-    A hook lives on a parameter (or in a kept loss's graph), the reducer holds the parameters, and
-    autograd keeps hooks where Python's collector cannot see the cycle: a strong reference kept the
-    reducer, its pool, the model and the process group alive after ``del model``, past
-    ``destroy_process_group()`` into interpreter shutdown, where Gloo can abort the process.
-    """
-    me = weakref.ref(reducer)
-
-    def hook(tensor: torch.Tensor) -> None:
-        alive = me()
-        if alive is not None:
-            method(alive, *bound, tensor)
-
-    return hook
-
-
 class Reducer:
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
     ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
     pool's parameter order (a saved layout's, or ``None``: reverse registration, ~ backward);
     ``control``: CSC's second group over the same ranks (``None`` for dense); ``static_graph``:
-    the set of used parameters never changes (the "used" exchange runs once).
+    the set of used parameters never changes (the "used" exchange runs once); ``make_sync``: builds
+    the strategy over the pool (the wrapper's choice: :func:`gradientflow.strategies.build_strategy`).
     """
 
     def __init__(
@@ -96,6 +77,7 @@ class Reducer:
         control: dist.ProcessGroup | None,
         static_graph: bool,
         order: list[int] | None,
+        make_sync: MakeSync,
     ) -> None:
         n = len(params)
         self.params, self.names, self.config, self.group = params, names, config, group
@@ -107,17 +89,11 @@ class Reducer:
         self.dense_bytes = 4 * sum(p.numel() for p in params)
         self.install(self.plan(order if order is not None else list(reversed(range(n)))))
         self.layout_final = False  # True once the pool follows an observed backward order
-        dense = DenseSync(group=group, world_size=self.world_size, wire_dtype=config.wire_dtype,
-                          algorithm=config.algorithm, watchdog=watchdog)
-        self.sync: SyncStrategy = dense
-        if config.sparse:
-            from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
-
-            self.sync = SparseSync(self.pool, dense, config=config, shapes=[p.shape for p in params],
-                                   control_group=control)
-        self.hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, Reducer._param_ready, i))
-                      for i, p in enumerate(params)]
-        self._output_hook = _weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
+        self.sync: SyncStrategy = make_sync(self.pool, [p.shape for p in params])
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(weak_hook(self, Reducer._param_ready, i)) for i, p in enumerate(params)
+        ]
+        self._output_hook = weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
         self.sync_this_backward = True
         self.bind_pending = False
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
@@ -128,8 +104,11 @@ class Reducer:
         device = params[0].device
         self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
         self.finite_check = FiniteCheck(watchdog, names, device) if config.check_finite else None
-        self.trace = (TraceRecorder(config.trace_path, config.trace_window, dist.get_rank(group), self.world_size)
-                      if config.trace_path is not None else None)
+        self.trace = (
+            TraceRecorder(config.trace_path, config.trace_window, dist.get_rank(group), self.world_size)
+            if config.trace_path is not None
+            else None
+        )
         watchdog.trace = self.trace
 
     def remove_hooks(self) -> None:

@@ -16,28 +16,6 @@ import torch
 _CPU_BLOCK_ELEMENTS = 1 << 20
 
 
-PAPER_CHUNK = 32768
-"""The paper's chunk size (32K gradients)."""
-MIN_CHUNKS = 200
-"""``chunk_size="auto"`` gives the paper's chunk to models of at least this many such chunks."""
-SMALL_MODEL_CHUNKS = 2000
-"""``chunk_size="auto"`` cuts smaller models into about this many chunks (see auto_chunk_size)."""
-
-
-def auto_chunk_size(n_elements: int) -> int:
-    """The paper's 32768 for models of >= 200 such chunks; else a power of two giving ~2000 chunks.
-
-    ResNet-50 (25.6M) and AlexNet (61M) get 32768.  A smaller model gets the power of two at or
-    below ``n / 2000`` (at least 16): finer chunks let the top fraction follow the gradient
-    closely, where 32768-element chunks would leave a handful to choose from (on the quality
-    bench's transformer and digits, ~2000 chunks ended at a lower validation loss than ~200; on
-    its bigger time-to-accuracy transformer, slightly higher).
-    """
-    if n_elements >= MIN_CHUNKS * PAPER_CHUNK:
-        return PAPER_CHUNK
-    return max(16, 2 ** int(math.log2(max(1, n_elements // SMALL_MODEL_CHUNKS))))
-
-
 def density_at(step: int, density: float, warmup_steps: int) -> float:
     """The density of synchronised step ``step``: an exponential ramp from 1 (dense) to ``density``.
 
@@ -78,7 +56,6 @@ SAMPLE_RUN = 16
 MIN_SAMPLED_CHUNK = 1024
 """Smaller chunks are scored exactly under ``sampled_l1``: 128 samples would be too few to rank
 them, and their models are small enough that the exact pass costs little."""
-CHUNK_SCORES = ("l1", "sampled_l1")
 
 
 def samples_chunks(method: str, chunk_size: int) -> bool:
@@ -92,8 +69,9 @@ def score_scratch(chunk_size: int, dtype: torch.dtype = torch.float32, sampled: 
     return torch.empty(max(1, _CPU_BLOCK_ELEMENTS // width), width, dtype=dtype)
 
 
-def chunk_scores(rows: torch.Tensor, out: torch.Tensor | None = None,
-                 scratch: torch.Tensor | None = None, sampled: bool = False) -> torch.Tensor:
+def chunk_scores(
+    rows: torch.Tensor, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None, sampled: bool = False
+) -> torch.Tensor:
     """L1 norm of each row of ``rows`` ([n_chunks, chunk_size]): the paper's chunk score.
 
     ``sampled=True`` (``chunk_score="sampled_l1"``, see :func:`samples_chunks`): 8 times the L1

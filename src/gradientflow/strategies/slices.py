@@ -8,7 +8,7 @@ every rank issues the same collectives in the same order even when ranks send a 
 different moments (one rank a layer behind the other).
 
 :class:`SliceQueue` keeps that order; what a send does (select and pack) is the strategy's
-(:class:`gradientflow.csc.SparseSync`), handed in as a callable.
+(:class:`gradientflow.strategies.csc.SparseSync`), handed in as a callable.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .collectives import PendingAllreduce, start_allreduce
-from .stats import StepStats
-from .watchdog import Watchdog
+from ..comm.collectives import PendingAllreduce, start_allreduce
+from ..diagnostics.stats import StepStats
+from ..diagnostics.watchdog import Watchdog
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Slice:
     lo: int
     hi: int
     handle: PendingAllreduce
-    idx: torch.Tensor | None = None     # selected chunks, pool-local indices, ascending
+    idx: torch.Tensor | None = None  # selected chunks, pool-local indices, ascending
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
 
 
@@ -49,15 +49,21 @@ class SliceQueue:
         self.slices: list[Slice] = []
         self.sent = 0
 
-    def open(self, pool: int, lo: int, hi: int, scores: torch.Tensor, stats: StepStats,
-             watchdog: Watchdog | None) -> None:
+    def open(
+        self, pool: int, lo: int, hi: int, scores: torch.Tensor, stats: StepStats, watchdog: Watchdog | None
+    ) -> None:
         """Start the (async, fp32 SUM) allreduce of ``scores``, the local scores of chunks [lo, hi).
 
         "native" whatever the algorithm: a few KB are latency-bound, a ring would pay 2(N-1) hops.
         """
         stats.record_collective(scores.numel() * scores.element_size())
-        handle = start_allreduce(scores, group=self._control(), algorithm="native", watchdog=watchdog,
-                                 what=f"scores of pool {pool} chunks {lo}-{hi}")
+        handle = start_allreduce(
+            scores,
+            group=self._control(),
+            algorithm="native",
+            watchdog=watchdog,
+            what=f"scores of pool {pool} chunks {lo}-{hi}",
+        )
         self.slices.append(Slice(pool, lo, hi, handle))
 
     def send_arrived(self, send: Send, stats: StepStats) -> None:

@@ -1,6 +1,6 @@
 """The one protocol every synchronisation strategy (dense, CSC, ...) implements.
 
-The engine (:mod:`gradientflow.reducer`) decides *when*: it hands each bucket over as soon as it is
+The engine (:mod:`gradientflow.engine.reducer`) decides *when*: it hands each bucket over as soon as it is
 ready and calls ``finish`` at the end of backward.  A strategy decides *what* goes on the wire.
 The engine never probes a strategy with ``hasattr``: everything it may call is declared here,
 with a default for what a strategy without state does not need.
@@ -9,13 +9,13 @@ with a default for what a strategy without state does not need.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..diagnostics.stats import StepStats
 from .pool import Bucket, GradPool, Layout
-from .stats import StepStats
 
 
 class SyncStrategy(ABC):
@@ -98,3 +98,7 @@ class SyncStrategy(ABC):
         unused parameter; CSC may deliver an older residual, which must not be dropped.
         """
         return list(params)
+
+
+MakeSync = Callable[[GradPool, list[torch.Size]], SyncStrategy]
+"""Builds a reducer's strategy over its pool, given the parameters' shapes in pool order."""

@@ -1,0 +1,44 @@
+"""Synchronisation strategies: *what* goes on the wire for each bucket (the engine decides *when*).
+
+- :mod:`.dense` — every gradient, averaged (optionally cast to a 16-bit wire);
+- :mod:`.csc` — coarse-grained sparse communication: the top chunks by score, the rest kept in a
+  residual (:mod:`.selection`, :mod:`.residual`, :mod:`.slices`, :mod:`.pitfalls`).
+
+:func:`build_strategy` is the one place that maps a validated config to a strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import GradientFlowConfig
+from ..diagnostics.watchdog import Watchdog
+from ..engine.pool import GradPool
+from ..engine.protocol import MakeSync, SyncStrategy
+from .dense import DenseSync
+
+
+def build_strategy(
+    config: GradientFlowConfig, group: dist.ProcessGroup, watchdog: Watchdog, control: dist.ProcessGroup | None
+) -> MakeSync:
+    """The strategy ``config`` asks for, as the reducer's ``make_sync`` (built once the pool exists)."""
+
+    def make(pool: GradPool, shapes: list[torch.Size]) -> SyncStrategy:
+        dense = DenseSync(
+            group=group,
+            world_size=dist.get_world_size(group),
+            wire_dtype=config.wire_dtype,
+            algorithm=config.algorithm,
+            watchdog=watchdog,
+        )
+        if not config.sparse:
+            return dense
+        from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
+
+        return SparseSync(pool, dense, config=config, shapes=shapes, control_group=control)
+
+    return make
+
+
+__all__ = ["build_strategy"]
