@@ -1,0 +1,1 @@
+"""Diagnostics: errors, the collective watchdog, per-step statistics and the trace (lowest layer)."""

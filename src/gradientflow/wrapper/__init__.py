@@ -1,0 +1,1 @@
+"""The ``nn.Module`` face: torch DDP's constructor, forward, buffers, Join and checkpoints."""
