@@ -1,0 +1,152 @@
+"""The documentation a reader of the repository walks through: README.md (a landing page) and docs/.
+
+Every relative link resolves (file, and heading anchor where one is given), the README stays short and
+reaches every page, every ``gradientflow.x.y`` name the pages mention exists, and the layering that
+docs/architecture.md states is the one the code's imports follow.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+PACKAGE = ROOT / "src" / "gradientflow"
+
+# Pages other engineers add on their own branches: linked from the README already, merged by the lead.
+PAGES_TO_COME = {"adamw.md", "networks.md", "torch-ddp-suite.md", "lightning.md", "accelerate.md"}
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def _prose(path: Path) -> str:
+    """The page without its fenced code blocks (a ``[x](y)`` in code is not a link)."""
+    return FENCE.sub("", path.read_text())
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (letters of any script, digits,
+    ``_`` and ``-`` stay), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", _prose(path), re.M):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")  # GitHub numbers repeated headings
+    return out
+
+
+def _relative_links(path: Path) -> list[str]:
+    return [t for t in LINK.findall(_prose(path)) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in _relative_links(page):
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            if dest.parent == DOCS and dest.name in PAGES_TO_COME:
+                continue
+            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {dest.name}")
+    assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def test_readme_is_a_landing_page_that_reaches_every_docs_page() -> None:
+    lines = README.read_text().count("\n")
+    assert lines <= 200, f"README.md has {lines} lines: keep it a landing page, move details to docs/"
+    linked = {Path(t.partition("#")[0]).name for t in _relative_links(README) if t.startswith("docs/")}
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages <= linked, f"docs/ pages the README does not link: {sorted(pages - linked)}"
+    assert PAGES_TO_COME <= linked
+
+
+def test_no_page_points_outside_the_repository() -> None:
+    for page in PAGES:
+        text = page.read_text()
+        assert "../shared/" not in text and "DESIGN.md" not in text, f"{page.name} points outside the repository"
+
+
+def test_every_named_module_and_object_exists() -> None:
+    """``gradientflow.a.b`` in prose or commands: a module, or a name in one (catches paths a move left stale)."""
+    missing = []
+    for page in PAGES:
+        for dotted in sorted(set(re.findall(r"(?<![\w/.])gradientflow(?:\.\w+)+", page.read_text()))):
+            parts = dotted.split(".")
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:cut]))
+                    break
+                except ModuleNotFoundError:
+                    continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(f"{page.name}: {dotted}")
+    assert not missing, missing
+
+
+def _layers() -> list[str]:
+    """The layer order as docs/architecture.md states it (``config < diagnostics < ... < cli``)."""
+    match = re.search(r"^(\w+(?: < \w+)+)$", (DOCS / "architecture.md").read_text(), re.M)
+    assert match, "docs/architecture.md states no layer order"
+    return match.group(1).split(" < ")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import of the package in ``path``."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            # `from . import x` / `from ..engine import comm_state`: x may be a module
+            out += [(node.lineno, f"{name}.{a.name}") for a in node.names]
+    return [(n, m) for n, m in out if m == "gradientflow" or m.startswith("gradientflow.")]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    layers = _layers()
+    assert set(layers) == {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()} - {
+        "__init__",
+        "__pycache__",
+    }, "docs/architecture.md's layers are not the package's top-level modules"
+
+    def layer(module: str) -> int:
+        parts = module.split(".")
+        # the package root re-exports the wrapper: importing it is importing the wrapper's layer
+        return layers.index(parts[1]) if len(parts) > 1 and parts[1] in layers else layers.index("wrapper")
+
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue
+        here = layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for line, target in _imports(path):
+            if layer(target) > here:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not upward, "imports against the layer order of docs/architecture.md:\n" + "\n".join(upward)
