@@ -196,3 +196,74 @@ def test_every_documented_command_parses(command: str, monkeypatch: pytest.Monke
             build_parser().parse_args(argv[1:])
         else:
             importlib.import_module(argv[2]).main(argv[3:])
+
+
+def _architecture_rows() -> list[tuple[str, str, str]]:
+    """(layer, file, description) of docs/architecture.md's layer table; a blank layer cell continues the last."""
+    text = (DOCS / "architecture.md").read_text()
+    lines = text[text.index("| layer | files | what lives there |") :].splitlines()[2:]
+    rows, layer = [], ""
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        layer = cells[0].strip("`") or layer
+        rows.append((layer, cells[1].strip("`"), cells[2]))
+    return rows
+
+
+def _definitions() -> dict[str, set[Path]]:
+    """Every class, function, method and module-level name the package defines, with the files defining it."""
+    out: dict[str, set[Path]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.setdefault(node.name, set()).add(path)
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    out.setdefault(t.id, set()).add(path)
+    return out
+
+
+def _defines_code(path: Path) -> bool:
+    """Whether a module defines a function or class (a package's ``__init__.py`` that only marks the
+    folder, or re-exports, needs no row of its own)."""
+    return any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.parse(path.read_text()).body)
+
+
+def test_architecture_table_is_the_package_as_it_is() -> None:
+    """Every module of the per-file layers has its row, every file named exists, and every name a row
+    gives to a file is defined in that file (a name that moved leaves a stale row, which fails here)."""
+    rows = _architecture_rows()
+    defined = _definitions()
+    problems = []
+    described = set()
+    for layer, file, what in rows:
+        folder = PACKAGE / layer.rstrip("/") if layer.endswith("/") else PACKAGE
+        if file.endswith(".py"):
+            path = folder / file
+        elif layer.endswith(".py"):
+            path = PACKAGE / layer
+        else:  # a folder described in one row (bench/, sim/): the files it names exist
+            for name in re.findall(r"`(\w+\.py)`", what):
+                if not (folder / name).exists():
+                    problems.append(f"{layer} row names {name}, which {folder.relative_to(ROOT)} does not hold")
+            continue
+        described.add(path)
+        if not path.exists():
+            problems.append(f"row {layer} {file}: no such file")
+            continue
+        for name in re.findall(r"`([A-Za-z_]\w*)`", what):
+            if name in defined and path not in defined[name]:
+                where = ", ".join(str(p.relative_to(PACKAGE)) for p in sorted(defined[name]))
+                problems.append(f"row {path.relative_to(PACKAGE)} names `{name}`, defined in {where}")
+    per_file = {layer for layer, file, _ in rows if file.endswith(".py") or layer.endswith(".py")}
+    for layer in per_file:
+        folder = PACKAGE / layer.rstrip("/")
+        for path in sorted(folder.glob("*.py")) if folder.is_dir() else [PACKAGE / layer]:
+            if path not in described and not (path.name == "__init__.py" and not _defines_code(path)):
+                problems.append(f"{path.relative_to(ROOT)} has no row in docs/architecture.md's layer table: add one")
+    assert not problems, "\n".join(problems)
