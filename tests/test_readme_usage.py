@@ -1,5 +1,6 @@
 """The README's usage example, run as written: its code block, with a user's model and loader around
-it, on 2 Gloo ranks under torchrun.  A user's first contact with the library is that block."""
+it, on 2 Gloo ranks under torchrun.  A user's first contact with the library is that block, so it ends
+as a script must, with ``dist.destroy_process_group()``; the test's checks run just before that line."""
 
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def usage_block() -> str:
 def test_readme_usage_example_trains_two_ranks_to_identical_models(tmp_path: Path) -> None:
     block = usage_block()
     assert "gf.DistributedDataParallel(" in block and "comm_stats()" in block  # the block this test is about
+    body, last = block.rstrip("\n").rsplit("\n", 1)
+    assert last == "dist.destroy_process_group()", f"the usage block must end by destroying the group: {last!r}"
     script = tmp_path / "usage.py"
-    script.write_text(PRELUDE + block + EPILOGUE)
+    script.write_text(PRELUDE + body + "\n" + EPILOGUE)  # EPILOGUE gathers the models, then destroys the group
     out = tmp_path / "result.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GF_TEST_OUT": str(out)}
