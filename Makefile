@@ -19,7 +19,7 @@ demo: $(BIN)/.installed
 	$(BIN)/gradientflow demo --nproc $(NPROC)
 
 test: $(BIN)/.installed
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples experiments
 	$(BIN)/python -m pytest -q tests
 
 bench: $(BIN)/.installed

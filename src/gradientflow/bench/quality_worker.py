@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.quality import Job, QualityOptions, QualitySpec, build_recipe, lr_schedule, plan_jobs
+from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_schedule
 from gradientflow.bench.runner import MARK, timing_allocator
 
 logger = logging.getLogger(__name__)
@@ -103,19 +103,6 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
     dist.all_reduce(total)
     acc = float(total[2] / total[1]) if data.job.workload == "digits" else None
     return float(total[0] / total[1]), acc
-
-
-def start_transformer_study(steps: int) -> tuple[Job, _Data]:
-    """Under torchrun: join the process group as the quality bench's ranks do (Gloo, one torch thread)
-    and return its transformer job, ``steps`` long, with this rank's data (seed 0).
-
-    The AdamW studies (:mod:`~gradientflow.bench.adamw_bursts`, :mod:`~gradientflow.bench.adamw_variants`)
-    train exactly what ``bench --quality`` trains, so their figures line up with its table.
-    """
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    job = plan_jobs(QualityOptions(workloads=["transformer"], steps=steps, bandwidth="none"))[0][0]
-    return job, _Data(job, 0, dist.get_rank(), dist.get_world_size())
 
 
 def _comm_record(wrapped: nn.Module) -> dict[str, float]:
