@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -106,9 +106,10 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
 
 
 def _comm_record(wrapped: nn.Module) -> dict[str, float]:
-    if not hasattr(wrapped, "comm_stats"):
+    comm_stats = getattr(wrapped, "comm_stats", None)  # gradientflow's wrapper; torch DDP has none
+    if comm_stats is None:
         return {}
-    s = wrapped.comm_stats()
+    s = comm_stats()
     keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
     return {k: float(s[k]) for k in keys if k in s}
 
@@ -175,7 +176,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     def eval_all(step: int) -> None:
         for run in runs:
             if run.status == "ok":
-                loss, acc = evaluate(run.wrapped.module, data)
+                loss, acc = evaluate(cast(nn.Module, run.wrapped.module), data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
                     {

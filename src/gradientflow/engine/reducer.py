@@ -127,7 +127,7 @@ class Reducer:
 
     def install(self, layout: Layout) -> None:
         """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
-        pool = GradPool(layout, self.params, pad_to=self.config.chunk_size if self.config.sparse else 1)
+        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if self.config.sparse else 1)
         with torch.no_grad():
             for p, view in zip(self.params, pool.views):
                 if p.grad is not None:
@@ -294,6 +294,7 @@ class Reducer:
         """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
         view = self.bound[i]
         g = param.grad
+        assert g is not None  # from its post-accumulate hook, or a caller that found it set
         if g is view:
             return
         if g.is_sparse:
@@ -310,6 +311,7 @@ class Reducer:
         """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may
         fold its division into the copy (:meth:`SyncStrategy.take_fresh`); whether it did."""
         view, g = self.bound[i], param.grad
+        assert g is not None  # called from its gradient hook
         if g.is_sparse:
             self._adopt_grad(i, param)  # raises, naming the parameter
         # A gradient already in its view (same memory) goes through take_fresh in place: every
@@ -371,7 +373,7 @@ class Reducer:
             return
         tr = self.trace
         t_final = time.perf_counter() if tr is not None and tr.active else None
-        if t_final is not None:
+        if t_final is not None and tr is not None:
             tr.complete("backward", "backward", bw.t_start, t_final)
         try:
             t0 = time.perf_counter()
@@ -396,7 +398,7 @@ class Reducer:
             self._relayout_from_observed(bw.order)
         if self.config.sparse:
             self.result_versions = self._pool_versions()
-        if t_final is not None:
+        if t_final is not None and tr is not None:
             tr.complete("final wait", "final", t_final, time.perf_counter())
         self._end_step()
 

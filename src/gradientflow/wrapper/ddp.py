@@ -272,7 +272,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
-        if t_fwd is not None:
+        if t_fwd is not None and tr is not None:
             tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
 
@@ -393,6 +393,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
+        assert dist.group.WORLD is not None  # __getstate__ refused any other group; unpickling needs it initialised
         self._gf_attach_group(dist.group.WORLD)
         self._gf_collect_tensors()
         self._gf_build_engine(order=comm.get("layout_order"))
