@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -293,8 +293,7 @@ class Reducer:
     def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
         """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
         view = self.bound[i]
-        g = param.grad
-        assert g is not None  # from its post-accumulate hook, or a caller that found it set
+        g = cast(torch.Tensor, param.grad)  # set: from its post-accumulate hook, or a caller that found it set
         if g is view:
             return
         if g.is_sparse:
@@ -310,8 +309,7 @@ class Reducer:
     def _take_fresh(self, i: int, param: torch.Tensor) -> bool:
         """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may
         fold its division into the copy (:meth:`SyncStrategy.take_fresh`); whether it did."""
-        view, g = self.bound[i], param.grad
-        assert g is not None  # called from its gradient hook
+        view, g = self.bound[i], cast(torch.Tensor, param.grad)  # set: called from its post-accumulate hook
         if g.is_sparse:
             self._adopt_grad(i, param)  # raises, naming the parameter
         # A gradient already in its view (same memory) goes through take_fresh in place: every

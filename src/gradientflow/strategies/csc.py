@@ -309,11 +309,11 @@ class SparseSync(SyncStrategy):
 
     def finish(self, stats: StepStats) -> None:
         """Steps 3-5 after backward: the last slices, one finite check, write-back."""
+        stats.extra["warmup_ramp"] = int(self.step < self.warmup_steps)  # density_now() is still ramping down
         self._last_dense = self._warmup()
         if self._last_dense:
             self.dense.finish(stats)
             stats.extra.update(selected_chunks=self.total_chunks, n_chunks=self.total_chunks, warmup=1, density=1.0)
-            stats.extra["warmup_ramp"] = int(self.step < self.warmup_steps)  # 0: past the ramp, a dense step anyway
             self._clean_versions = None  # the pool holds a dense result
             self.step += 1
             return
@@ -341,7 +341,6 @@ class SparseSync(SyncStrategy):
         stats.extra.update(
             n_chunks=self.total_chunks,
             warmup=0,
-            warmup_ramp=int(self.step < self.warmup_steps),  # a sparse step still on the ramp: density < 1
             overflow=int(not ok),
             density=self.density_now(),
             selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,

@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -393,8 +393,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
-        assert dist.group.WORLD is not None  # __getstate__ refused any other group; unpickling needs it initialised
-        self._gf_attach_group(dist.group.WORLD)
+        self._gf_attach_group(cast(dist.ProcessGroup, dist.group.WORLD))  # __getstate__ allows no other group
         self._gf_collect_tensors()
         self._gf_build_engine(order=comm.get("layout_order"))
         self.load_comm_state_dict(comm)
