@@ -406,7 +406,7 @@ def test_demo_density_takes_the_librarys_values(text, density):
 @pytest.mark.parametrize("text, got", [("0", "0"), ("-0.5", "-0.5"), ("1.5", "1.5"), ("nan", "nan"), ("x", "'x'")])
 def test_demo_density_refuses_what_the_library_refuses_with_its_message(text, got, capsys):
     with pytest.raises(ValueError) as lib:
-        gf.GradientFlowConfig(density=_parsed(["demo"]).density if text == "none" else _number(text))
+        gf.GradientFlowConfig(density=_number(text))  # what the library says to the same value
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--density", text])
     assert exc.value.code == 2
@@ -479,3 +479,24 @@ def test_trace_summary_on_a_file_that_is_not_a_trace(content, says, tmp_path, ca
     assert captured.out == ""
     (line,) = captured.err.splitlines()  # one line, naming the file
     assert line.startswith("gradientflow trace-summary: error: ") and str(path) in line and says in line, line
+
+
+_LAZY_NAMES = """
+import sys
+import gradientflow as gf
+print("torch" in sys.modules)
+from gradientflow import *
+from gradientflow.wrapper.ddp import DistributedDataParallel as DDP
+print(DistributedDataParallel is DDP is gf.DistributedDataParallel, all(n in globals() for n in gf.__all__))
+try:
+    gf.NoSuchName
+except AttributeError as exc:
+    print(exc)
+"""
+
+
+def test_public_names_load_on_first_use():
+    # `import gradientflow` imports no torch (the command's start-up); each documented name loads on first use
+    proc = subprocess.run([sys.executable, "-c", _LAZY_NAMES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["False", "True True", "module 'gradientflow' has no attribute 'NoSuchName'"]

@@ -3,7 +3,8 @@
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> exit code``.  Only
 the subcommand named on the command line is imported and given its options: building the options of
 ``bench`` imports torch and the bench (their vocabularies), which ``gradientflow --help`` and
-``gradientflow trace-summary`` have no use for (start-up went from ~2.7 s of CPU to ~0.1 s).
+``gradientflow trace-summary`` have no use for (with the lazy ``gradientflow/__init__.py``, those two
+start without importing torch).
 """
 
 from __future__ import annotations
