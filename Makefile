@@ -18,9 +18,15 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/gradientflow demo --nproc $(NPROC)
 
-test: $(BIN)/.installed
-	$(BIN)/ruff check src tests examples
-	$(BIN)/python -m pytest -q tests
+# The static checks first (seconds; mypy's settings are in pyproject.toml), then the suite (~10 minutes
+# on 2 cores): one line per test file with its progress in %, and the 15 slowest tests at the end.
+lint: $(BIN)/.installed
+	$(BIN)/ruff format --check src tests examples experiments
+	$(BIN)/ruff check src tests examples experiments
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest tests --durations=15
 
 bench: $(BIN)/.installed
 	$(BIN)/gradientflow bench --out benchmarks/results

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import gradientflow as gf
 from gradientflow.bench.cluster import can_emulate, leftovers
 from gradientflow.bench.report import readme_tables, reference_warnings, summarize
 from gradientflow.bench.runner import ALONE_SUFFIX, MODES, BenchOptions, plan_variants, powersgd_wire_bytes
-from gradientflow.cli import main
+from gradientflow.cli import build_parser, main
 
 from _dist import run_distributed
 
@@ -390,3 +391,112 @@ def test_bench_times_in_mallocs_steady_state():
     assert proc.returncode == 0, proc.stderr[-2000:]
     ok, freed = proc.stdout.split()
     assert ok == "True" and int(freed) >= 4 << 20
+
+
+# ---- the command takes the library's values, starts without torch, and explains a bad trace file ----
+def _parsed(argv: list[str]):
+    return build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.parametrize("text, density", [("0.1", 0.1), ("1", 1), ("none", None), ("None", None)])
+def test_demo_density_takes_the_librarys_values(text, density):
+    assert _parsed(["demo", "--density", text]).density == density  # none = dense, as density=None
+
+
+@pytest.mark.parametrize("text, got", [("0", "0"), ("-0.5", "-0.5"), ("1.5", "1.5"), ("nan", "nan"), ("x", "'x'")])
+def test_demo_density_refuses_what_the_library_refuses_with_its_message(text, got, capsys):
+    with pytest.raises(ValueError) as lib:
+        gf.GradientFlowConfig(density=_number(text))  # what the library says to the same value
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--density", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"gradientflow demo: error: argument --density: {lib.value}" and err.endswith(f"got {got}")
+
+
+def _number(text: str) -> object:
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "half"])
+def test_demo_comm_dtype_takes_every_library_value(dtype):
+    gf.GradientFlowConfig(comm_dtype=dtype)  # the library takes it ...
+    assert _parsed(["demo", "--comm-dtype", dtype]).comm_dtype == dtype  # ... and so does the command
+
+
+def test_demo_comm_dtype_refuses_with_the_librarys_message(capsys):
+    with pytest.raises(ValueError) as lib:
+        gf.GradientFlowConfig(comm_dtype="fp8")
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--comm-dtype", "fp8"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"argument --comm-dtype: {lib.value}")
+
+
+_WITHOUT_TORCH = """
+import sys
+from gradientflow.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy") or m.startswith("gradientflow.bench"))
+print(code, heavy[:5])
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["trace-summary", "TRACE"], ["trace-summary", "--help"]])
+def test_help_and_trace_summary_start_without_torch(argv, tmp_path):
+    trace = tmp_path / "t.json"
+    event = {"ph": "X", "name": "forward", "cat": "forward", "ts": 0, "dur": 5, "tid": 0, "pid": 0, "args": {"step": 1}}
+    trace.write_text(json.dumps({"traceEvents": [event], "otherData": {"rank": 0, "world_size": 1}}))
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "0 []"
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("step,ms\n1,2.5\n", "is not a trace: expected the Chrome-trace JSON"),  # a CSV
+        ('{"rank": 0}', "is not a Chrome trace (no traceEvents list): expected the Chrome-trace JSON"),
+        ("", "is not a trace: expected the Chrome-trace JSON"),  # empty: a run killed before writing
+        (None, "cannot read"),  # no such file
+    ],
+)
+def test_trace_summary_on_a_file_that_is_not_a_trace(content, says, tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    if content is not None:
+        path.write_text(content)
+    assert main(["trace-summary", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()  # one line, naming the file
+    assert line.startswith("gradientflow trace-summary: error: ") and str(path) in line and says in line, line
+
+
+_LAZY_NAMES = """
+import sys
+import gradientflow as gf
+print("torch" in sys.modules)
+from gradientflow import *
+from gradientflow.wrapper.ddp import DistributedDataParallel as DDP
+print(DistributedDataParallel is DDP is gf.DistributedDataParallel, all(n in globals() for n in gf.__all__))
+try:
+    gf.NoSuchName
+except AttributeError as exc:
+    print(exc)
+"""
+
+
+def test_public_names_load_on_first_use():
+    # `import gradientflow` imports no torch (the command's start-up); each documented name loads on first use
+    proc = subprocess.run([sys.executable, "-c", _LAZY_NAMES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["False", "True True", "module 'gradientflow' has no attribute 'NoSuchName'"]

@@ -74,5 +74,5 @@ def test_trace_file_names_and_bad_file(tmp_path, capsys) -> None:
     assert trace_file("trace", 0) == "trace.rank0.json"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert main(["trace-summary", str(bad)]) == 1
+    assert main(["trace-summary", str(bad)]) == 2  # a usage error, as argparse exits
     assert "not a Chrome trace" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -183,7 +184,7 @@ class GradientFlowConfig:
     def resolved(self, n_elements: int, device: torch.device) -> GradientFlowConfig:
         """This config for a model of ``n_elements`` on ``device``: ``chunk_size="auto"`` and
         ``comm_dtype="half"`` replaced by what they mean there."""
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         if self.chunk_size == "auto":
             changes["chunk_size"] = auto_chunk_size(n_elements)
         if self.comm_dtype == "half":

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, store_path: str, args: dict[str, Any], result
             "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
         x, y = synthetic_batch(args["workload"], args["batch_size"], seed=rank)
-        models = {}
+        models: dict[str, Any] = {}
         for name, opts in VARIANTS.items():
             if "trace_steps" in opts:
                 opts = {**opts, "trace_path": os.path.join(args["tmp"], f"trace-{len(models)}-{{rank}}.json")}
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, store_path: str, args: dict[str, Any], result
         for _ in range(args["warmup"]):
             for name in names:
                 step(name)
-        times: dict[str, list[float]] = {n: [] for n in names}
+        times: dict[str, Any] = {n: [] for n in names}  # and "_check_us", a float
         for r in range(args["steps"]):
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]  # 2. rotate the order every round
@@ -107,6 +107,7 @@ def _check_latency_us(model: Any, repeats: int = 5, n: int = 200) -> float:
         list(reversed(range(len(params)))),
         25 * 2**20,
     )
+    assert dist.group.WORLD is not None  # the caller initialised it
     check = StepCheck(Watchdog(dist.group.WORLD, timedelta(seconds=60)), torch.device("cpu"))
     means = []
     for _ in range(repeats):

@@ -13,11 +13,14 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    import gradientflow as gf
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class DemoOptions:
     seed: int = 0
 
 
-def _evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> float:
+def _evaluate(model: gf.DistributedDataParallel, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> float:
     """Accuracy over the whole test set: each rank scores its shard, the counts are summed."""
     model.eval()
     with torch.no_grad():

@@ -310,7 +310,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
 
     paths = []
     # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
-    style = {
+    style: dict[str, dict[str, Any]] = {
         "ddp": {"color": "black", "lw": 3, "alpha": 0.5},
         "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
         "gf-recommended": {"color": "tab:orange"},

@@ -13,14 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.quality import Job, QualityOptions, QualitySpec, build_recipe, lr_schedule, plan_jobs
+from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_schedule
 from gradientflow.bench.runner import MARK, timing_allocator
 
 logger = logging.getLogger(__name__)
@@ -105,23 +105,11 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
     return float(total[0] / total[1]), acc
 
 
-def start_transformer_study(steps: int) -> tuple[Job, _Data]:
-    """Under torchrun: join the process group as the quality bench's ranks do (Gloo, one torch thread)
-    and return its transformer job, ``steps`` long, with this rank's data (seed 0).
-
-    The AdamW studies (:mod:`~gradientflow.bench.adamw_bursts`, :mod:`~gradientflow.bench.adamw_variants`)
-    train exactly what ``bench --quality`` trains, so their figures line up with its table.
-    """
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    job = plan_jobs(QualityOptions(workloads=["transformer"], steps=steps, bandwidth="none"))[0][0]
-    return job, _Data(job, 0, dist.get_rank(), dist.get_world_size())
-
-
 def _comm_record(wrapped: nn.Module) -> dict[str, float]:
-    if not hasattr(wrapped, "comm_stats"):
+    comm_stats = getattr(wrapped, "comm_stats", None)  # gradientflow's wrapper; torch DDP has none
+    if comm_stats is None:
         return {}
-    s = wrapped.comm_stats()
+    s = comm_stats()
     keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
     return {k: float(s[k]) for k in keys if k in s}
 
@@ -188,7 +176,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     def eval_all(step: int) -> None:
         for run in runs:
             if run.status == "ok":
-                loss, acc = evaluate(run.wrapped.module, data)
+                loss, acc = evaluate(cast(nn.Module, run.wrapped.module), data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
                     {

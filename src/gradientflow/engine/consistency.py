@@ -163,7 +163,7 @@ class StepCheck:
         self._device = device
         self._layout: Layout | None = None
         self._hash = 0
-        self._pending: tuple[Any, torch.Tensor, list[int], float] | None = None
+        self._pending: tuple[Any, torch.Tensor, list[int] | None, float] | None = None
 
     def start(self, layout: Layout) -> None:
         """Step 1: launch the exchange of (passes, step, buckets, layout hash)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,7 @@ class Reducer:
 
     def install(self, layout: Layout) -> None:
         """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
-        pool = GradPool(layout, self.params, pad_to=self.config.chunk_size if self.config.sparse else 1)
+        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if self.config.sparse else 1)
         with torch.no_grad():
             for p, view in zip(self.params, pool.views):
                 if p.grad is not None:
@@ -293,7 +293,7 @@ class Reducer:
     def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
         """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
         view = self.bound[i]
-        g = param.grad
+        g = cast(torch.Tensor, param.grad)  # set: from its post-accumulate hook, or a caller that found it set
         if g is view:
             return
         if g.is_sparse:
@@ -309,7 +309,7 @@ class Reducer:
     def _take_fresh(self, i: int, param: torch.Tensor) -> bool:
         """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may
         fold its division into the copy (:meth:`SyncStrategy.take_fresh`); whether it did."""
-        view, g = self.bound[i], param.grad
+        view, g = self.bound[i], cast(torch.Tensor, param.grad)  # set: called from its post-accumulate hook
         if g.is_sparse:
             self._adopt_grad(i, param)  # raises, naming the parameter
         # A gradient already in its view (same memory) goes through take_fresh in place: every
@@ -371,7 +371,7 @@ class Reducer:
             return
         tr = self.trace
         t_final = time.perf_counter() if tr is not None and tr.active else None
-        if t_final is not None:
+        if t_final is not None and tr is not None:
             tr.complete("backward", "backward", bw.t_start, t_final)
         try:
             t0 = time.perf_counter()
@@ -396,7 +396,7 @@ class Reducer:
             self._relayout_from_observed(bw.order)
         if self.config.sparse:
             self.result_versions = self._pool_versions()
-        if t_final is not None:
+        if t_final is not None and tr is not None:
             tr.complete("final wait", "final", t_final, time.perf_counter())
         self._end_step()
 

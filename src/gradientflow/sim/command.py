@@ -148,7 +148,9 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
             raise ValueError("give --gpu-images-per-s (one GPU's compute-only images/s), --profile, or --preset paper")
         profile = flop_profile(name, factory, args.input_shape or IMAGENET_SHAPE)
     cfg = SimConfig(**values)
-    assumptions = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in cfg.as_dict().items()}
+    assumptions: dict[str, Any] = {
+        k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in cfg.as_dict().items()
+    }
     assumptions["profile"] = profile.source
     assumptions["n_params"] = profile.n_params
     if profile.times is not None:

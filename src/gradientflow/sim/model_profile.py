@@ -138,7 +138,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     every = torch.arange(rows.shape[0])
     packed = torch.empty_like(rows)
     wire = torch.empty(numel, dtype=torch.float16)  # the engine keeps its wire buffers between steps
-    ops = {
+    ops: dict[str, list[Callable[[], object]]] = {
         "fp32": [lambda: to_wire(g, None, 2)],
         "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
         "csc": [lambda: chunk_scores(rows)],

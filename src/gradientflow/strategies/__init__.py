@@ -36,6 +36,7 @@ def build_strategy(
             return dense
         from .csc import SparseSync  # noqa: PLC0415 — only sparse runs need it
 
+        assert control is not None  # the wrapper makes a control group whenever density is set
         return SparseSync(pool, dense, config=config, shapes=shapes, control_group=control)
 
     return make

@@ -309,6 +309,7 @@ class SparseSync(SyncStrategy):
 
     def finish(self, stats: StepStats) -> None:
         """Steps 3-5 after backward: the last slices, one finite check, write-back."""
+        stats.extra["warmup_ramp"] = int(self.step < self.warmup_steps)  # density_now() is still ramping down
         self._last_dense = self._warmup()
         if self._last_dense:
             self.dense.finish(stats)

@@ -76,9 +76,9 @@ class Residuals:
                 t.mul_(ratio)
             self.scale = scale.clone()
         elif isinstance(self.scale, torch.Tensor) or scale != self.scale:
-            ratio = scale / self.scale
+            factor = scale / self.scale  # a float, or a tensor when the last scale was one
             for t in self.buffers():
-                t.mul_(ratio)
+                t.mul_(factor)
             self.scale = scale
 
     def clean(self) -> None:

@@ -37,9 +37,8 @@ def _device_index(d: Any) -> torch.device:
     if isinstance(d, torch.device):
         return d
     if isinstance(d, int):
-        return torch.device(
-            torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cuda", d
-        )
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return torch.device(acc.type if acc is not None else "cuda", d)
     return torch.device(d)
 
 
@@ -101,6 +100,7 @@ def resolve_ddp_args(
             "torch.distributed.init_process_group('gloo' or 'nccl') first (e.g. under torchrun)."
         )
     group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None  # initialised: checked above
 
     # 2. θ.
     if (

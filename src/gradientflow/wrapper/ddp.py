@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -272,7 +272,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
-        if t_fwd is not None:
+        if t_fwd is not None and tr is not None:
             tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
 
@@ -393,7 +393,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
-        self._gf_attach_group(dist.group.WORLD)
+        self._gf_attach_group(cast(dist.ProcessGroup, dist.group.WORLD))  # __getstate__ allows no other group
         self._gf_collect_tensors()
         self._gf_build_engine(order=comm.get("layout_order"))
         self.load_comm_state_dict(comm)

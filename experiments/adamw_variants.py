@@ -1,6 +1,7 @@
 """What was tried to make AdamW keep quality under CSC at density 0.1, as one re-runnable command.
 
-``torchrun --nproc-per-node 2 -m gradientflow.bench.adamw_variants [--steps 400] [--variants a,b] [--out DIR]``
+``torchrun --nproc-per-node 2 experiments/adamw_variants.py [--steps 400] [--variants a,b] [--out DIR]``
+(from the repository root)
 
 Trains the quality bench's transformer (its job: model, data, AdamW, LR schedule, seed) once per
 variant, side by side and step by step interleaved, and reports each variant's final validation loss
@@ -316,7 +317,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from gradientflow.bench.quality import lr_schedule
-    from gradientflow.bench.quality_worker import _loss, evaluate, start_transformer_study
+    from gradientflow.bench.quality_worker import _loss, evaluate
+
+    from _study import start_transformer_study
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400, as the quality bench)")

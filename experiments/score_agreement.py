@@ -1,6 +1,7 @@
 """Does ``chunk_score="sampled_l1"`` send what the exact L1 sends, and what does it save?
 
-``python -m gradientflow.bench.score_agreement [--workloads resnet50 alexnet] [--steps 20] [--out DIR]``
+``python experiments/score_agreement.py [--workloads resnet50 alexnet] [--steps 20] [--out DIR]``
+(from the repository root)
 
 For each workload, one rank (a one-process Gloo group) trains the bench's model on its synthetic
 batch with CSC at density 0.1 (fp32 wire, ``warmup_steps=0``, SGD momentum 0.9, the exact score
@@ -115,9 +116,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m gradientflow.bench.score_agreement", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python experiments/score_agreement.py", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=["resnet50", "alexnet"])
     ap.add_argument("--steps", type=int, default=20, help="training steps per workload (default 20)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/score_agreement"))
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    command = " ".join(["python -m gradientflow.bench.score_agreement", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python experiments/score_agreement.py", *(argv if argv is not None else sys.argv[1:])])
     table = f"`{command}` ({datetime.date.today().isoformat()})\n\n" + markdown(results)
     (args.out / "table.md").write_text(table)
     print(table, end="")

@@ -1,10 +1,11 @@
-"""The AdamW experiments' pieces (``gradientflow.bench.adamw_variants``): each one does what its README line says."""
+"""The AdamW experiments' pieces (``experiments/adamw_variants.py``): each one does what its README line says."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from test_csc import CHUNK, _batch, _Ledger, _mlp, _residual, _sparse
 from torch import nn
 
 import gradientflow.strategies.csc as csc_module
-from gradientflow.bench.adamw_variants import (
+
+from _dist import run_distributed
+from adamw_variants import (
     VARIANTS,
     AgedSelection,
     ArrivalAdamW,
@@ -23,7 +26,7 @@ from gradientflow.bench.adamw_variants import (
     rotating_selection,
 )
 
-from _dist import run_distributed
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def test_arrival_adamw_with_every_gradient_delivered_is_torch_adamw():
@@ -178,8 +181,7 @@ def test_adamw_variants_end_to_end_tiny(tmp_path):
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "-m",
-        "gradientflow.bench.adamw_variants",
+        str(EXPERIMENTS / "adamw_variants.py"),
         "--steps",
         "6",
         "--out",
@@ -200,8 +202,7 @@ def test_adamw_variants_end_to_end_tiny(tmp_path):
             "torch.distributed.run",
             "--nproc-per-node",
             "1",
-            "-m",
-            "gradientflow.bench.adamw_variants",
+            str(EXPERIMENTS / "adamw_variants.py"),
             "--variants",
             "nope",
             "--out",

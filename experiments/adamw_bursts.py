@@ -1,6 +1,6 @@
 """Why AdamW loses quality under CSC: how far each coordinate moves, by how often its chunk is sent.
 
-``torchrun --nproc-per-node 2 -m gradientflow.bench.adamw_bursts [--steps 400] [--out DIR]``
+``torchrun --nproc-per-node 2 experiments/adamw_bursts.py [--steps 400] [--out DIR]`` (from the repository root)
 
 Trains the quality bench's transformer (the same job: model, data, AdamW, LR schedule, seed) twice,
 side by side: torch DDP and ``gf.DistributedDataParallel(comm_dtype="fp16", density=0.1)``.  Over
@@ -91,7 +91,9 @@ def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float
 
 def main(argv: list[str] | None = None) -> None:
     from gradientflow.bench.quality import build_recipe, lr_schedule
-    from gradientflow.bench.quality_worker import _loss, start_transformer_study
+    from gradientflow.bench.quality_worker import _loss
+
+    from _study import start_transformer_study
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400, as the quality bench)")

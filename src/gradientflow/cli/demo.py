@@ -1,0 +1,57 @@
+"""``gradientflow demo``: train small_cnn on scikit-learn's digits on N local ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import types
+
+
+def add_arguments(d: argparse.ArgumentParser) -> None:
+    from gradientflow.config import COMM_DTYPES
+
+    d.add_argument("--nproc", type=types.positive_int, default=2, help="number of local ranks (default 2)")
+    d.add_argument("--steps", type=types.positive_int, default=400, help="training steps (default 400)")
+    d.add_argument("--batch-size", type=types.positive_int, default=32, help="samples per rank per step (default 32)")
+    d.add_argument(
+        "--density",
+        type=types.density,
+        default=0.1,
+        help="CSC: fraction of gradient chunks sent per step, in (0, 1]; 'none' = dense, as the library's "
+        "density=None (default 0.1)",
+    )
+    d.add_argument(
+        "--comm-dtype",
+        type=types.comm_dtype,
+        default="fp16",
+        metavar="{" + ",".join([*COMM_DTYPES, "half"]) + "}",
+        help="dtype of gradients on the wire, as the library's comm_dtype= (half: bf16 on CPU, fp16 on GPUs) "
+        "(default fp16)",
+    )
+    d.add_argument(
+        "--chunk-size",
+        type=types.positive_int,
+        default=1024,
+        help="CSC chunk size in gradients; 1024 gives ~180 chunks for this model (default 1024)",
+    )
+    d.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    d.add_argument("--no-amp", action="store_true", help="train in fp32 instead of bf16 autocast")
+    d.add_argument("--out", default=None, help="directory for demo.json (default: do not write)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradientflow.bench.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(
+        nproc=args.nproc,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        density=args.density,
+        comm_dtype=args.comm_dtype,
+        chunk_size=args.chunk_size,
+        lr=args.lr,
+        amp=not args.no_amp,
+        out=args.out,
+    )
+    run_demo(opts)
+    return 0

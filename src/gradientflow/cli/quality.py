@@ -1,0 +1,93 @@
+"""``gradientflow bench --quality``: model quality (and time to accuracy) of each recipe against torch DDP."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import types
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    """The ``--quality options`` group of ``gradientflow bench``."""
+    from gradientflow.bench.quality import RECIPES
+
+    q = b.add_argument_group(
+        "--quality options",
+        "Train a character-level transformer (AdamW) and the digits CNN (SGD, momentum 0.9) with "
+        "each recipe side by side from the same seed and batches, and report final validation loss / accuracy, its "
+        "ratio to torch DDP, bytes sent per step and the share of sparse steps; with --bandwidth (root) also time to "
+        "accuracy of a bigger transformer and of digits_wide (AlexNet-shaped, 8.4M parameters) on the emulated "
+        "cluster, ddp vs gf-recommended (the transformer also gf-fp16-dense and gf-density-0.3). Writes "
+        "results.json, table.md, quality_*.png and tta*.png to --out. "
+        "See README 'Quality'.",
+    )
+    q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
+    q.add_argument(
+        "--recipes",
+        nargs="+",
+        type=types.recipe,
+        default=None,
+        metavar="RECIPE",
+        help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}; "
+        "a gf-* recipe may change wrapper options, e.g. gf-recommended:warmup_steps=300,dense_1d=False "
+        "(an ablation, trained beside the others on the same seed and batches)",
+    )
+    q.add_argument(
+        "--transformer-size",
+        type=types.size,
+        default=(128, 2),
+        metavar="DxL",
+        help="d_model x layers of the quality transformer (default 128x2: 0.43M parameters)",
+    )
+    q.add_argument(
+        "--tta-size",
+        type=types.size,
+        default=(256, 4),
+        metavar="DxL",
+        help="d_model x layers of the time-to-accuracy transformer (default 256x4: 3.2M parameters)",
+    )
+    q.add_argument(
+        "--tta-steps", type=types.positive_int, default=300, help="time-to-accuracy training steps (default 300)"
+    )
+    q.add_argument(
+        "--eval-every", type=types.positive_int, default=None, help="steps between validations (default steps/20)"
+    )
+    q.add_argument("--seed", type=types.nonneg_int, default=0, help="seed of models and batches (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
+
+    if args.device != "cpu":
+        print(
+            "gradientflow bench: error: --quality trains on CPU (its figures are CPU ones); drop --device",
+            file=sys.stderr,
+        )
+        return 2
+    if args.workload is not None and args.workload not in WORKLOAD_OF_CLI:
+        print(
+            f"gradientflow bench: error: --quality trains {' or '.join(WORKLOAD_OF_CLI)}, not {args.workload}",
+            file=sys.stderr,
+        )
+        return 2
+    workloads = [WORKLOAD_OF_CLI[args.workload]] if args.workload else list(WORKLOAD_OF_CLI.values())
+    opts = QualityOptions(
+        workloads=workloads,
+        recipes=args.recipes,
+        nproc=args.nproc,
+        steps=args.steps or 400,
+        tta_steps=args.tta_steps,
+        eval_every=args.eval_every,
+        batch_size=args.batch_size,
+        transformer_size=args.transformer_size,
+        tta_size=args.tta_size,
+        bandwidth=args.bandwidth,
+        threads=args.threads or 1,
+        seed=args.seed,
+        timeout_s=float(args.timeout),
+        prefix=args.netns_prefix,
+        out=args.out or "benchmarks/quality",
+    )
+    run_quality(opts)
+    return 0
