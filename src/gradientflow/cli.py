@@ -58,6 +58,15 @@ def _bandwidth(text: str) -> str:
     return text.strip().lower()
 
 
+def _links(text: str) -> list[str]:
+    from gradientflow.bench.links import parse_links
+
+    try:
+        return [p.name for p in parse_links(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _prefix(text: str) -> str:
     if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9]{0,9}", text):
         raise argparse.ArgumentTypeError(f"expected 1-10 letters/digits starting with a letter, got {text!r}")
@@ -204,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="1gbit",
         help="per-node link rate of the emulated cluster, e.g. 1gbit, 10gbit; 'none' = loopback "
         "(default 1gbit; needs root, else loopback)",
+    )
+    b.add_argument(
+        "--links",
+        type=_links,
+        default=None,
+        metavar="PROFILES",
+        help="the link-profile matrix instead of one --bandwidth: 'all' or a comma-separated list of "
+        "1g-burst, 1g-small, 1g-htb, 10g, 100m, 1g-bridge4 (see docs/networks.md); per profile the link is "
+        "measured first, then every mode; writes OUT/<profile>/ and OUT/matrix.{md,json,png} (needs root)",
     )
     b.add_argument(
         "--batch-size",
@@ -428,12 +446,18 @@ def _bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
-        out=args.out or "benchmarks/results",
+        out=args.out or ("benchmarks/links" if args.links else "benchmarks/results"),
         device=args.device,
+        links=args.links or [],
     )
     if args.workload == "alexnet" and opts.batch_size > 64:
         logger.warning("alexnet at batch %d per rank is slow on a CPU", opts.batch_size)
-    run_bench(opts)
+    if opts.links:
+        from gradientflow.bench.links_matrix import run_links
+
+        run_links(opts)
+    else:
+        run_bench(opts)
     return 0
 
 

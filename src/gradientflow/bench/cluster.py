@@ -29,7 +29,7 @@ from gradientflow.bench.cluster_net import (
     _IFNAME_MAX,
     _RECEIVER,
     _SENDER,
-    _TBF_LATENCY,
+    BRIDGE_SUBNET,
     MAX_NODES,
     SUBNET,
     _netns_names,
@@ -38,8 +38,10 @@ from gradientflow.bench.cluster_net import (
     kernel_hz,
     leftovers,
     parse_rate,
+    qdisc_available,
     tbf_burst_bytes,
 )
+from gradientflow.bench.links import LinkProfile
 
 __all__ = [
     "MAX_NODES",
@@ -66,13 +68,20 @@ class EmulatedCluster:
     ``ifnames`` (node-side interface in each namespace, for ``GLOO_SOCKET_IFNAME``),
     ``master_addr`` (``addresses[0]``), ``rate_bps`` (None when unshaped).
 
+    ``profile`` (a :class:`~gradientflow.bench.links.LinkProfile`) sets the shaper, its bucket and
+    queue, and the topology: ``"star"`` routes through the switch namespace (a /30 per node),
+    ``"bridge"`` joins every node to one Linux bridge ``{prefix}-br`` there (one /24,
+    ``169.254.78.i+1``).  Without one, every port gets tbf at ``rate`` (None-shaped for ``"none"``).
+
     Teardown (normal exit, exception, SIGINT, SIGTERM, atexit) kills the processes started
     with :meth:`popen` that are still running and deletes every namespace, which removes the
     veths in it. Stale ``{prefix}-*`` namespaces from a crashed run are deleted on entry, so
     concurrent users must pick different prefixes.
     """
 
-    def __init__(self, nodes: int = 2, rate: str = "1gbit", prefix: str = "gf") -> None:
+    def __init__(
+        self, nodes: int = 2, rate: str = "1gbit", prefix: str = "gf", profile: LinkProfile | None = None
+    ) -> None:
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in 1..{MAX_NODES}, got {nodes}")
         if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9]*", prefix):
@@ -81,14 +90,21 @@ class EmulatedCluster:
         if len(longest) > _IFNAME_MAX:
             raise ValueError(f"prefix {prefix!r} too long: interface {longest!r} exceeds 15 chars")
         self.nodes = nodes
-        self.rate = rate
-        self.rate_bps = parse_rate(rate)
+        self.rate_bps = parse_rate(rate) if profile is None else profile.rate_bps
+        # without a profile: tbf at ``rate`` with the smallest bucket that reaches it, on a routed star
+        self.profile = profile or LinkProfile("custom", rate if self.rate_bps else "1gbit")
+        self.rate = self.profile.rate if self.rate_bps else "none"
+        self.bridge = f"{prefix}-br"
+        self.leaf = self.profile.leaf  # HTB's leaf qdisc, checked against the kernel in start()
         self.prefix = prefix
         self.switch = f"{prefix}-sw"
         self.namespaces = [f"{prefix}-n{i}" for i in range(nodes)]
         self.ifnames = [f"{prefix}-e{i}" for i in range(nodes)]
         self.switch_ifnames = [f"{prefix}-s{i}" for i in range(nodes)]
-        self.addresses = [f"{SUBNET}.{4 * i + 2}" for i in range(nodes)]
+        if self.profile.topology == "bridge":  # one /24, node i at .i+1
+            self.addresses = [f"{BRIDGE_SUBNET}.{i + 1}" for i in range(nodes)]
+        else:
+            self.addresses = [f"{SUBNET}.{4 * i + 2}" for i in range(nodes)]
         self.gateways = [f"{SUBNET}.{4 * i + 1}" for i in range(nodes)]
         self.master_addr = self.addresses[0]
         self._children: list[subprocess.Popen] = []
@@ -112,6 +128,9 @@ class EmulatedCluster:
         if not ok:
             raise RuntimeError(f"cannot emulate a cluster: {why}")
         self._delete_stale()
+        if self.profile.shaper == "htb" and not qdisc_available(self.leaf):
+            logger.warning("this kernel has no %s qdisc: HTB's leaf is pfifo instead", self.leaf)
+            self.leaf = "pfifo"
         self._active = True
         self._install_handlers()
         atexit.register(self.close)
@@ -169,45 +188,40 @@ class EmulatedCluster:
         sw = self.switch
         _run(["ip", "netns", "add", sw])
         _run(["ip", "-n", sw, "link", "set", "lo", "up"])
-        # forwarding only inside the switch namespace: the root namespace is never touched
-        _run(["ip", "netns", "exec", sw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        bridge = self.profile.topology == "bridge"
+        if bridge:  # one L2 segment: the switch namespace only forwards frames, no routing
+            _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", self.bridge, "up"])
+        else:  # forwarding only inside the switch namespace: the root namespace is never touched
+            _run(["ip", "netns", "exec", sw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         for i, ns in enumerate(self.namespaces):
             node_if, sw_if = self.ifnames[i], self.switch_ifnames[i]
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # created directly in both namespaces, so the pair never appears in the root one
             _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth", "peer", "name", node_if, "netns", ns])
-            _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
+            if bridge:
+                _run(["ip", "-n", sw, "link", "set", sw_if, "master", self.bridge])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", node_if])
+            else:
+                _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
             _run(["ip", "-n", sw, "link", "set", sw_if, "up"])
             _run(["ip", "-n", ns, "link", "set", node_if, "up"])
-            _run(["ip", "-n", ns, "route", "add", "default", "via", self.gateways[i]])
+            if not bridge:
+                _run(["ip", "-n", ns, "route", "add", "default", "via", self.gateways[i]])
             if self.rate_bps is not None:
                 # node side shapes the node's upload, switch side its download
                 self._shape(ns, node_if)
                 self._shape(sw, sw_if)
 
     def _shape(self, ns: str, dev: str) -> None:
-        burst = tbf_burst_bytes(self.rate_bps or 0)
-        _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "tbf",
-                "rate",
-                f"{self.rate_bps}bit",
-                "burst",
-                str(burst),
-                "latency",
-                _TBF_LATENCY,
-            ]
-        )
+        for argv in self.profile.shape_commands(ns, dev, self.leaf):
+            _run(argv)
+
+    def describe(self) -> str:
+        """The network in one line: the profile's shaper (with the HTB leaf actually used) and topology."""
+        return self.profile.describe(self.leaf) if self.rate_bps else "unshaped"
 
     # ---- signals ---------------------------------------------------------------------
     def _install_handlers(self) -> None:

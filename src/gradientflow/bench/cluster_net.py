@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 SUBNET = "169.254.77"  # third octet fixed: 63 nodes of /30 fit in one /24
+BRIDGE_SUBNET = "169.254.78"  # the bridged topology: one /24, node i at .i+1
 MAX_NODES = 63
 _IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
 _TBF_LATENCY = "20ms"  # queue bound; long enough that TCP is not starved by tail drops
@@ -153,3 +154,19 @@ while left > 0:
     c.sendall(chunk[:min(left, len(chunk))]); left -= len(chunk)
 c.close()
 """
+
+
+_QDISCS: dict[str, bool] = {}
+
+
+def qdisc_available(kind: str) -> bool:
+    """Whether this kernel has qdisc ``kind`` (tried as root qdisc of ``lo`` in a throwaway namespace)."""
+    if kind not in _QDISCS:
+        probe = f"gfq{os.getpid()}"
+        try:
+            _run(["ip", "netns", "add", probe])
+            made = _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "handle", "1:", kind], check=False)
+            _QDISCS[kind] = made.returncode == 0
+        finally:
+            _run(["ip", "netns", "del", probe], check=False)
+    return _QDISCS[kind]

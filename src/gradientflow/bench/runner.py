@@ -118,17 +118,14 @@ def _launch(
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Run the bench, write ``results.json``, ``table.md`` and ``bench.png`` to ``opts.out``; return the summary."""
+    """Run the bench, write ``results.json``, ``table.md`` and ``bench.png`` to ``opts.out``; return the summary.
+
+    ``opts.links`` is for :func:`gradientflow.bench.links_matrix.run_links` (the link-profile matrix).
+    """
     from gradientflow.bench.cluster import EmulatedCluster, can_emulate
 
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    variants = plan_variants(opts.modes, opts.fusion_mb, opts.theta_sweep, opts.alone)
-    main = [v for v in variants if v.mode not in ISOLATED and not v.alone]
-    # Extra launches, each with its own compute reference: torch's PowerSGD hook (kept apart in case it
-    # fails) and the alone twins (own launch: twice the models in one process would not fit AlexNet's
-    # 2 x ~9 GB in this machine's memory; a twin is compared with the compute mode of its own launch).
-    extra = [("isolated", [v for v in variants if v.mode in ISOLATED]), ("alone", [v for v in variants if v.alone])]
+    if opts.links:
+        raise ValueError("run_bench times one network; the link-profile matrix (opts.links) is links_matrix.run_links")
     emulate = opts.bandwidth != "none"
     if emulate:
         ok, why = can_emulate()
@@ -138,43 +135,56 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 file=sys.stderr,
             )
             emulate = False
-    launches: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         cluster = None
         if emulate:
             cluster = stack.enter_context(EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix))
-        where = f"{opts.nproc} emulated nodes at {opts.bandwidth}" if cluster else f"{opts.nproc} ranks on loopback"
-        logger.info(
-            "bench %s: %s; %d variants, %d warm-up + %d timed steps each",
-            opts.workload,
-            where,
-            len(variants),
-            opts.warmup,
-            opts.steps,
-        )
-        raw, err, secs = _launch("main", main, opts, out, cluster, opts.timeout_s)
-        if raw is None:
-            raise RuntimeError(f"bench launch failed: {err}")
-        launches.append({"name": "main", "seconds": secs, **raw})
-        per_variant = secs / max(1, len(main))
-        for name, vs in extra:
-            if not vs:
-                continue
-            # healthy, it takes about as long per variant as the main launch; a hang must not take forever
-            limit = min(opts.timeout_s, 90 + 3 * per_variant * (len(vs) + 1))
-            logger.info("bench: %s in launch '%s' (timeout %.0f s)", ", ".join(v.name for v in vs), name, limit)
-            raw, err, secs = _launch(name, [Variant("compute", "compute"), *vs], opts, out, cluster, limit)
-            if raw is None:
-                raw = {
-                    "variants": [{**asdict(v), "status": "error", "error": err, "step_s": [], "stats": {}} for v in vs]
-                }
-                logger.warning("bench: %s failed: %s", ", ".join(v.name for v in vs), err)
-            launches.append({"name": name, "seconds": secs, **raw})
+        launches = run_launches(opts, cluster)
     summary = report.summarize(launches, opts, emulated=cluster is not None)
-    report.write_all(summary, out)
+    report.write_all(summary, Path(opts.out))
     for warning in summary["reference_warnings"]:
         logger.warning("bench: %s", warning)
     return summary
+
+
+def run_launches(opts: BenchOptions, cluster: Any) -> list[dict[str, Any]]:
+    """Every launch of one bench on ``cluster`` (None: loopback): the main one, then torch's PowerSGD hook
+    and the alone twins, each with its own compute reference; their raw results, for :func:`report.summarize`."""
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = plan_variants(opts.modes, opts.fusion_mb, opts.theta_sweep, opts.alone)
+    main = [v for v in variants if v.mode not in ISOLATED and not v.alone]
+    # Extra launches, each with its own compute reference: torch's PowerSGD hook (kept apart in case it
+    # fails) and the alone twins (own launch: twice the models in one process would not fit AlexNet's
+    # 2 x ~9 GB in this machine's memory; a twin is compared with the compute mode of its own launch).
+    extra = [("isolated", [v for v in variants if v.mode in ISOLATED]), ("alone", [v for v in variants if v.alone])]
+    where = f"{opts.nproc} emulated nodes ({cluster.describe()})" if cluster else f"{opts.nproc} ranks"
+    logger.info(
+        "bench %s: %s; %d variants, %d warm-up + %d timed steps each",
+        opts.workload,
+        where,
+        len(variants),
+        opts.warmup,
+        opts.steps,
+    )
+    launches: list[dict[str, Any]] = []
+    raw, err, secs = _launch("main", main, opts, out, cluster, opts.timeout_s)
+    if raw is None:
+        raise RuntimeError(f"bench launch failed: {err}")
+    launches.append({"name": "main", "seconds": secs, **raw})
+    per_variant = secs / max(1, len(main))
+    for name, vs in extra:
+        if not vs:
+            continue
+        # healthy, it takes about as long per variant as the main launch; a hang must not take forever
+        limit = min(opts.timeout_s, 90 + 3 * per_variant * (len(vs) + 1))
+        logger.info("bench: %s in launch '%s' (timeout %.0f s)", ", ".join(v.name for v in vs), name, limit)
+        raw, err, secs = _launch(name, [Variant("compute", "compute"), *vs], opts, out, cluster, limit)
+        if raw is None:
+            raw = {"variants": [{**asdict(v), "status": "error", "error": err, "step_s": [], "stats": {}} for v in vs]}
+            logger.warning("bench: %s failed: %s", ", ".join(v.name for v in vs), err)
+        launches.append({"name": name, "seconds": secs, **raw})
+    return launches
 
 
 if __name__ == "__main__":

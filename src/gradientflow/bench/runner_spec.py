@@ -159,3 +159,4 @@ class BenchOptions:
     prefix: str = "gfb"
     out: str = "benchmarks/results"
     device: str = "cpu"
+    links: list[str] = field(default_factory=list)  # link profiles (bench.links.PROFILES): the matrix instead
