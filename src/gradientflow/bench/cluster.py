@@ -36,9 +36,11 @@ from gradientflow.bench.cluster_net import (
     _run,
     can_emulate,
     kernel_hz,
+    kill_pids,
     leftovers,
     parse_rate,
     qdisc_available,
+    stop,
     tbf_burst_bytes,
 )
 from gradientflow.bench.links import LinkProfile
@@ -160,9 +162,12 @@ class EmulatedCluster:
             for ns in [*self.namespaces, self.switch]:
                 if ns in _netns_names():
                     # a namespace outlives its name while a process is inside it; say so
-                    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+                    # a namespace outlives its name while a process is inside it: only our own
+                    # processes can be in our namespaces (orphans of a killed launcher); end them
+                    pids = [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
                     if pids:
-                        logger.warning("processes %s still run in %s; its veths live until they exit", pids, ns)
+                        logger.warning("stopping processes %s still running in %s", pids, ns)
+                        kill_pids(pids)
                     _run(["ip", "netns", "del", ns], check=False)
         finally:
             self._restore_handlers()
@@ -269,20 +274,9 @@ class EmulatedCluster:
         return proc
 
     def _kill_children(self) -> None:
+        # the whole tree of each child: torchrun starts its workers in sessions of their own
         for proc in self._children:
-            if proc.poll() is not None:
-                continue
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # own session: pgid == pid
-                proc.wait(timeout=3)
-            except (ProcessLookupError, PermissionError):
-                pass
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=3)
+            stop(proc, grace=3.0)
         self._children = []
 
     # ---- measurement -----------------------------------------------------------------

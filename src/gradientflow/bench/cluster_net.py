@@ -3,12 +3,15 @@ whether this machine can emulate at all, and the little TCP sender/receiver of t
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 SUBNET = "169.254.77"  # third octet fixed: 63 nodes of /30 fit in one /24
@@ -170,3 +173,53 @@ def qdisc_available(kind: str) -> bool:
         finally:
             _run(["ip", "netns", "del", probe], check=False)
     return _QDISCS[kind]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop ``proc`` and its whole tree: torchrun starts workers in their own sessions, so a
+    process-group kill would miss them; every pid of the tree is signalled by id."""
+    if proc.poll() is not None:
+        return
+    tree = [proc.pid, *_descendants(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace if sig == signal.SIGTERM else 5)
+        if sig == signal.SIGTERM and proc.poll() is not None and not any(_alive(p) for p in tree[1:]):
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_pids(pids: list[int], grace: float = 3.0) -> None:
+    """SIGTERM each pid, give them ``grace`` seconds, then SIGKILL the ones still alive."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not any(_alive(p) for p in pids):
+            return

@@ -3,11 +3,9 @@ log pumping, waiting with a deadline, and stopping whole process trees."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +14,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from gradientflow.bench.cluster_net import stop
 from gradientflow.bench.runner_spec import MARK
+
+__all__ = ["error_from_log", "free_port", "launch_workers", "stop", "torchrun_argv", "wait_all"]
 
 _CLUSTER_PORTS = itertools.count(29500)
 """Rendezvous ports on an emulated cluster: the node namespaces are ours alone, and each launch takes
@@ -61,43 +62,6 @@ def torchrun_argv(
         module,
         *args,
     ]
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """Stop ``proc`` and its whole tree: torchrun starts workers in their own sessions, so a
-    process-group kill would miss them; every pid of the tree is signalled by id."""
-    if proc.poll() is not None:
-        return
-    tree = [proc.pid, *_descendants(proc.pid)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace if sig == signal.SIGTERM else 5)
-        if sig == signal.SIGTERM and proc.poll() is not None and not any(_alive(p) for p in tree[1:]):
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _pump(stream: IO[str], log: IO[str], lock: threading.Lock) -> threading.Thread:
