@@ -210,6 +210,7 @@ MODE_LABELS = {
     "gf-fp16-csc": 'gradientflow fp16 + CSC 0.1, `csc_scope="global"`',
     "gf-fp16-csc-slice": 'gradientflow fp16 + CSC 0.1 (default `"slice"`)',
     "gf-bf16-csc-slice": 'gradientflow bf16 + CSC 0.1, `"slice"` (`"half"` on CPU)',
+    "gf-fp16-csc-auto": 'gradientflow fp16 + CSC 0.1, `schedule="auto"`',
     "ddp": "torch DDP",
     "ddp-fp16": "DDP + fp16_compress_hook",
     "ddp-powersgd": "DDP + PowerSGD hook (rank 1, one bucket; own launch)",

@@ -21,6 +21,7 @@ MODES = (
     "gf-fp16-csc",
     "gf-fp16-csc-slice",
     "gf-bf16-csc-slice",
+    "gf-fp16-csc-auto",
     "ddp",
     "ddp-fp16",
     "ddp-powersgd",
@@ -123,7 +124,7 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], 
     for m in modes:
         if m == "compute":
             continue
-        theta = fusion_mb if m.startswith("gf-") else None
+        theta = fusion_mb if m.startswith("gf-") and not m.endswith("-auto") else None  # auto: its own θ
         out.append(Variant(m, m, theta))
     if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
         out += [

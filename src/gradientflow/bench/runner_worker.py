@@ -117,6 +117,7 @@ def _build(
             chunk_size=chunk_size,
             warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
             csc_scope="slice" if v.mode.endswith("-slice") else "global",
+            schedule="auto" if v.mode.endswith("-auto") else "fixed",  # auto: θ and scope from the link
         )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
