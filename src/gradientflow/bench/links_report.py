@@ -25,7 +25,8 @@ HEADLINE = "gf-fp16-csc-slice"  # the defaults for SGD momentum: comm_dtype="fp1
 BOUND_DEF = (
     "t_bound = max(compute: the model's step with no synchronisation, same launch; wire: wire bytes per step / the "
     "link's measured bulk throughput (one 32 MB fp32 allreduce, median of 5)); efficiency = t_bound / median step. "
-    "own CPU = the mode alone on a one-rank group minus compute; exposed = communication not hidden behind backward; "
+    "own CPU = the mode alone on a one-rank group minus compute (marked p: without alone twins, gradientflow's "
+    "own phases: score, select, pack, unpack, zero, check); exposed = communication not hidden behind backward; "
     "msgs = collectives per step x one small collective's measured cost (median of 30)."
 )
 
@@ -33,6 +34,12 @@ BOUND_DEF = (
 def efficiency_rows(summary: dict[str, Any], link: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per timed mode of ``summary`` (not the θ sweep, not the alone twins): bound and efficiency."""
     out = []
+    chosen = {
+        v["name"]: v["schedule"]
+        for launch in summary.get("launches", [])
+        for v in launch["variants"]
+        if v.get("schedule")
+    }
     for r in summary["rows"]:
         if not step_table_row(r) or r.get("status") != "ok" or r.get("median_s") is None:
             continue
@@ -56,9 +63,12 @@ def efficiency_rows(summary: dict[str, Any], link: dict[str, Any]) -> list[dict[
             "own_cpu_s": None,
             "collectives": r.get("collectives"),
             "messages_s": None,
+            "schedule": chosen.get(r["name"]),  # schedule="auto": θ, scope and why
         }
         if r.get("alone_s") is not None and r.get("alone_ref_compute_s") is not None:
             rec["own_cpu_s"] = r["alone_s"] - r["alone_ref_compute_s"]
+        elif r.get("own_cpu_s") is not None:  # no alone twin (--no-alone): gradientflow's phases, traced
+            rec["own_cpu_s"], rec["own_cpu_source"] = r["own_cpu_s"], "phases"
         if rec["collectives"] is not None:
             rec["messages_s"] = rec["collectives"] * link["small_s"]
         out.append(rec)
@@ -95,6 +105,10 @@ def matrix(results: list[dict[str, Any]], *, command: str | None, started: str, 
 
 def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def _own(r: dict[str, Any]) -> str:
+    return _ms(r["own_cpu_s"]) + (" p" if r.get("own_cpu_source") == "phases" else "")
 
 
 def markdown(m: dict[str, Any]) -> str:
@@ -144,9 +158,10 @@ def markdown(m: dict[str, Any]) -> str:
             speed = "—" if r.get("speedup") is None else f"{r['speedup']:.2f}"
             lines.append(
                 f"| {r['mode']} | {_ms(r['step_s'])} ({_ms(r['p10_s'])}–{_ms(r['p90_s'])}) "
-                f"| {_ms(r['bound_s'])} ({r['bound_by']}) | {r['efficiency']:.2f} | {speed} | {_ms(r['own_cpu_s'])} "
+                f"| {_ms(r['bound_s'])} ({r['bound_by']}) | {r['efficiency']:.2f} | {speed} | {_own(r)} "
                 f"| {_ms(r['exposed_s'])} | {msgs} |"
             )
+        lines += [f"- {r['mode']}: {r['schedule']['reason']}" for r in p["rows"] if r.get("schedule")]
         lines += [f"- warning: {w}" for w in p["reference_warnings"]]
     lines += ["", f"- {m['definition']}"]
     return "\n".join(lines).strip() + "\n"

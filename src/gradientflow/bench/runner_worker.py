@@ -268,6 +268,10 @@ def worker_main(spec_path: str) -> None:
             # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
             with _PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
                 model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
+                sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
+                if sched is not None:
+                    rec["schedule"] = {"theta_mb": sched.fusion_threshold_mb, "scope": sched.csc_scope}
+                    rec["schedule"]["reason"] = sched.reason
                 for _ in range(spec.warmup):
                     _step(model, opt, x, y)
             top = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak.peak
