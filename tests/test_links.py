@@ -245,7 +245,7 @@ def test_matrix_tables_render(tmp_path):
          "target": 0.85, "profiles": [ok, {"profile": {"name": "10g"}, "error": "boom"}]}  # fmt: skip
     md = links_report.markdown(m)
     assert "| gf-fp16-csc-slice | **0.90 (1.80x)** | failed |" in md
-    assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | 0.10 |" in md
+    assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | 0.10 | — |" in md
     links_report.plot(m, tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0
     json.dumps(m)

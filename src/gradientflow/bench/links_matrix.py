@@ -94,3 +94,32 @@ def run_links(opts: Any) -> dict[str, Any]:
     links_report.plot(matrix, out / "matrix.png")
     print(table)
     return matrix
+
+
+def probe_all(links: str = "all", out: str = "benchmarks/links/probe", prefix: str = "gfp") -> list[dict[str, Any]]:
+    """Only the link probes of ``links`` (no bench): one ``link.json`` per profile under ``out``, and
+    ``probe.md``, a table of bulk throughput and the small collective's cost, idle and behind a bulk one."""
+    ok, why = can_emulate()
+    if not ok:
+        raise RuntimeError(f"the link probes need an emulated cluster, and this machine cannot build one: {why}")
+    rows = []
+    for profile in parse_links(links):
+        nodes = profile.nodes or 2
+        with EmulatedCluster(nodes=nodes, prefix=prefix, profile=profile) as cluster:
+            link = measure_link(cluster, nodes, Path(out) / profile.name)
+            rows.append({"profile": profile.name, "network": cluster.describe(), "nodes": nodes, **link})
+    lines = [
+        f"Link probes, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        "| profile | network | ranks | bulk Gbit/s (32 MB allreduce) | small collective ms | behind a bulk one ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['profile']} | {r['network']} | {r['nodes']} | {8 * r['bulk_Bps'] / 1e9:.3f} | {1e3 * r['small_s']:.2f} "
+        f"| {1e3 * r['loaded_small_s']:.1f} |"
+        for r in rows
+    ]
+    (Path(out) / "probe.md").write_text("\n".join(lines) + "\n")
+    (Path(out) / "probe.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+    return rows

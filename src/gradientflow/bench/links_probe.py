@@ -10,6 +10,9 @@ when every rank is).  Rank 0 writes the medians and every sample to ``out_path``
   link (a ring puts 2(N-1)/N of it on each rank's port; that factor is inside the measurement).
 * ``small_s`` = median time of a one-element allreduce: the per-message cost (latency, Gloo's
   rendezvous, the scheduler), paid once per collective whatever its size.
+* ``loaded_small_s`` = the same one-element allreduce on a second group while a ``bulk_mb / 4`` MB
+  allreduce is in flight: the per-message cost behind the shaper's queue (CSC's score exchanges
+  run on a group of their own while chunks are on the wire).
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ def _timed(fn: Any, dist: Any) -> float:
     return float(t.item())
 
 
+def _timed_on(fn: Any, dist: Any, group: Any) -> float:
+    """Seconds of ``fn()`` on the slowest rank (no barrier: the caller has started a collective)."""
+    import torch
+
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def probe_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -52,6 +66,17 @@ def probe_main(spec_path: str) -> None:
         dist.all_reduce(small)
     bulk_s = [_timed(lambda: dist.all_reduce(bulk), dist) for _ in range(int(spec["repeats"]))]
     small_s = [_timed(lambda: dist.all_reduce(small), dist) for _ in range(int(spec["small_repeats"]))]
+    # the same small collective on a second group while a bulk one is in flight: what CSC's score
+    # exchange (its control group) pays when it queues behind chunks in the shaper's FIFO
+    control = dist.new_group(list(range(dist.get_world_size())))
+    loaded = bulk[: n // 4]
+    loaded_s = []
+    for _ in range(int(spec.get("loaded_repeats", 5))):
+        dist.barrier()
+        work = dist.all_reduce(loaded, async_op=True)
+        time.sleep(0.002)  # let the bulk fill the queue first
+        loaded_s.append(_timed_on(lambda: dist.all_reduce(small, group=control), dist, control))
+        work.wait()
     if dist.get_rank() == 0:
         out = {
             "world_size": dist.get_world_size(),
@@ -60,6 +85,8 @@ def probe_main(spec_path: str) -> None:
             "bulk_samples_s": bulk_s,
             "small_s": statistics.median(small_s),
             "small_samples_s": small_s,
+            "loaded_small_s": statistics.median(loaded_s),
+            "loaded_small_samples_s": loaded_s,
         }
         out["bulk_Bps"] = out["bulk_bytes"] / out["bulk_s"]
         Path(spec["out_path"]).write_text(json.dumps(out, indent=1))

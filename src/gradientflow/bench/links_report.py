@@ -107,6 +107,10 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.0f}"
 
 
+def _ms1(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f}"
+
+
 def _own(r: dict[str, Any]) -> str:
     return _ms(r["own_cpu_s"]) + (" p" if r.get("own_cpu_source") == "phases" else "")
 
@@ -133,15 +137,19 @@ def markdown(m: dict[str, Any]) -> str:
             cell = f"{r['efficiency']:.2f}" + (f" ({r['speedup']:.2f}x)" if r.get("speedup") else "")
             cells.append(f"**{cell}**" if mode == HEADLINE else cell)
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-    lines += ["", "| profile | network | model, ranks | bulk Gbit/s | small collective ms |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| profile | network | model, ranks | bulk Gbit/s | small collective ms | behind a bulk one ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in m["profiles"]:
         if p["error"]:
-            lines.append(f"| {p['profile']['name']} | failed: {p['error'][:200]} | | | |")
+            lines.append(f"| {p['profile']['name']} | failed: {p['error'][:200]} | | | | |")
             continue
         link = p["link"]
         lines.append(
             f"| {p['profile']['name']} | {p['network']} | {p['workload']} b{p['batch_size']}, {p['nproc']} "
-            f"| {8 * link['bulk_Bps'] / 1e9:.3f} | {1e3 * link['small_s']:.2f} |"
+            f"| {8 * link['bulk_Bps'] / 1e9:.3f} | {1e3 * link['small_s']:.2f} | {_ms1(link.get('loaded_small_s'))} |"
         )
     for p in ok:
         lines += [
