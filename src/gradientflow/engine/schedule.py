@@ -4,10 +4,15 @@ Users' networks differ (token-bucket depth, queueing, rate, latency): one fixed 
 With ``schedule="auto"`` the wrapper measures its process group once, at construction, and derives
 θ and ``csc_scope`` from two numbers:
 
-* ``alpha_s``: the cost of one collective, whatever its size: the median of
-  :data:`SMALL_REPEATS` one-element allreduces (latency, the backend's rendezvous, the scheduler);
-* ``bulk_Bps``: bytes per second handed to allreduce, from the median of :data:`BULK_REPEATS`
+* ``alpha_s``: the cost of one collective, whatever its size: the fastest of
+  :data:`SMALL_REPEATS` one-element allreduces (latency, the backend's rendezvous);
+* ``bulk_Bps``: bytes per second handed to allreduce, from the fastest of :data:`BULK_REPEATS`
   allreduces of :data:`BULK_BYTES` (fp32), less ``alpha_s``.
+
+The fastest, not the median: what another process does to this machine only ever adds time, and a
+construction that happens to run while the CPUs are busy must not turn a bandwidth-bound link into
+a "latency-bound" one for the whole run (a median of 7 under a load average of 20 on 2 cores gave
+3.26 ms for a collective whose fastest runs took 0.12 ms, and the schedule went to one collective).
 
 Both are rank 0's measurement, broadcast, so every rank derives the same schedule from the same
 bits; the rule (:func:`plan`) is a pure function of them and of the model's sizes:
@@ -32,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -42,7 +46,7 @@ import torch.distributed as dist
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 
-SMALL_REPEATS = 7
+SMALL_REPEATS = 15
 BULK_REPEATS = 3
 BULK_BYTES = 2 << 20  # 2 MB: > one token bucket of every shaper we measured (<= 1.25 MB), short at 100 Mbit/s
 MESSAGE_SHARE = 0.05
@@ -116,8 +120,8 @@ def measure(group: dist.ProcessGroup, watchdog: Watchdog, device: torch.device, 
 
     timed(small, "schedule probe (warm-up)")
     timed(bulk, "schedule probe (warm-up)")
-    alpha = statistics.median(timed(small, "schedule probe (small)") for _ in range(SMALL_REPEATS))
-    bulk_s = statistics.median(timed(bulk, "schedule probe (bulk)") for _ in range(BULK_REPEATS))
+    alpha = min(timed(small, "schedule probe (small)") for _ in range(SMALL_REPEATS))
+    bulk_s = min(timed(bulk, "schedule probe (bulk)") for _ in range(BULK_REPEATS))
     # the bulk's own fixed cost is alpha; what is left is transfer (floored: a one-rank group has none)
     mine = torch.tensor([alpha, BULK_BYTES / max(bulk_s - alpha, 1e-6)], dtype=torch.float64, device=device)
     watchdog.wait(dist.broadcast(mine, src=src, group=group, async_op=True), "schedule broadcast", 16)
