@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ def run_links(opts: Any) -> dict[str, Any]:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC)
+    load_before = os.getloadavg()[0]  # the conditions: on a shared machine every figure moves with them
     results: list[dict[str, Any]] = []
     for profile in profiles:
         logger.info("links: profile %s (%s)", profile.name, profile.describe())
@@ -87,6 +89,8 @@ def run_links(opts: Any) -> dict[str, Any]:
         command=command,
         started=started.strftime("%Y-%m-%d %H:%M UTC"),
         finished=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        load=(load_before, os.getloadavg()[0]),
+        cpus=os.cpu_count() or 0,
     )
     (out / "matrix.json").write_text(json.dumps(matrix, indent=1, default=str))
     table = links_report.markdown(matrix)

@@ -75,7 +75,15 @@ def efficiency_rows(summary: dict[str, Any], link: dict[str, Any]) -> list[dict[
     return out
 
 
-def matrix(results: list[dict[str, Any]], *, command: str | None, started: str, finished: str) -> dict[str, Any]:
+def matrix(
+    results: list[dict[str, Any]],
+    *,
+    command: str | None,
+    started: str,
+    finished: str,
+    load: tuple[float, float] | None = None,
+    cpus: int = 0,
+) -> dict[str, Any]:
     """The matrix: per profile its link, its efficiency rows (or its error), the run's command and dates."""
     profiles = []
     for s in results:
@@ -97,6 +105,8 @@ def matrix(results: list[dict[str, Any]], *, command: str | None, started: str, 
         "command": command,
         "started": started,
         "finished": finished,
+        "load": load,  # 1-minute load average at the start and the end of the run
+        "cpus": cpus,
         "definition": BOUND_DEF,
         "target": TARGET,
         "profiles": profiles,
@@ -122,7 +132,13 @@ def markdown(m: dict[str, Any]) -> str:
     lines = [
         f"`{m['command']}`" if m["command"] else "",
         "",
-        f"Run {m['started']} – {m['finished']}. Cells: efficiency = t_bound / step (speedup over one rank).",
+        f"Run {m['started']} – {m['finished']}"
+        + (
+            f", load average {m['load'][0]:.1f} / {m['load'][1]:.1f} (start / end) on {m['cpus']} CPUs"
+            if m.get("load")
+            else ""
+        )
+        + ". Cells: efficiency = t_bound / step (speedup over one rank).",
         "",
         "| mode | " + " | ".join(p["profile"]["name"] for p in m["profiles"]) + " |",
         "|---|" + "---|" * len(m["profiles"]),
