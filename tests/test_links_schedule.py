@@ -19,17 +19,16 @@ LINK = LinkEstimate(alpha_s=1e-4, bulk_Bps=1e8)  # 0.1 ms per collective, 100 MB
 
 def test_rule_by_hand():
     # ResNet-50-sized fp32 pool (100 MB) on an fp16 wire at density 0.1: a pool byte is 0.05 wire bytes.
-    # θ_msg = 0.1 ms * 1e8 B/s / 0.05 (share) / 0.05 (wire per pool byte) = 4e6 B; θ_ovl = min(25 MB, 100/8 MB)
+    # θ_msg = 0.1 ms * 1e8 B/s / 0.05 (share) / 0.05 (wire per pool byte) = 4e6 B, under the 25 MB default
     s = plan(LINK, 100 * MB, 0.05, sparse=True)
-    assert (s.fusion_threshold_mb, s.csc_scope, s.latency_bound) == (12.5, "slice", False)
+    assert (s.fusion_threshold_mb, s.csc_scope, s.latency_bound) == (25.0, "slice", False)
     # a slower collective (2 ms): θ_msg = 8e7 B = 76.3 MB > the 50 MB half pool: latency-bound
     slow = plan(LinkEstimate(2e-3, 1e8), 100 * MB, 0.05, sparse=True)
     assert (slow.fusion_threshold_mb, slow.csc_scope, slow.latency_bound) == (math.inf, "global", True)
-    # dense fp32 (1 wire byte per pool byte): θ_msg = 2e5 B, far below θ_ovl
-    assert plan(LINK, 100 * MB, 1.0, sparse=False).fusion_threshold_mb == 12.5
-    # between: θ_msg = 2e-3 * 1e8 / 0.05 / 1 = 4e6 B wins over a 16 MB pool's 2 MB overlap bound
-    mid = plan(LinkEstimate(2e-3, 1e8), 16 * MB, 1.0, sparse=False)
-    assert mid.fusion_threshold_mb == pytest.approx(4e6 / MB) and mid.csc_scope == "slice"
+    # dense fp32 (1 wire byte per pool byte), 20 ms per collective: θ_msg = 2e-2 * 1e8 / 0.05 = 4e7 B
+    # (38.1 MB) is over the default and under half the pool: buckets grow to pay for their messages
+    mid = plan(LinkEstimate(2e-2, 1e8), 100 * MB, 1.0, sparse=False)
+    assert mid.fusion_threshold_mb == pytest.approx(4e7 / MB) and mid.csc_scope == "slice"
     # a small dense model is latency-bound too, and keeps "slice" (no CSC): one collective
     tiny = plan(LINK, MB // 4, 1.0, sparse=False)
     assert (tiny.fusion_threshold_mb, tiny.csc_scope) == (math.inf, "slice")
@@ -42,7 +41,7 @@ def test_rule_by_hand():
 def test_adapt_reads_the_wire_from_the_config():
     cfg = GradientFlowConfig(comm_dtype="fp16", density=0.1, schedule="auto")
     new, s = adapt(cfg, LINK, 100 * MB)
-    assert (new.fusion_threshold_mb, new.csc_scope) == (12.5, "slice") == (s.fusion_threshold_mb, s.csc_scope)
+    assert (new.fusion_threshold_mb, new.csc_scope) == (25.0, "slice") == (s.fusion_threshold_mb, s.csc_scope)
     assert new.schedule == "auto" and new.density == 0.1  # nothing else changes
     with pytest.raises(ValueError, match="schedule must be 'fixed'"):
         GradientFlowConfig(schedule="fast")

@@ -20,13 +20,16 @@ bits; the rule (:func:`plan`) is a pure function of them and of the model's size
 1. Messages: a bucket's fixed cost must stay under :data:`MESSAGE_SHARE` of its transfer time:
    ``θ_msg = alpha_s * bulk_Bps / MESSAGE_SHARE`` (in pool bytes, scaled by the wire bytes a pool
    byte becomes: 1/2 for a 16-bit wire, ``density`` for CSC).
-2. Overlap: the first bucket should go on the wire early in backward, so at most 1/:data:`MIN_BUCKETS`
-   of the pool per bucket, and never more than the default 25 MB: ``θ_ovl = min(25 MB, pool / 8)``.
-3. ``θ = max(θ_msg, θ_ovl)``.  If ``θ_msg`` exceeds half the pool, fewer than two buckets could
-   pay for their fixed cost: the link is *latency-bound* for this model, and the schedule is one
-   collective after backward (``θ = inf``) and, for CSC, the ``"global"`` scope (one score
-   exchange and one packed allreduce per pool instead of one of each per slice).  Otherwise CSC
-   keeps ``"slice"`` (its chunks overlap backward).
+2. ``θ = max(θ_msg, 25 MB)``: never below the fixed default.  A first version also capped θ at
+   1/8 of the pool so that the first bucket leaves early in backward (12.2 MB on ResNet-50); side by
+   side with the default (``benchmarks/links/auto-vs-default``, 2026-11-25 15:11 UTC) it was slower
+   on both 1 Gbit/s profiles (efficiency 0.82 vs 0.90 and 0.70 vs 0.77): twice the slices cost more
+   of CSC's own CPU (score exchanges, selections, packs) than the earlier start saved.
+3. If ``θ_msg`` exceeds half the pool, fewer than two buckets could pay for their fixed cost: the
+   link is *latency-bound* for this model, and the schedule is one collective after backward
+   (``θ = inf``) and, for CSC, the ``"global"`` scope (one score exchange and one packed allreduce
+   per pool instead of one of each per slice).  Otherwise CSC keeps ``"slice"`` (its chunks overlap
+   backward).
 
 The measurement takes ``SMALL_REPEATS + BULK_REPEATS + 2`` collectives on the group (at 1 Gbit/s
 about 0.1 s; at 100 Mbit/s about 0.8 s), once per wrapper.
@@ -50,7 +53,6 @@ SMALL_REPEATS = 15
 BULK_REPEATS = 3
 BULK_BYTES = 2 << 20  # 2 MB: > one token bucket of every shaper we measured (<= 1.25 MB), short at 100 Mbit/s
 MESSAGE_SHARE = 0.05
-MIN_BUCKETS = 8
 DEFAULT_THETA_BYTES = 25 * 2**20
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,6 @@ def plan(link: LinkEstimate, pool_bytes: int, wire_per_pool_byte: float, sparse:
     if not wire_per_pool_byte > 0:
         raise ValueError(f"wire_per_pool_byte must be > 0, got {wire_per_pool_byte}")
     theta_msg = link.alpha_s * link.bulk_Bps / MESSAGE_SHARE / wire_per_pool_byte
-    theta_ovl = min(DEFAULT_THETA_BYTES, pool_bytes / MIN_BUCKETS)
     if theta_msg > pool_bytes / 2:
         return Schedule(
             math.inf,
@@ -97,14 +98,14 @@ def plan(link: LinkEstimate, pool_bytes: int, wire_per_pool_byte: float, sparse:
             f"{link.alpha_s * link.bulk_Bps / 1e3:.0f} KB of transfer; fewer than 2 buckets of a "
             f"{pool_bytes / 2**20:.1f} MB pool pay for it: one collective" + (", global scope" if sparse else ""),
         )
-    theta = max(theta_msg, theta_ovl)
+    theta = max(theta_msg, DEFAULT_THETA_BYTES)
     return Schedule(
         theta / 2**20,
         "slice",
         False,
         link,
         f"θ = max({theta_msg / 2**20:.2f} MB so a collective's {link.alpha_s * 1e3:.2f} ms is <= "
-        f"{MESSAGE_SHARE:.0%} of its transfer, {theta_ovl / 2**20:.2f} MB for overlap) = {theta / 2**20:.2f} MB",
+        f"{MESSAGE_SHARE:.0%} of its transfer, the default 25 MB) = {theta / 2**20:.2f} MB",
     )
 
 
