@@ -84,6 +84,10 @@ class GradientFlowConfig:
         backward; every slice sends ceil(density * its chunks), so the total can exceed the
         global count by < 1 chunk/slice.  "global" (the paper): one top-k per pool buffer after
         backward, one packed allreduce.
+    schedule: "fixed" (θ and ``csc_scope`` as given) or "auto": both derived at construction from the
+        process group's measured per-collective cost and bulk throughput (rank 0's measurement,
+        broadcast; see :mod:`gradientflow.engine.schedule` and docs/networks.md); overrides
+        ``fusion_threshold_mb`` and ``csc_scope``.
     timeout: seconds (or a ``timedelta``) any wait of gradientflow may take before it raises
         ``gradientflow.CommunicationError`` naming the step, the collective and the missing ranks;
         ``None`` = the process group's timeout.
@@ -107,6 +111,7 @@ class GradientFlowConfig:
     dense_1d: bool = True
     chunk_score: str = "l1"
     csc_scope: str = "slice"
+    schedule: str = "fixed"
     timeout: float | timedelta | None = None
     check_consistency: bool = False
     check_finite: bool = False
@@ -140,6 +145,11 @@ class GradientFlowConfig:
             raise ValueError(f"chunk_score must be one of {list(CHUNK_SCORES)}, got {self.chunk_score!r}")
         if self.csc_scope not in ("global", "slice"):
             raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
+        if self.schedule not in ("fixed", "auto"):
+            raise ValueError(
+                f"schedule must be 'fixed' (θ and csc_scope as given) or 'auto' (derived from the measured "
+                f"link at construction), got {self.schedule!r}"
+            )
         self._validate_fault_options()
 
     def _validate_fault_options(self) -> None:

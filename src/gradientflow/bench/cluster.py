@@ -16,134 +16,47 @@ Requires root, ``ip`` and ``tc``; :func:`can_emulate` says whether that holds.
 from __future__ import annotations
 
 import atexit
-import gzip
 import json
 import logging
 import os
-import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
+
+from gradientflow.bench.cluster_net import (
+    _IFNAME_MAX,
+    _RECEIVER,
+    _SENDER,
+    BRIDGE_SUBNET,
+    MAX_NODES,
+    SUBNET,
+    _netns_names,
+    _run,
+    can_emulate,
+    kernel_hz,
+    kill_pids,
+    leftovers,
+    parse_rate,
+    qdisc_available,
+    stop,
+    tbf_burst_bytes,
+)
+from gradientflow.bench.links import LinkProfile
+
+__all__ = [
+    "MAX_NODES",
+    "SUBNET",
+    "EmulatedCluster",
+    "can_emulate",
+    "kernel_hz",
+    "leftovers",
+    "parse_rate",
+    "tbf_burst_bytes",
+]
 
 logger = logging.getLogger(__name__)
-
-SUBNET = "169.254.77"  # third octet fixed: 63 nodes of /30 fit in one /24
-MAX_NODES = 63
-_IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
-_TBF_LATENCY = "20ms"  # queue bound; long enough that TCP is not starved by tail drops
-
-
-def parse_rate(rate: str) -> int | None:
-    """``"1gbit"`` -> 1_000_000_000 bits/s; ``"none"`` -> None. Only tc's SI *bit units."""
-    text = rate.strip().lower()
-    if text == "none":
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)", text)
-    if not m:
-        raise ValueError(f"rate must look like '1gbit', '100mbit' or 'none', got {rate!r}")
-    scale = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}[m.group(2)]
-    bps = int(float(m.group(1)) * scale)
-    if bps <= 0:
-        raise ValueError(f"rate must be positive, got {rate!r}")
-    return bps
-
-
-def kernel_hz() -> int:
-    """The kernel's CONFIG_HZ if the config is readable, else 100 (the lowest, so the safest)."""
-    sources = [Path("/proc/config.gz"), Path(f"/boot/config-{platform.release()}")]
-    for src in sources:
-        try:
-            raw = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
-        except OSError:
-            continue
-        m = re.search(rb"^CONFIG_HZ=(\d+)$", raw, re.MULTILINE)
-        if m:
-            return int(m.group(1))
-    return 100
-
-
-def tbf_burst_bytes(rate_bps: int, hz: int | None = None) -> int:
-    """Token-bucket size for ``rate_bps``.
-
-    tc-tbf(8): the bucket must hold at least rate/HZ bytes or the rate cannot be reached,
-    since tokens are refilled at timer granularity. It must also hold one full GSO packet
-    (64 KiB plus headers): veth hands TSO-sized skbs to the qdisc.
-    """
-    hz = hz or kernel_hz()
-    return max(rate_bps // 8 // hz, 65536 + 1514)
-
-
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run a short administrative command; raise with its stderr on failure."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def _netns_names() -> list[str]:
-    out = _run(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _root_links() -> list[str]:
-    out = _run(["ip", "-o", "link", "show"], check=False).stdout
-    # lines look like "12: name@peer: <FLAGS> ..."
-    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
-
-
-def leftovers(prefix: str = "gf") -> list[str]:
-    """Namespaces and root-namespace links named ``{prefix}-*`` that still exist."""
-    if shutil.which("ip") is None:
-        return []
-    stem = prefix + "-"
-    found = [f"netns:{n}" for n in _netns_names() if n.startswith(stem)]
-    found += [f"link:{n}" for n in _root_links() if n.startswith(stem)]
-    return found
-
-
-def can_emulate() -> tuple[bool, str]:
-    """Whether an :class:`EmulatedCluster` can be built here, with a one-line reason if not."""
-    if os.geteuid() != 0:
-        return False, "needs root (network namespaces and tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"'{tool}' not found (install iproute2)"
-    probe = f"gfprobe{os.getpid()}"
-    try:
-        made = _run(["ip", "netns", "add", probe], check=False)
-        if made.returncode != 0:
-            return False, f"'ip netns add' failed: {made.stderr.strip()}"
-        _run(["ip", "-n", probe, "link", "set", "lo", "up"], check=False)
-        tbf = _run(
-            [
-                "tc",
-                "-n",
-                probe,
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "tbf",
-                "rate",
-                "1gbit",
-                "burst",
-                "512kb",
-                "latency",
-                _TBF_LATENCY,
-            ],
-            check=False,
-        )
-        if tbf.returncode != 0:
-            return False, f"'tc qdisc add ... tbf' failed: {tbf.stderr.strip()}"
-        return True, "ok"
-    finally:
-        _run(["ip", "netns", "del", probe], check=False)
 
 
 class EmulatedCluster:
@@ -157,13 +70,20 @@ class EmulatedCluster:
     ``ifnames`` (node-side interface in each namespace, for ``GLOO_SOCKET_IFNAME``),
     ``master_addr`` (``addresses[0]``), ``rate_bps`` (None when unshaped).
 
+    ``profile`` (a :class:`~gradientflow.bench.links.LinkProfile`) sets the shaper, its bucket and
+    queue, and the topology: ``"star"`` routes through the switch namespace (a /30 per node),
+    ``"bridge"`` joins every node to one Linux bridge ``{prefix}-br`` there (one /24,
+    ``169.254.78.i+1``).  Without one, every port gets tbf at ``rate`` (None-shaped for ``"none"``).
+
     Teardown (normal exit, exception, SIGINT, SIGTERM, atexit) kills the processes started
     with :meth:`popen` that are still running and deletes every namespace, which removes the
     veths in it. Stale ``{prefix}-*`` namespaces from a crashed run are deleted on entry, so
     concurrent users must pick different prefixes.
     """
 
-    def __init__(self, nodes: int = 2, rate: str = "1gbit", prefix: str = "gf") -> None:
+    def __init__(
+        self, nodes: int = 2, rate: str = "1gbit", prefix: str = "gf", profile: LinkProfile | None = None
+    ) -> None:
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in 1..{MAX_NODES}, got {nodes}")
         if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9]*", prefix):
@@ -172,14 +92,21 @@ class EmulatedCluster:
         if len(longest) > _IFNAME_MAX:
             raise ValueError(f"prefix {prefix!r} too long: interface {longest!r} exceeds 15 chars")
         self.nodes = nodes
-        self.rate = rate
-        self.rate_bps = parse_rate(rate)
+        self.rate_bps = parse_rate(rate) if profile is None else profile.rate_bps
+        # without a profile: tbf at ``rate`` with the smallest bucket that reaches it, on a routed star
+        self.profile = profile or LinkProfile("custom", rate if self.rate_bps else "1gbit")
+        self.rate = self.profile.rate if self.rate_bps else "none"
+        self.bridge = f"{prefix}-br"
+        self.leaf = self.profile.leaf  # HTB's leaf qdisc, checked against the kernel in start()
         self.prefix = prefix
         self.switch = f"{prefix}-sw"
         self.namespaces = [f"{prefix}-n{i}" for i in range(nodes)]
         self.ifnames = [f"{prefix}-e{i}" for i in range(nodes)]
         self.switch_ifnames = [f"{prefix}-s{i}" for i in range(nodes)]
-        self.addresses = [f"{SUBNET}.{4 * i + 2}" for i in range(nodes)]
+        if self.profile.topology == "bridge":  # one /24, node i at .i+1
+            self.addresses = [f"{BRIDGE_SUBNET}.{i + 1}" for i in range(nodes)]
+        else:
+            self.addresses = [f"{SUBNET}.{4 * i + 2}" for i in range(nodes)]
         self.gateways = [f"{SUBNET}.{4 * i + 1}" for i in range(nodes)]
         self.master_addr = self.addresses[0]
         self._children: list[subprocess.Popen] = []
@@ -203,6 +130,9 @@ class EmulatedCluster:
         if not ok:
             raise RuntimeError(f"cannot emulate a cluster: {why}")
         self._delete_stale()
+        if self.profile.shaper == "htb" and not qdisc_available(self.leaf):
+            logger.warning("this kernel has no %s qdisc: HTB's leaf is pfifo instead", self.leaf)
+            self.leaf = "pfifo"
         self._active = True
         self._install_handlers()
         atexit.register(self.close)
@@ -232,9 +162,12 @@ class EmulatedCluster:
             for ns in [*self.namespaces, self.switch]:
                 if ns in _netns_names():
                     # a namespace outlives its name while a process is inside it; say so
-                    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+                    # a namespace outlives its name while a process is inside it: only our own
+                    # processes can be in our namespaces (orphans of a killed launcher); end them
+                    pids = [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
                     if pids:
-                        logger.warning("processes %s still run in %s; its veths live until they exit", pids, ns)
+                        logger.warning("stopping processes %s still running in %s", pids, ns)
+                        kill_pids(pids)
                     _run(["ip", "netns", "del", ns], check=False)
         finally:
             self._restore_handlers()
@@ -260,45 +193,40 @@ class EmulatedCluster:
         sw = self.switch
         _run(["ip", "netns", "add", sw])
         _run(["ip", "-n", sw, "link", "set", "lo", "up"])
-        # forwarding only inside the switch namespace: the root namespace is never touched
-        _run(["ip", "netns", "exec", sw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        bridge = self.profile.topology == "bridge"
+        if bridge:  # one L2 segment: the switch namespace only forwards frames, no routing
+            _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", self.bridge, "up"])
+        else:  # forwarding only inside the switch namespace: the root namespace is never touched
+            _run(["ip", "netns", "exec", sw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         for i, ns in enumerate(self.namespaces):
             node_if, sw_if = self.ifnames[i], self.switch_ifnames[i]
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # created directly in both namespaces, so the pair never appears in the root one
             _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth", "peer", "name", node_if, "netns", ns])
-            _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
+            if bridge:
+                _run(["ip", "-n", sw, "link", "set", sw_if, "master", self.bridge])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", node_if])
+            else:
+                _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
             _run(["ip", "-n", sw, "link", "set", sw_if, "up"])
             _run(["ip", "-n", ns, "link", "set", node_if, "up"])
-            _run(["ip", "-n", ns, "route", "add", "default", "via", self.gateways[i]])
+            if not bridge:
+                _run(["ip", "-n", ns, "route", "add", "default", "via", self.gateways[i]])
             if self.rate_bps is not None:
                 # node side shapes the node's upload, switch side its download
                 self._shape(ns, node_if)
                 self._shape(sw, sw_if)
 
     def _shape(self, ns: str, dev: str) -> None:
-        burst = tbf_burst_bytes(self.rate_bps or 0)
-        _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "tbf",
-                "rate",
-                f"{self.rate_bps}bit",
-                "burst",
-                str(burst),
-                "latency",
-                _TBF_LATENCY,
-            ]
-        )
+        for argv in self.profile.shape_commands(ns, dev, self.leaf):
+            _run(argv)
+
+    def describe(self) -> str:
+        """The network in one line: the profile's shaper (with the HTB leaf actually used) and topology."""
+        return self.profile.describe(self.leaf) if self.rate_bps else "unshaped"
 
     # ---- signals ---------------------------------------------------------------------
     def _install_handlers(self) -> None:
@@ -346,20 +274,9 @@ class EmulatedCluster:
         return proc
 
     def _kill_children(self) -> None:
+        # the whole tree of each child: torchrun starts its workers in sessions of their own
         for proc in self._children:
-            if proc.poll() is not None:
-                continue
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # own session: pgid == pid
-                proc.wait(timeout=3)
-            except (ProcessLookupError, PermissionError):
-                pass
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=3)
+            stop(proc, grace=3.0)
         self._children = []
 
     # ---- measurement -----------------------------------------------------------------
@@ -396,32 +313,3 @@ class EmulatedCluster:
         if result["bytes"] < nbytes // 2:
             raise RuntimeError(f"throughput test received only {result['bytes']} of {nbytes} bytes")
         return result["bytes"] * 8 / result["seconds"]
-
-
-# Receiver/sender for measure_throughput, run in the namespaces with this interpreter.
-_RECEIVER = r"""
-import json, socket, sys, time
-s = socket.socket()
-s.bind((sys.argv[1], 0)); s.listen(1)
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept()
-buf = bytearray(1 << 20); n = 0; t0 = None
-while True:
-    k = c.recv_into(buf)
-    if not k:
-        break
-    if t0 is None:
-        t0 = time.perf_counter()  # bytes of this first read are not counted: they precede t0
-    else:
-        n += k
-print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}), flush=True)
-"""
-
-_SENDER = r"""
-import socket, sys
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
-left = int(sys.argv[3]); chunk = bytes(1 << 20)
-while left > 0:
-    c.sendall(chunk[:min(left, len(chunk))]); left -= len(chunk)
-c.close()
-"""

@@ -64,6 +64,15 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "(default 1gbit; needs root, else loopback)",
     )
     b.add_argument(
+        "--links",
+        type=types.links,
+        default=None,
+        metavar="PROFILES",
+        help="the link-profile matrix instead of one --bandwidth: 'all' or a comma-separated list of "
+        "1g-burst, 1g-small, 1g-htb, 10g, 100m, 1g-bridge4 (see docs/networks.md); per profile the link is "
+        "measured first, then every mode; writes OUT/<profile>/ and OUT/matrix.{md,json,png} (needs root)",
+    )
+    b.add_argument(
         "--batch-size",
         type=types.positive_int,
         default=None,
@@ -163,10 +172,16 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
-        out=args.out or "benchmarks/results",
+        out=args.out or ("benchmarks/links" if args.links else "benchmarks/results"),
         device=args.device,
+        links=args.links or [],
     )
     if args.workload == "alexnet" and opts.batch_size > 64:
         logger.warning("alexnet at batch %d per rank is slow on a CPU", opts.batch_size)
-    run_bench(opts)
+    if opts.links:
+        from gradientflow.bench.links_matrix import run_links
+
+        run_links(opts)
+    else:
+        run_bench(opts)
     return 0

@@ -83,6 +83,15 @@ def bandwidth(text: str) -> str:
     return text.strip().lower()
 
 
+def links(text: str) -> list[str]:
+    from gradientflow.bench.links import parse_links
+
+    try:
+        return [p.name for p in parse_links(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def prefix(text: str) -> str:
     if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9]{0,9}", text):
         raise argparse.ArgumentTypeError(f"expected 1-10 letters/digits starting with a letter, got {text!r}")

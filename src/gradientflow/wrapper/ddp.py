@@ -30,6 +30,7 @@ from ..engine import comm_state
 from ..engine.consistency import check_same_setup
 from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
+from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
 from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
 from .join import GradientFlowJoinHook, common_rank
@@ -60,7 +61,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
         dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
-        chunk_score ["l1"], csc_scope ["slice"];
+        chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
+        measured at construction, see :mod:`gradientflow.engine.schedule`];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -98,6 +100,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         dense_1d: bool = True,
         chunk_score: str = "l1",
         csc_scope: str = "slice",
+        schedule: str = "fixed",
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
         check_finite: bool = False,
@@ -135,6 +138,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             dense_1d=dense_1d,
             chunk_score=chunk_score,
             csc_scope=csc_scope,
+            schedule=schedule,
             timeout=timeout,
             check_consistency=check_consistency,
             check_finite=check_finite,
@@ -174,6 +178,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
             with torch.no_grad():
                 broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
+        # schedule="auto": θ and csc_scope from the measured link; self.schedule says what and why
+        self.config, self.schedule = resolve_schedule(
+            self.config, group, self._gf_watchdog, self._gf_params, self._gf_src
+        )
         self._gf_build_engine(order=None)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------

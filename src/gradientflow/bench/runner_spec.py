@@ -1,0 +1,163 @@
+"""What the step-time bench runs: its modes, variants (mode x θ), the spec every rank reads, the options.
+
+Shared by the launcher (:mod:`gradientflow.bench.runner`) and the worker
+(:mod:`gradientflow.bench.runner_worker`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradientflow.bench.report import ALONE_SUFFIX
+
+MODES = (
+    "gf-fp32",
+    "gf-fp16",
+    "gf-bf16",
+    "gf-fp16-csc",
+    "gf-fp16-csc-slice",
+    "gf-bf16-csc-slice",
+    "gf-fp16-csc-auto",
+    "ddp",
+    "ddp-fp16",
+    "ddp-powersgd",
+    "compute",
+)
+ISOLATED = ("ddp-powersgd",)
+"""Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
+must not take the other modes with it."""
+DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
+CSC_DENSITY = 0.1
+POWERSGD_RANK = 1  # torch's default matrix_approximation_rank
+POWERSGD_BUCKET_MB = 1e6
+"""torch DDP's bucket cap for ``ddp-powersgd``: the whole model in one bucket.  torch's
+``powerSGD_hook`` starts its second allreduce (Q) from the first one's future callback; with
+several buckets in flight that callback races the next bucket's allreduce, the two ranks issue
+them in different orders, and Gloo aborts ("Received data size doesn't match expected size",
+5 of 5 launches of ResNet-50 at the default 25 MB; 0 of 4 with one bucket).  An explicit cap
+also sets DDP's first bucket to it, so there is exactly one bucket: no overlap, PowerSGD's
+compression runs after backward."""
+MARK = "[gf] "  # workers prefix lines meant for the user's terminal with this
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration timed by the bench: a mode at a bucket size θ (MB; None = the mode's default)."""
+
+    name: str
+    mode: str
+    theta_mb: float | None = None
+    sweep: bool = False
+    alone: bool = False
+    """Run on a one-rank process group of its own rank: every pass of the mode and of autograd runs,
+    and no collective has anyone to wait for.  Its step minus the compute mode's is what the mode
+    costs a step apart from the network and the other ranks (the report's "own CPU" share)."""
+
+
+@dataclass
+class BenchSpec:
+    """Everything a worker needs; written to JSON by the parent, read by every rank."""
+
+    workload: str
+    batch_size: int
+    steps: int
+    warmup: int
+    variants: list[dict[str, Any]]
+    out_path: str
+    threads: int = 1
+    algorithm: str = "native"
+    chunk_size: int | None = None  # None: "auto" (32768, the paper's, or less so a small model has ~2000 chunks)
+    pg_timeout_s: float = 120.0
+    lr: float = 0.01
+    extra: dict[str, Any] = field(default_factory=dict)
+    input_shape: list[int] | None = None  # a user's model (workload "module:factory"): one sample's shape
+    device: str = "cpu"  # "cuda": every rank on GPU (local rank mod the GPU count)
+
+
+def rank_device(kind: str, local_rank: int) -> torch.device:
+    """The device a rank trains on: the CPU, or GPU ``local_rank mod count`` (ranks may share one GPU)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def process_group_backend(device: torch.device, ranks_per_node: int) -> str:
+    """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors)."""
+    if device.type == "cuda" and torch.cuda.device_count() >= ranks_per_node:
+        return "nccl"
+    return "gloo"
+
+
+def make_model(workload: str) -> nn.Module:
+    """A built-in model by name, or the user's: ``"package.module:factory"`` (a zero-argument callable)."""
+    from gradientflow.bench.models import build_model, resolve_model
+
+    if ":" in workload:
+        return resolve_model(workload)[1]()
+    return build_model(workload)
+
+
+def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's fixed batch: the built-in workload's, or N(0, 1) inputs of ``input_shape`` for a
+    user's model, which is then trained on :func:`_loss`'s synthetic objective (no labels)."""
+    from gradientflow.bench.models import synthetic_batch
+
+    if ":" not in spec.workload:
+        return synthetic_batch(spec.workload, spec.batch_size, seed=rank)
+    assert spec.input_shape is not None
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn((spec.batch_size, *spec.input_shape), generator=gen), None
+
+
+def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], alone: bool = True) -> list[Variant]:
+    """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD again
+    on a one-rank group (see :attr:`Variant.alone`), then the θ sweep (gf-fp32 and ddp at each θ).
+
+    A sweep point identical to a requested mode (gf-fp32 at ``fusion_mb``, ddp at 25 MB) is not
+    run twice: the report points at the mode.
+    """
+    out = [Variant("compute", "compute")]
+    for m in modes:
+        if m == "compute":
+            continue
+        theta = fusion_mb if m.startswith("gf-") and not m.endswith("-auto") else None  # auto: its own θ
+        out.append(Variant(m, m, theta))
+    if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
+        out += [
+            Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True) for v in out[1:] if v.mode not in ISOLATED
+        ]
+    for theta in theta_sweep:
+        if not ("gf-fp32" in modes and theta == fusion_mb):
+            out.append(Variant(f"gf-fp32 θ={theta:g}", "gf-fp32", theta, sweep=True))
+        if not ("ddp" in modes and theta == DDP_DEFAULT_BUCKET_MB):
+            out.append(Variant(f"ddp θ={theta:g}", "ddp", theta, sweep=True))
+    return out
+
+
+@dataclass
+class BenchOptions:
+    """Options of ``gradientflow bench`` (see ``gradientflow bench --help``)."""
+
+    workload: str = "resnet50"  # a built-in model, or "package.module:factory" with input_shape
+    input_shape: tuple[int, ...] | None = None
+    nproc: int = 2
+    steps: int = 20
+    warmup: int = 3
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    alone: bool = True  # each mode also on a one-rank group: its cost apart from the network (Variant.alone)
+    bandwidth: str = "1gbit"
+    batch_size: int = 8
+    fusion_mb: float = 25.0
+    theta_sweep: list[float] = field(default_factory=list)
+    algorithm: str = "native"
+    chunk_size: int | None = None
+    threads: int | None = None
+    timeout_s: float = 1800.0
+    prefix: str = "gfb"
+    out: str = "benchmarks/results"
+    device: str = "cpu"
+    links: list[str] = field(default_factory=list)  # link profiles (bench.links.PROFILES): the matrix instead

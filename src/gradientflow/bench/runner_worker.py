@@ -1,0 +1,348 @@
+"""The bench's worker, one per rank (``python -m gradientflow.bench.runner SPEC.json`` under torchrun).
+
+Builds one model per *variant* (mode x bucket size θ), all from the same seed, then runs ``steps``
+rounds; each round times one step of every variant in turn, after a barrier, so noise on a shared
+2-core machine hits all variants alike.  Rank 0 gathers the per-step times (the slowest rank of each
+step counts) and writes them to the JSON file named in the spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradientflow.bench.runner_spec import (
+    CSC_DENSITY,
+    DDP_DEFAULT_BUCKET_MB,
+    MARK,
+    POWERSGD_BUCKET_MB,
+    POWERSGD_RANK,
+    BenchSpec,
+    Variant,
+    make_batch,
+    make_model,
+    process_group_backend,
+    rank_device,
+)
+from gradientflow.config import auto_chunk_size
+from gradientflow.diagnostics.stats import PHASES
+
+logger = logging.getLogger(__name__)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _PeakRss:
+    """Samples this process's resident set every 2 ms while active; ``peak`` in MB."""
+
+    def __enter__(self) -> _PeakRss:
+        self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+
+
+def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
+    """Bytes torch's ``powerSGD_hook`` hands to allreduce per step, from its own rule.
+
+    Each gradient is viewed as (shape[0], -1); it is compressed to P (n x r) and Q (m x r) when
+    n*m > (n+m)*r*min_compression_rate, else allreduced as is; all in fp32.
+    """
+    total = 0
+    for p in params:
+        n = p.shape[0] if p.dim() > 0 else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        total += (n + m) * r if n * m > (n + m) * r * min_rate else n * m
+    return 4 * total
+
+
+def _build(
+    v: Variant, spec: BenchSpec, chunk_size: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, int | None]:
+    """Model + wrapper + optimizer of one variant (its collectives on ``group``, None = the default
+    one); also the computed wire bytes (None = measured)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import gradientflow as gf
+
+    torch.manual_seed(0)
+    model = make_model(spec.workload).to(device)
+    ids = None if device.type == "cpu" else [device.index]
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    momentum = 0.9
+    wire: int | None = None
+    if v.mode == "compute":
+        wrapped: nn.Module = model
+        wire = 0
+    elif v.mode.startswith("gf-"):
+        csc = "-csc" in v.mode
+        wrapped = gf.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            process_group=group,
+            fusion_threshold_mb=v.theta_mb,
+            comm_dtype="fp32" if v.mode == "gf-fp32" else "bf16" if v.mode.startswith("gf-bf16") else "fp16",
+            algorithm=spec.algorithm,
+            density=CSC_DENSITY if csc else None,
+            chunk_size=chunk_size,
+            warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
+            csc_scope="slice" if v.mode.endswith("-slice") else "global",
+            schedule="auto" if v.mode.endswith("-auto") else "fixed",  # auto: θ and scope from the link
+        )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
+    else:
+        cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
+        if v.mode == "ddp-powersgd":
+            cap = POWERSGD_BUCKET_MB
+        wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap, process_group=group)
+        wire = 4 * n
+        if v.mode == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            # the hook's state is its process group (None: the default one)
+            wrapped.register_comm_hook(group, default_hooks.fp16_compress_hook)
+            wire = 2 * n
+        elif v.mode == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # start_powerSGD_iter=2 is the earliest torch allows; the bench's warm-up covers it
+            state = psgd.PowerSGDState(
+                process_group=group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2
+            )
+            wrapped.register_comm_hook(state, psgd.powerSGD_hook)
+            wire = powersgd_wire_bytes(params)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=spec.lr, momentum=momentum)
+    return wrapped, opt, wire
+
+
+def _loss(out: Any, y: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy on the built-in workloads; for a user's model (no labels, ``y`` None) the mean
+    square of every floating-point tensor it returns (in tuples, lists, dicts): a synthetic objective
+    that reaches every parameter the output depends on, which is all a timing needs."""
+    if y is not None:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    leaves: list[torch.Tensor] = []
+
+    def collect(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.is_floating_point():
+                leaves.append(o.float().square().mean())
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v)
+
+    collect(out)
+    if not leaves:
+        raise ValueError(f"the model returned no floating-point tensor to train on ({type(out).__name__})")
+    return torch.stack(leaves).sum()
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor | None) -> None:
+    opt.zero_grad(set_to_none=True)
+    _loss(model(x), y).backward()
+    opt.step()
+    if x.is_cuda:  # a step ends when the GPU has run it, not when it was queued
+        torch.cuda.synchronize(x.device)
+
+
+STAT_KEYS = ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives", "host_syncs")
+
+
+def _stats_of(model: nn.Module) -> dict[str, float]:
+    """The counters the report uses, with every ``phase_*_s`` (0 for phases a step did not run)."""
+    if not hasattr(model, "comm_stats"):
+        return {}
+    s = model.comm_stats()
+    out = {k: float(s[k]) for k in STAT_KEYS}
+    out.update({f"phase_{p}_s": 0.0 for p in PHASES})
+    out.update({k: float(v) for k, v in s.items() if k.startswith("phase_")})
+    return out
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+def timing_allocator() -> bool:
+    """Give malloc back its steady-state behaviour before anything is timed.
+
+    Workers start with ``MALLOC_MMAP_THRESHOLD_=131072`` (see :func:`launch_workers`): every
+    tensor over 128 KB is mmapped and unmapped on free, so the RSS each mode adds while it is
+    built is exact.  Timed like that, every step page-faults its activations (and a fresh
+    ``.grad`` per parameter where ``zero_grad(set_to_none=True)`` dropped them): on ResNet-50,
+    2 ranks, the compute-only step took 339 ms instead of 206, which dilutes every
+    communication overhead.  A long-running process with glibc's default (dynamic) threshold
+    reuses those blocks from its heap; 32 MB (the dynamic threshold's ceiling) and a trim
+    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent;
+    returns whether the thresholds were set.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD) and libc.mallopt(
+            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD
+        )
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        logger.warning("bench: could not set malloc's thresholds; timing with the launcher's")
+    return bool(ok)
+
+
+def worker_main(spec_path: str) -> None:
+    """One rank of the bench (run under torchrun): time every variant, rank 0 writes the results."""
+    spec = BenchSpec(**json.loads(Path(spec_path).read_text()))
+    torch.set_num_threads(spec.threads)
+    device = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = process_group_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda msg: print(MARK + msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+    say(f"{world} ranks on {device.type} ({backend})")
+    x, y = make_batch(spec, rank)
+    x, y = x.to(device), (None if y is None else y.to(device))
+    probe = make_model(spec.workload).to(device)
+    n_params = sum(p.numel() for p in probe.parameters())
+    chunk = spec.chunk_size or auto_chunk_size(n_params)
+    # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode
+    _loss(probe(x), y).backward()
+    del probe
+    base_rss = _rss_mb()
+    # every rank creates every group (new_group's contract); each keeps the one holding only itself
+    alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) else None
+    runs: list[dict[str, Any]] = []
+    for vd in spec.variants:
+        v = Variant(**vd)
+        rec: dict[str, Any] = {
+            **vd,
+            "status": "ok",
+            "error": None,
+            "step_s": [],
+            "cpu_s": [],
+            "stats": [],
+            "computed_wire_bytes": None,
+            "mem_added_mb": None,
+        }
+        before = _rss_mb()
+        if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device) / 2**20
+        try:
+            # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
+            with _PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
+                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
+                sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
+                if sched is not None:
+                    rec["schedule"] = {"theta_mb": sched.fusion_threshold_mb, "scope": sched.csc_scope}
+                    rec["schedule"]["reason"] = sched.reason
+                for _ in range(spec.warmup):
+                    _step(model, opt, x, y)
+            top = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak.peak
+            rec["mem_added_mb"] = top - before
+            rec["_obj"] = (model, opt)
+        except Exception as exc:  # noqa: BLE001 — recorded per mode; the other modes go on
+            rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
+            say(f"{v.name}: {rec['error']}")
+        runs.append(rec)
+        say(f"built {v.name} (+{rec['mem_added_mb'] or 0:.0f} MB after {spec.warmup} warm-up steps)")
+    model = opt = None  # only `runs` holds the models (they are freed before the exit, below)
+    timing_allocator()
+    for rec in runs:  # one untimed round in that allocator: the heap grows once, here
+        if rec["status"] == "ok":
+            dist.barrier()
+            _step(*rec["_obj"], x, y)
+    say(f"timing {spec.steps} rounds of {sum(r['status'] == 'ok' for r in runs)} variants")
+    for step in range(spec.steps):
+        for rec in runs:
+            if rec["status"] != "ok":
+                continue
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                _step(*rec["_obj"], x, y)
+            except Exception as exc:  # noqa: BLE001
+                rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
+                say(f"{rec['name']}: {rec['error']}")
+                continue
+            cpu = time.thread_time() - c0  # read first: the CPU interval lies inside the wall interval
+            rec["step_s"].append(time.perf_counter() - t0)
+            rec["cpu_s"].append(cpu)  # this thread runs forward, backward (on CPU) and the optimizer
+            rec["stats"].append(_stats_of(rec["_obj"][0]))
+        say(f"round {step + 1}/{spec.steps} done")
+    # Free every model while the process group still exists: a wrapper destroyed after
+    # destroy_process_group (torch DDP with the PowerSGD hook) can hang the exit (1 in ~5 launches).
+    for rec in runs:
+        rec.pop("_obj", None)
+    gc.collect()
+    maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    mine = {"runs": runs, "base_rss_mb": base_rss, "maxrss_mb": maxrss_mb}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        Path(spec.out_path).write_text(json.dumps(_merge(gathered, spec, n_params, chunk, world)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk: int, world: int) -> dict[str, Any]:
+    """One record per variant: per step the slowest rank's time; stats per step, max over ranks."""
+    variants = []
+    for i, rec in enumerate(per_rank[0]["runs"]):
+        ranks = [r["runs"][i] for r in per_rank]
+        n = min(len(r["step_s"]) for r in ranks)
+        out = {k: v for k, v in rec.items() if k not in ("step_s", "cpu_s", "stats")}
+        errors = [r["error"] for r in ranks if r["error"]]
+        out["status"] = "error" if errors else "ok"
+        out["error"] = errors[0] if errors else None
+        out["step_s"] = [max(r["step_s"][s] for r in ranks) for s in range(n)]
+        out["cpu_s"] = [max(r["cpu_s"][s] for r in ranks) for s in range(n)]
+        keys = ranks[0]["stats"][0].keys() if n and ranks[0]["stats"] else []
+        out["stats"] = {k: [max(r["stats"][s].get(k, 0.0) for r in ranks) for s in range(n)] for k in keys}
+        out["mem_added_mb"] = max((r["mem_added_mb"] or 0.0) for r in ranks)
+        variants.append(out)
+    return {
+        "world_size": world,
+        "n_params": n_params,
+        "chunk_size": chunk,
+        "threads_per_rank": spec.threads,
+        "base_rss_mb": max(r["base_rss_mb"] for r in per_rank),
+        "maxrss_mb": [r["maxrss_mb"] for r in per_rank],
+        "variants": variants,
+    }
