@@ -122,14 +122,22 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
         out[name] = _same(_params(stock), _params(ours)) and stock.val_losses == ours.val_losses
         out[name + "_steps"] = t.global_step
     # teardown: the wrapper gone, the LightningModule back in strategy.model, no hook left on it
-    t_stock, stock = _fit("ddp")
-    t, ours = _fit("gradientflow")
+    wrappers: list[weakref.ref] = []
+
+    class KeepWrapper(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, module: Net) -> None:
+            wrappers.append(weakref.ref(trainer.strategy.model))
+
+    t_stock, stock = _fit("ddp", callbacks=[KeepWrapper()])
+    t, ours = _fit("gradientflow", callbacks=[KeepWrapper()])
+    gc.collect()
     out["teardown"] = (
         t.strategy.model is ours,
         t_stock.strategy.model is stock,
         _post_hooks(ours),
         _post_hooks(stock),
         type(t.strategy).__name__,
+        [type(w()).__module__ if w() is not None else None for w in wrappers],
     )
     # fp16 + density 0.1: save after epoch 2 through trainer.save_checkpoint, resume with fit(ckpt_path)
     sparse = dict(comm_dtype="fp16", density=0.1, warmup_steps=2)
@@ -169,9 +177,6 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
     else:
         _, stock = _fit(HookedDDP())
         out["comm_hook"] = _same(_params(stock), _params(ours))
-    ref = weakref.ref(t.strategy)
-    del t, t_stock
-    gc.collect()
     return out
 
 
@@ -215,7 +220,8 @@ def test_sparse_resume_from_lightning_checkpoint_is_the_uninterrupted_run(result
 
 def test_teardown_leaves_the_module_as_ddp_strategy_does(results):
     for r in results:
-        ours_unwrapped, stock_unwrapped, our_hooks, stock_hooks, name = r["teardown"]
+        ours_unwrapped, stock_unwrapped, our_hooks, stock_hooks, name, alive = r["teardown"]
+        assert alive == [None, None]  # both wrappers freed once fit returned
         assert ours_unwrapped and stock_unwrapped
         assert our_hooks == stock_hooks == 0
         assert name == "GradientFlowStrategy"  # Trainer(strategy="gradientflow") resolved to it
