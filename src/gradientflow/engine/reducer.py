@@ -36,7 +36,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
 from .consistency import FiniteCheck, StepCheck
-from .hooks import iter_tensors, weak_hook
+from .hooks import iter_tensors, remove_handles, weak_hook
 from .pool import GradPool, Layout, plan_layout, small_last
 from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage
@@ -93,6 +93,9 @@ class Reducer:
         self.hooks = [
             p.register_post_accumulate_grad_hook(weak_hook(self, Reducer._param_ready, i)) for i, p in enumerate(params)
         ]
+        # Freed with its wrapper (the hooks hold it weakly), it takes its hooks off the parameters, so the
+        # module is left as torch DDP leaves it (accelerate's free_memory(), a plain `del model`).
+        weakref.finalize(self, remove_handles, self.hooks)
         self._output_hook = weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
         self.sync_this_backward = True
         self.bind_pending = False
