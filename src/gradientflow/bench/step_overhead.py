@@ -23,6 +23,7 @@ import os
 import platform
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_average_after": os.getloadavg(),
-        "command": "python -m gradientflow.bench.step_overhead " + " ".join(argv or []),
+        "command": "python -m gradientflow.bench.step_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
