@@ -223,8 +223,10 @@ def strategy_class(namespace: str = "pytorch_lightning") -> type:
                         start_method=start_method,
                     )
 
-    GradientFlowStrategy.__module__ = __name__
-    GradientFlowStrategy.__qualname__ = "GradientFlowStrategy"
+    # Picklable under their module-level names (Lightning's spawn launcher pickles the strategy).
+    for cls, name in ((GradientFlowStrategy, "GradientFlowStrategy"), (Redirection, "GradientFlowForwardRedirection")):
+        cls.__module__, cls.__qualname__, cls.__name__ = __name__, name, name
+    GradientFlowStrategy.forward_redirection_class = Redirection
     return GradientFlowStrategy
 
 
@@ -250,4 +252,5 @@ def _default_namespace() -> str:
 NAMESPACE = _default_namespace()
 GradientFlowStrategy = strategy_class(NAMESPACE)
 """The strategy for the installed Lightning (the standalone ``pytorch_lightning`` if both are)."""
+GradientFlowForwardRedirection = GradientFlowStrategy.forward_redirection_class
 GradientFlowStrategy.register_strategies(importlib.import_module(f"{NAMESPACE}.strategies").StrategyRegistry)
