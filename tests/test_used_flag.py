@@ -54,6 +54,7 @@ def test_exchange_runs_only_when_a_rank_lacks_a_gradient() -> None:
     for rank_result in run_distributed(_worker, 2):
         (c0, ctl0, none0, _), (c1, ctl1, none1, _), (c2, ctl2, none2, _) = rank_result
         assert c0 == c1 == c2 == 1  # one bucket: one gradient allreduce per step, flag included
-        assert ctl0 == 0 and not none0  # everyone used everything: no exchange
-        assert ctl1 == n_params and not none1  # rank 1 lacks b's gradient, rank 0 has it: exchanged, delivered
-        assert ctl2 == n_params and none2  # nobody used b: exchanged, .grad None as torch DDP leaves it
+        flag = 4  # the fp32 flag riding on the gradient allreduce
+        assert ctl0 == flag and not none0  # everyone used everything: no exchange
+        assert ctl1 == flag + n_params and not none1  # rank 1 lacks b's gradient, rank 0 has it: exchanged
+        assert ctl2 == flag + n_params and none2  # nobody used b: exchanged, .grad None as torch DDP leaves it

@@ -9,4 +9,3 @@ __all__ = ["CommunicationError", "ConsistencyError", "DistributedDataParallel", 
 __version__ = "0.1.0"
 
 _autoregister.install()  # Trainer(strategy="gradientflow") once Lightning is imported; imports no client
-
