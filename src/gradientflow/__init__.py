@@ -38,3 +38,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+# Trainer(strategy="gradientflow") once Lightning is imported; imports no client (nor torch).
+from .integrations import _autoregister  # noqa: E402
+
+_autoregister.install()

@@ -28,6 +28,12 @@ def weak_hook(reducer: Any, method: Callable[..., None], *bound: int) -> Callabl
     return hook
 
 
+def remove_handles(handles: list[Any]) -> None:
+    """Remove hooks by their handles (a finalizer's callback: holds the handles, not their owner)."""
+    for h in handles:
+        h.remove()
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside a forward's output (tuples, namedtuples, lists, dicts, dataclasses)."""
     if isinstance(obj, torch.Tensor):

@@ -36,7 +36,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
 from .consistency import FiniteCheck, StepCheck
-from .hooks import iter_tensors, weak_hook
+from .hooks import iter_tensors, remove_handles, weak_hook
 from .pool import GradPool, Layout, plan_layout, small_last
 from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage
@@ -87,12 +87,19 @@ class Reducer:
         # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).
         self._control = weakref.ref(control) if control is not None else None
         self.dense_bytes = 4 * sum(p.numel() for p in params)
+        # Dense: the last bucket's allreduce carries "some rank has a parameter without a gradient", and
+        # the used exchange runs only then; a second collective every step cost small models 1.3-2x torch
+        # DDP's step on loopback.  (CSC's launches may differ between ranks; static_graph exchanges once.)
+        self.flag_unused = not config.sparse and not static_graph
         self.install(self.plan(order if order is not None else list(reversed(range(n)))))
         self.layout_final = False  # True once the pool follows an observed backward order
         self.sync: SyncStrategy = make_sync(self.pool, [p.shape for p in params])
         self.hooks = [
             p.register_post_accumulate_grad_hook(weak_hook(self, Reducer._param_ready, i)) for i, p in enumerate(params)
         ]
+        # Freed with its wrapper (the hooks hold it weakly), it takes its hooks off the parameters, so the
+        # module is left as torch DDP leaves it (accelerate's free_memory(), a plain `del model`).
+        weakref.finalize(self, remove_handles, self.hooks)
         self._output_hook = weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
         self.sync_this_backward = True
         self.bind_pending = False
@@ -127,7 +134,8 @@ class Reducer:
 
     def install(self, layout: Layout) -> None:
         """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
-        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if self.config.sparse else 1)
+        sparse = self.config.sparse
+        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if sparse else 1, flag=self.flag_unused)
         with torch.no_grad():
             for p, view in zip(self.params, pool.views):
                 if p.grad is not None:
@@ -356,6 +364,10 @@ class Reducer:
         if self.finite_check is not None:  # before the wire overwrites the local gradient
             self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
         divided = self.unbound and bw.undivided[index] == 0  # the zeros filled in above divide to zeros
+        flag = self.pool.flag
+        if flag is not None and index == len(self.pool.layout.buckets) - 1:  # every gradient is in by now
+            flag.fill_(any(self.usage.fresh))  # a fresh parameter got none here: does another rank's count?
+            flat = self.pool.bucket_view(bucket, flagged=True)
         tr = self.trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
@@ -377,9 +389,12 @@ class Reducer:
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
                 self._launch(bw, bw.next_bucket)
-            used = self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+            flag = self.pool.flag
+            used = None if flag is not None else self._start_used_exchange(bw)
             mismatch = self.step_check.verify() if self.step_check is not None else None
             self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
+            if flag is not None and flag.item() > 0:  # the same reduced value on every rank
+                used = self._start_used_exchange(bw)
             self._rebind_to_pool()
             self._release_unused(used)
             if mismatch is not None:
@@ -420,6 +435,9 @@ class Reducer:
             self.watchdog.step += 1
             if self.trace is not None:
                 self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
+
+    def _start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
+        return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
 
     def _exchange_group(self) -> dist.ProcessGroup:
         """Where the used exchange runs.  CSC sends chunks at launches that may differ between ranks

@@ -1,7 +1,8 @@
 """Which parameters got a gradient: torch DDP's unused-parameter search, always on, one byte each.
 
 Every rank marks the parameters a backward produced a gradient for since the last synchronisation;
-one MAX allreduce of those bytes per synchronised step (once under ``static_graph=True``) tells
+one MAX allreduce of those bytes (once under ``static_graph=True``; densely, only on steps where a
+flag reduced with the last gradient bucket says some rank has a parameter without a gradient) tells
 which parameters *no* rank used.  Those whose ``.grad`` was ``None`` before the step get ``None``
 back, so optimizers skip them as they do under torch DDP, and no ``find_unused_parameters`` is
 needed.

@@ -54,7 +54,10 @@ class DenseSync(SyncStrategy):
             out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
         wire = to_wire(flat, self.wire_dtype, self.world_size, out=out, divided=divided)
         stats.phase("pack", t0)
-        stats.record_collective(wire.numel() * wire.element_size())
+        # elements past the bucket's own (the engine's used flag after the last bucket) are bookkeeping
+        extra = flat.numel() - (bucket.end - bucket.start) if bucket is not None else 0
+        stats.record_collective((wire.numel() - extra) * wire.element_size())
+        stats.control_bytes += extra * wire.element_size()
         what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks
         handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
         self._pending.append((flat, wire, handle))

@@ -49,7 +49,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         process_group / device_mesh (1-D): the group to average over [the default group].
         bucket_cap_mb: θ of lazy allreduce (the same setting as ``fusion_threshold_mb``) [25].
         find_unused_parameters: accepted, no effect: unused parameters are always handled (a
-            one-byte-per-parameter exchange per step tells which ones no rank used).
+            one-byte-per-parameter exchange tells which ones no rank used, on the steps where a rank lacks one).
         gradient_as_bucket_view: accepted, no effect: ``.grad`` is always a view of the pool.
         static_graph: the set of used parameters never changes, so the "used" exchange runs
             once instead of every step.
