@@ -43,15 +43,33 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-RECIPES = ("ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd")
+RECIPES = (
+    "ddp",
+    "gf-recommended",
+    "gf-density-0.3",
+    "gf-paper",
+    "gf-fp16-dense",
+    "ddp-sgd",
+    "gf-auto",
+    "ddp-fp16-hook",
+    "ddp-powersgd",
+    "ddp-postlocal",
+)
+TORCH_PEERS = ("ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal")
+"""torch DDP's own ways to send less, with the user's optimizer: ``fp16_compress_hook``; PowerSGD
+(rank 4, error feedback, 10 dense warm-up steps); post-local SGD (``PostLocalSGDOptimizer`` +
+``PeriodicModelAverager``: local steps after 10 dense ones, parameters averaged every 8 steps)."""
+POWERSGD_RANK = 4
+POSTLOCAL_PERIOD = 8
+TORCH_PEER_WARMUP = 10
 DENSITY = 0.1
 USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
 TTA_RECIPES = {
-    "transformer": ["ddp", "gf-recommended", "gf-fp16-dense", "gf-density-0.3"],
-    "digits": ["ddp", "gf-recommended"],
+    "transformer": ["ddp", "gf-auto", "gf-fp16-dense", "ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal"],
+    "digits": ["ddp", "gf-recommended", "gf-auto"],
 }
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
 alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it."""
@@ -126,7 +144,7 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"unknown recipe {base!r}; choose from {', '.join(RECIPES)}")
     if not rest:
         return base, {}
-    if not base.startswith("gf-"):
+    if not base.startswith("gf-"):  # torch DDP and its peers
         raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
     names = {f.name for f in dataclasses.fields(GradientFlowConfig)}
     overrides: dict[str, Any] = {}
@@ -153,11 +171,17 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
     recipe, overrides = parse_recipe(recipe)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
-    if recipe in ("ddp", "ddp-sgd"):
-        wrapped: nn.Module = TorchDDP(model)
+    if recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
+        # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
+        # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
+        # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
+        wrapped: nn.Module = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
+        options.update(_register_torch_hook(recipe, wrapped))
     else:
-        if recipe in USER_OPTIMIZER_DENSITY:
+        if recipe == "gf-auto":
+            options = {"compression": "auto"}
+        elif recipe in USER_OPTIMIZER_DENSITY:
             options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
         elif recipe == "gf-paper":
             options = {
@@ -183,7 +207,43 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     else:
         opt = torch.optim.SGD(params, lr=job.lr, momentum=0.9)
         options["optimizer"] = f"SGD(lr={job.lr:g}, momentum=0.9)"
+    if recipe == "ddp-postlocal":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
+        opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
     return wrapped, opt, options
+
+
+def _register_torch_hook(recipe: str, wrapped: nn.Module) -> dict[str, Any]:
+    """torch DDP's communication hook of a torch peer recipe (none for ``ddp``, ``ddp-sgd``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+
+    if recipe == "ddp-fp16-hook":
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return {"comm_hook": "fp16_compress_hook"}
+    if recipe == "ddp-powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=TORCH_PEER_WARMUP,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return {"comm_hook": f"powerSGD_hook(rank={POWERSGD_RANK}, start_iter={TORCH_PEER_WARMUP})"}
+    if recipe == "ddp-postlocal":
+        import torch.distributed as dist
+
+        # Each rank is one node of the emulated cluster: no intra-node group to average in between.
+        alone, _ = dist.new_subgroups(group_size=1)
+        state = post_localSGD_hook.PostLocalSGDState(
+            process_group=None, subgroup=alone, start_localSGD_iter=TORCH_PEER_WARMUP
+        )
+        wrapped.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        return {"comm_hook": f"post_localSGD_hook + PeriodicModelAverager(period={POSTLOCAL_PERIOD})"}
+    return {}
 
 
 # ==== orchestration ===========================================================================
@@ -340,3 +400,24 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
     quality_report.write_all(summary, out)
     return summary
+
+
+def torch_peer_bytes(recipe: str, shapes: list[tuple[int, ...]], step: int) -> float:
+    """Bytes one rank hands to collectives at 0-based ``step`` under a torch recipe (computed: torch
+    does not report them).  ddp: 4 per gradient; fp16 hook: 2; PowerSGD after its dense steps: its P
+    and Q factors (fp32, rank ``POWERSGD_RANK``) for matrices it compresses, 4 per element of the rest;
+    post-local SGD after its dense steps: one fp32 parameter average every ``POSTLOCAL_PERIOD`` steps."""
+    n = sum(math.prod(s) for s in shapes)
+    if recipe == "ddp-fp16-hook":
+        return 2.0 * n
+    if recipe in ("ddp-powersgd", "ddp-postlocal") and step >= TORCH_PEER_WARMUP:
+        if recipe == "ddp-postlocal":
+            return 4.0 * n if (step - TORCH_PEER_WARMUP) % POSTLOCAL_PERIOD == 0 else 0.0
+        total = 0
+        for s in shapes:
+            m, k = (s[0], math.prod(s[1:])) if len(s) > 1 else (1, math.prod(s))
+            r = min(POWERSGD_RANK, m, k)
+            # powerSGD_hook compresses a tensor only where it saves at least 2x (min_compression_rate)
+            total += 4 * (m + k) * r if len(s) > 1 and (m + k) * r * 2 < m * k else 4 * m * k
+        return float(total)
+    return 4.0 * n

@@ -20,7 +20,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.quality import Job, QualityOptions, QualitySpec, build_recipe, lr_schedule, plan_jobs
+from gradientflow.bench.quality import (
+    TORCH_PEERS,
+    Job,
+    QualityOptions,
+    QualitySpec,
+    build_recipe,
+    lr_schedule,
+    plan_jobs,
+    torch_peer_bytes,
+)
 from gradientflow.bench.runner import MARK, timing_allocator
 
 logger = logging.getLogger(__name__)
@@ -118,9 +127,12 @@ def start_transformer_study(steps: int) -> tuple[Job, _Data]:
     return job, _Data(job, 0, dist.get_rank(), dist.get_world_size())
 
 
-def _comm_record(wrapped: nn.Module) -> dict[str, float]:
+def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict[str, float]:
     if not hasattr(wrapped, "comm_stats"):
-        return {}
+        if recipe not in TORCH_PEERS:
+            return {}  # torch DDP: the report computes 4 bytes per gradient
+        shapes = [tuple(p.shape) for p in wrapped.parameters() if p.requires_grad]
+        return {"payload_bytes": torch_peer_bytes(recipe, shapes, step)}
     s = wrapped.comm_stats()
     keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
     return {k: float(s[k]) for k in keys if k in s}
@@ -228,7 +240,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 continue
             run.step_s.append(time.perf_counter() - t0)
             run.sched.step()
-            run.stats.append(_comm_record(run.wrapped))
+            run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
         if (step + 1) % job.eval_every == 0 or step + 1 == job.steps:
             eval_all(step + 1)

@@ -59,8 +59,11 @@ def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
 
 
 def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
-    """Step 3: the active recipe goes into the communication checkpoint."""
+    """Step 3: the active recipe goes into the communication checkpoint (and a choice not yet applied:
+    a run saved between the first optimizer step and the next forward switches at that forward too)."""
     state["compression"] = model.config.compression
+    if model.config.compression == "auto" and model._gf_auto.pending is not None:
+        state["auto_pending"] = model._gf_auto.pending
     return state
 
 
@@ -68,8 +71,12 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     """Step 3: an ``"auto"`` wrapper not yet switched takes the checkpoint's recipe; other mismatches raise."""
     state = dict(state)
     saved = state.pop("compression", model.config.compression)
+    pending = state.pop("auto_pending", None)
     active = model.config.compression
     if saved == active:
+        if pending is not None and active == "auto":
+            model._gf_auto.pending = pending
+            model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
         return state
     if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
         model._gf_auto.reason = f"{saved} (from the loaded communication state)"

@@ -420,7 +420,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         Everything is checked first: a state from another model, world size or chunk size, or a
         truncated one, raises ``ValueError`` and leaves this model as it was.
         """
-        comm_state.load(self._gf_engine, auto.prepare_load(self, state), self._gf_world_size)
+        state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
+        comm_state.load(self._gf_engine, state, self._gf_world_size)
 
     def register_grad_scaler(self, scaler: Any) -> None:
         """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
