@@ -317,7 +317,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(list(RECIPES))))
     if "digits" in opts.workloads:
         # the user's optimizer is already the paper's SGD with momentum 0.9: ddp-sgd would be ddp again
-        jobs.append(digits("digits", "small_cnn", opts.steps, chosen([r for r in RECIPES if r != "ddp-sgd"])))
+        # torch's peers are measured on the AdamW transformer, the workload they are compared on
+        digits_recipes = [r for r in RECIPES if r != "ddp-sgd" and r not in TORCH_PEERS]
+        jobs.append(digits("digits", "small_cnn", opts.steps, chosen(digits_recipes)))
     for job in jobs:
         if "ddp" not in job.recipes:
             job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against

@@ -53,9 +53,12 @@ def switch_if_chosen(model: DistributedDataParallel) -> None:
 
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
+    """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
+    CSC's density ramp is where a run started with ``compression="csc"`` would be."""
     engine = model._gf_engine
     model.config = dataclasses.replace(model.config, compression=recipe)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
+    model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
 
 
 def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +92,10 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
 
 
 def describe(model: DistributedDataParallel) -> dict[str, str]:
-    """For ``comm_stats()``: the active recipe and, under ``"auto"``, why."""
+    """For ``comm_stats()``: the active recipe and, under ``"auto"``, why (nothing for the default "none",
+    whose counters stay all numbers)."""
+    if model.config.compression == "none":
+        return {}
     out = {"compression": model.config.compression}
     if model._gf_auto.requested:
         out["compression_auto"] = model._gf_auto.reason
