@@ -100,8 +100,10 @@ def quantize(
     scale = out[cb:].view(SCALE_DTYPE)
     scale.copy_(rows.abs().amax(dim=1))  # rounded to bf16: the scale as sent
     step = scale.float() / L  # the decoded value of code 1, from the scale as sent
-    inv = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
-    q = torch.round(rows * inv[:, None]).clamp_(-L, L)
+    # Divide, not multiply by 1/step: a block of tiny (subnormal) gradients has a step whose reciprocal
+    # overflows to inf, and 0 * inf is NaN.  A zero step means an all-zero block: divide by 1.
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round(rows / safe[:, None]).clamp_(-L, L)
     decoded = (q * step[:, None]).view(-1)[:m]
     if err is not None:
         torch.sub(x, decoded, out=err)
