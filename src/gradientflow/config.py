@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,27 +56,25 @@ DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 
 
-def parse_compression(value: object) -> tuple[str, int, int]:
-    """``(recipe, bits, block)`` for a ``compression`` value; ``ValueError`` saying what is accepted.
+def parse_compression(value: object) -> tuple[str, int, int, float]:
+    """``(recipe, bits, block, clip)`` for a ``compression`` value; ``ValueError`` saying what is accepted.
 
-    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks; ``"q<bits>"`` another width
-    (2-8, or 32 = the quantiser off); ``"q<bits>b<block>"`` also another block (a multiple of 16).
+    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales; ``"q<bits>"`` another
+    width (2-8, or 32 = the quantiser off); ``"q<bits>b<block>"`` also another block (a multiple of
+    16); a trailing ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
     """
     bits, block = DEFAULT_QUANT
     if value in COMPRESSIONS:
-        return str(value), bits, block
-    if isinstance(value, str) and value.startswith("q"):
-        head, _, tail = value[1:].partition("b")
-        try:
-            bits, block = int(head), int(tail) if tail else block
-        except ValueError:
-            pass
-        else:
-            if bits in QUANT_BITS and block >= 16 and block % 16 == 0:
-                return "quantized", bits, block
+        return str(value), bits, block, 0.0
+    m = re.fullmatch(r"q(\d+)(?:b(\d+))?(?:c(\d+(?:\.\d+)?))?", value) if isinstance(value, str) else None
+    if m is not None:
+        bits, block = int(m[1]), int(m[2]) if m[2] else block
+        clip = float(m[3]) if m[3] else 0.0
+        if bits in QUANT_BITS and block >= 16 and block % 16 == 0:
+            return "quantized", bits, block, clip
     raise ValueError(
-        f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}) or "
-        f"'q<bits>b<block>' (block a multiple of 16), got {value!r}"
+        f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
+        f"'q<bits>b<block>' (block a multiple of 16) or either with 'c<k>' (scale clipped at k x RMS), got {value!r}"
     )
 
 
@@ -132,7 +131,7 @@ class GradientFlowConfig:
         "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
         ring; "q<bits>", "q<bits>b<block>" for others), "auto" (dense until the first optimizer step,
         then "csc" for SGD, "quantized" for Adam, AdamW and other optimizers).
-    quant_bits, quant_block: the quantiser of "quantized" (set from ``compression``).
+    quant_bits, quant_block, quant_clip: the quantiser of "quantized" (set from ``compression``).
     """
 
     fusion_threshold_mb: float = 25.0
@@ -154,6 +153,7 @@ class GradientFlowConfig:
     compression: str = "none"
     quant_bits: int = DEFAULT_QUANT[0]
     quant_block: int = DEFAULT_QUANT[1]
+    quant_clip: float = 0.0
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -190,10 +190,11 @@ class GradientFlowConfig:
 
         Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
         """
-        recipe, bits, block = parse_compression(self.compression)
+        recipe, bits, block, clip = parse_compression(self.compression)
         if self.compression != "quantized" and recipe == "quantized":
             object.__setattr__(self, "quant_bits", bits)
             object.__setattr__(self, "quant_block", block)
+            object.__setattr__(self, "quant_clip", clip)
         object.__setattr__(self, "compression", recipe)
         sets = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):

@@ -74,13 +74,15 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, out: torch.Tensor, bits: int, block: int, err: torch.Tensor | None = None
+    x: torch.Tensor, out: torch.Tensor, bits: int, block: int, err: torch.Tensor | None = None, clip: float = 0.0
 ) -> torch.Tensor:
     """Encode ``x`` (fp32, 1-D, ``m`` elements) into ``out`` (``wire_bytes(m)`` uint8).
 
     Returns the decoded values (``m`` fp32, what every receiver will decode).  ``err``, if given,
     receives the quantisation error ``x - decoded`` (error feedback keeps it for the next step).
     A non-finite element makes its block's scale non-finite, so it decodes to NaN everywhere.
+    ``clip`` > 0: the scale is ``min(max |x|, clip x RMS of the block)`` and larger elements are
+    clamped (their excess goes to ``err``): finer steps for the bulk of a block.
     """
     m = x.numel()
     if bits == FULL_PRECISION:
@@ -98,7 +100,10 @@ def quantize(
     rows = padded.view(nb, block)
     cb = code_bytes(m, bits, block)
     scale = out[cb:].view(SCALE_DTYPE)
-    scale.copy_(rows.abs().amax(dim=1))  # rounded to bf16: the scale as sent
+    amax = rows.abs().amax(dim=1)
+    if clip > 0:
+        amax = torch.minimum(amax, rows.square().mean(dim=1).sqrt_().mul_(clip))
+    scale.copy_(amax)  # rounded to bf16: the scale as sent
     step = scale.float() / L  # the decoded value of code 1, from the scale as sent
     # Divide, not multiply by 1/step: a block of tiny (subnormal) gradients has a step whose reciprocal
     # overflows to inf, and 0 * inf is NaN.  A zero step means an all-zero block: divide by 1.

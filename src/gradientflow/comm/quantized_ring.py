@@ -62,8 +62,9 @@ class QuantizedRing:
         bits: int,
         block: int,
         timeout: timedelta | None = None,
+        clip: float = 0.0,
     ) -> None:
-        self.x, self.err, self.group = x, err, group
+        self.x, self.err, self.group, self.clip = x, err, group, clip
         self.bits, self.block, self.timeout = bits, block, timeout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         n = x.numel()
@@ -102,7 +103,7 @@ class QuantizedRing:
         a, b = self.segments[s]
         if a == b:
             return self.x[a:b]
-        return quantize(self.x[a:b], buf[: self.seg_bytes[s]], self.bits, self.block, err=self.err[a:b])
+        return quantize(self.x[a:b], buf[: self.seg_bytes[s]], self.bits, self.block, err=self.err[a:b], clip=self.clip)
 
     def _post(self) -> None:
         t, N = self.t, self.world

@@ -37,6 +37,7 @@ def build_strategy(
                 world_size=dist.get_world_size(group),
                 bits=config.quant_bits,
                 block=config.quant_block,
+                clip=config.quant_clip,
                 shapes=shapes,
                 watchdog=watchdog,
             )

@@ -63,8 +63,9 @@ class QuantizedSync(SyncStrategy):
         block: int,
         shapes: Sequence[torch.Size],
         watchdog: Watchdog | None = None,
+        clip: float = 0.0,
     ) -> None:
-        self.group, self.world_size, self.bits, self.block = group, world_size, bits, block
+        self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
@@ -121,7 +122,9 @@ class QuantizedSync(SyncStrategy):
                 divide(p.x, self.world_size, None)
             p.x.add_(p.err)
         timeout = self.watchdog.timeout if self.watchdog is not None else None
-        p.ring = QuantizedRing(p.x, p.err, self.group, bits=self.bits, block=self.block, timeout=timeout)
+        p.ring = QuantizedRing(
+            p.x, p.err, self.group, bits=self.bits, block=self.block, timeout=timeout, clip=self.clip
+        )
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)
 
