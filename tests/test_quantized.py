@@ -51,8 +51,11 @@ def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK) -> np.ndarr
 def np_ring(xs: list[np.ndarray], bits: int = BITS, block: int = BLOCK) -> tuple[np.ndarray, list[np.ndarray]]:
     """The quantised ring, simulated: segments of whole blocks; segment s starts at rank s, each next
     rank adds its own part to the decoded partial and requantises; the last rank's quantised sum is
-    what everyone decodes.  Returns (result, per-rank errors)."""
+    what everyone decodes (two ranks: an exchange of whole contributions).  Returns (result, errors)."""
     N, n = len(xs), xs[0].size
+    if N == 2:  # one exchange of whole quantised contributions; each rank adds the two decoded ones
+        decoded = [np_quantize(x, bits, block) for x in xs]
+        return decoded[0] + decoded[1], [x - d for x, d in zip(xs, decoded)]
     nb = -(-n // block)
     q, rem = divmod(nb, N)
     bounds, start = [], 0
