@@ -41,7 +41,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradientflow.bench.quality_peers import (
+    POSTLOCAL_PERIOD,
+    TORCH_PEER_WARMUP,
+    TORCH_PEERS,
+    register_torch_hook,
+    torch_peer_bytes,
+)
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["TORCH_PEERS", "torch_peer_bytes"]
 
 RECIPES = (
     "ddp",
@@ -55,13 +65,6 @@ RECIPES = (
     "ddp-powersgd",
     "ddp-postlocal",
 )
-TORCH_PEERS = ("ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal")
-"""torch DDP's own ways to send less, with the user's optimizer: ``fp16_compress_hook``; PowerSGD
-(rank 4, error feedback, 10 dense warm-up steps); post-local SGD (``PostLocalSGDOptimizer`` +
-``PeriodicModelAverager``: local steps after 10 dense ones, parameters averaged every 8 steps)."""
-POWERSGD_RANK = 4
-POSTLOCAL_PERIOD = 8
-TORCH_PEER_WARMUP = 10
 DENSITY = 0.1
 USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
@@ -178,7 +181,7 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
         wrapped: nn.Module = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
-        options.update(_register_torch_hook(recipe, wrapped))
+        options.update(register_torch_hook(recipe, wrapped))
     else:
         if recipe == "gf-auto":
             options = {"compression": "auto"}
@@ -215,36 +218,6 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
         opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
     return wrapped, opt, options
-
-
-def _register_torch_hook(recipe: str, wrapped: nn.Module) -> dict[str, Any]:
-    """torch DDP's communication hook of a torch peer recipe (none for ``ddp``, ``ddp-sgd``)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
-
-    if recipe == "ddp-fp16-hook":
-        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return {"comm_hook": "fp16_compress_hook"}
-    if recipe == "ddp-powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=POWERSGD_RANK,
-            start_powerSGD_iter=TORCH_PEER_WARMUP,
-            use_error_feedback=True,
-            warm_start=True,
-        )
-        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return {"comm_hook": f"powerSGD_hook(rank={POWERSGD_RANK}, start_iter={TORCH_PEER_WARMUP})"}
-    if recipe == "ddp-postlocal":
-        import torch.distributed as dist
-
-        # Each rank is one node of the emulated cluster: no intra-node group to average in between.
-        alone, _ = dist.new_subgroups(group_size=1)
-        state = post_localSGD_hook.PostLocalSGDState(
-            process_group=None, subgroup=alone, start_localSGD_iter=TORCH_PEER_WARMUP
-        )
-        wrapped.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
-        return {"comm_hook": f"post_localSGD_hook + PeriodicModelAverager(period={POSTLOCAL_PERIOD})"}
-    return {}
 
 
 # ==== orchestration ===========================================================================
@@ -407,24 +380,3 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
     quality_report.write_all(summary, out)
     return summary
-
-
-def torch_peer_bytes(recipe: str, shapes: list[tuple[int, ...]], step: int) -> float:
-    """Bytes one rank hands to collectives at 0-based ``step`` under a torch recipe (computed: torch
-    does not report them).  ddp: 4 per gradient; fp16 hook: 2; PowerSGD after its dense steps: its P
-    and Q factors (fp32, rank ``POWERSGD_RANK``) for matrices it compresses, 4 per element of the rest;
-    post-local SGD after its dense steps: one fp32 parameter average every ``POSTLOCAL_PERIOD`` steps."""
-    n = sum(math.prod(s) for s in shapes)
-    if recipe == "ddp-fp16-hook":
-        return 2.0 * n
-    if recipe in ("ddp-powersgd", "ddp-postlocal") and step >= TORCH_PEER_WARMUP:
-        if recipe == "ddp-postlocal":
-            return 4.0 * n if (step - TORCH_PEER_WARMUP) % POSTLOCAL_PERIOD == 0 else 0.0
-        total = 0
-        for s in shapes:
-            m, k = (s[0], math.prod(s[1:])) if len(s) > 1 else (1, math.prod(s))
-            r = min(POWERSGD_RANK, m, k)
-            # powerSGD_hook compresses a tensor only where it saves at least 2x (min_compression_rate)
-            total += 4 * (m + k) * r if len(s) > 1 and (m + k) * r * 2 < m * k else 4 * m * k
-        return float(total)
-    return 4.0 * n

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer
 
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+DistributedDataParallel = Any
+"""The wrapper (:class:`gradientflow.wrapper.ddp.DistributedDataParallel`), not imported: ddp imports this module."""
 
 
 @dataclass
