@@ -11,7 +11,8 @@ over time.  Per synchronised step and bucket (launched as buckets become ready, 
   2. A quantised ring allreduce of ``x`` (:class:`~gradientflow.comm.quantized_ring.QuantizedRing`:
      reduce-scatter with dequantise-add-requantise per hop, allgather of the owner's bytes), which
      leaves the decoded average in the pool on every rank (the same bytes decoded the same way:
-     identical on all ranks) and the quantisation error of everything this rank quantised in ``e``.
+     identical on all ranks) and the quantisation error of everything this rank quantised in ``e``
+     (two ranks: one exchange of whole quantised contributions, the same bytes, no requantised sum).
      Nothing is lost: ``sum over ranks of e + N * result == sum of the ranks' x``.
   3. The rings of a step run one after another, in bucket order (so every rank posts its
      point-to-point messages in the same order); the engine's :meth:`progress` calls between
