@@ -82,8 +82,8 @@ def test_plan_jobs():
     assert jobs[0].eval_every == 20 and jobs[0].paper_warmup_steps == 20
     jobs, tta = plan_jobs(QualityOptions(workloads=["transformer"], tta_size=(64, 1), bandwidth="1gbit"))
     assert [t.name for t in tta] == ["tta"]
-    # AdamW loses quality at density 0.1: its user's alternatives are on the clock too
-    assert tta[0].recipes == ["ddp", "gf-recommended", "gf-fp16-dense", "gf-density-0.3"]
+    # AdamW: compression="auto" (quantised) against torch's own ways to send less, on the clock
+    assert tta[0].recipes == ["ddp", "gf-auto", "gf-fp16-dense", "ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal"]
     assert (tta[0].d_model, tta[0].n_layers) == (64, 1)
     # digits' time to accuracy trains the communication-bound digits_wide with the user's SGD momentum
     (t,) = plan_jobs(QualityOptions(workloads=["digits"]))[1]
@@ -91,7 +91,7 @@ def test_plan_jobs():
         "tta_digits",
         "digits",
         "digits_wide",
-        ["ddp", "gf-recommended"],
+        ["ddp", "gf-recommended", "gf-auto"],  # auto with SGD momentum: today's CSC
         0.05,
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,38 @@ COMM_DTYPES: dict[str, torch.dtype | None] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+
+
+COMPRESSIONS = ("none", "fp16", "csc", "quantized", "auto")
+"""``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
+CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
+"""``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
+QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
+"""Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
+DEFAULT_QUANT = (3, 128)
+"""``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
+
+
+def parse_compression(value: object) -> tuple[str, int, int, float]:
+    """``(recipe, bits, block, clip)`` for a ``compression`` value; ``ValueError`` saying what is accepted.
+
+    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales; ``"q<bits>"`` another
+    width (2-8, or 32 = the quantiser off); ``"q<bits>b<block>"`` also another block (a multiple of
+    16); a trailing ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
+    """
+    bits, block = DEFAULT_QUANT
+    if value in COMPRESSIONS:
+        return str(value), bits, block, 0.0
+    m = re.fullmatch(r"q(\d+)(?:b(\d+))?(?:c(\d+(?:\.\d+)?))?", value) if isinstance(value, str) else None
+    if m is not None:
+        bits, block = int(m[1]), int(m[2]) if m[2] else block
+        clip = float(m[3]) if m[3] else 0.0
+        if bits in QUANT_BITS and block >= 16 and block % 16 == 0:
+            return "quantized", bits, block, clip
+    raise ValueError(
+        f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
+        f"'q<bits>b<block>' (block a multiple of 16) or either with 'c<k>' (scale clipped at k x RMS), got {value!r}"
+    )
 
 
 def half_wire_dtype(device: torch.device) -> str:
@@ -98,6 +131,12 @@ class GradientFlowConfig:
     trace_path: write a Chrome trace (Perfetto) per rank; ``{rank}`` in the path is replaced by the
         rank, otherwise ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing.
     trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4)].
+    compression: a named recipe.  "none" (default: DDP's exact behaviour, or what comm_dtype /
+        density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
+        "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
+        ring; "q<bits>", "q<bits>b<block>" for others), "auto" (dense until the first optimizer step,
+        then "csc" for SGD, "quantized" for Adam, AdamW and other optimizers).
+    quant_bits, quant_block, quant_clip: the quantiser of "quantized" (set from ``compression``).
     """
 
     fusion_threshold_mb: float = 25.0
@@ -117,6 +156,10 @@ class GradientFlowConfig:
     check_finite: bool = False
     trace_path: str | None = None
     trace_steps: tuple[int, int] | None = None
+    compression: str = "none"
+    quant_bits: int = DEFAULT_QUANT[0]
+    quant_block: int = DEFAULT_QUANT[1]
+    quant_clip: float = 0.0
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -151,6 +194,35 @@ class GradientFlowConfig:
                 f"link at construction), got {self.schedule!r}"
             )
         self._validate_fault_options()
+        self._apply_compression()
+
+    def _apply_compression(self) -> None:
+        """Fold ``compression`` into the options it sets; a conflicting explicit value is a ``ValueError``.
+
+        Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
+        """
+        recipe, bits, block, clip = parse_compression(self.compression)
+        if self.compression != "quantized" and recipe == "quantized":
+            object.__setattr__(self, "quant_bits", bits)
+            object.__setattr__(self, "quant_block", block)
+            object.__setattr__(self, "quant_clip", clip)
+        object.__setattr__(self, "compression", recipe)
+        sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
+        if recipe in ("quantized", "auto"):
+            sets = {"comm_dtype": "fp32", "density": None}
+        for name, value in sets.items():
+            if getattr(self, name) not in (value, "fp32" if name == "comm_dtype" else None):
+                raise ValueError(
+                    f"compression={self.compression!r} sets {name}={value!r}, but {name}={getattr(self, name)!r} was "
+                    f"passed too. Pass either compression={self.compression!r} or {name}=... (with "
+                    "compression='none'), not both."
+                )
+            object.__setattr__(self, name, value)
+        if self.quant_bits not in QUANT_BITS or self.quant_block < 16 or self.quant_block % 16:
+            raise ValueError(
+                f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got "
+                f"{self.quant_bits!r}, {self.quant_block!r}"
+            )
 
     def _validate_fault_options(self) -> None:
         t = self.timeout
@@ -204,6 +276,16 @@ class GradientFlowConfig:
     @property
     def sparse(self) -> bool:
         return self.density is not None
+
+    @property
+    def quantized(self) -> bool:
+        return self.compression == "quantized"
+
+    @property
+    def needs_control_group(self) -> bool:
+        """CSC's score exchanges, and the quantised ring's point-to-point messages, keep the main group's
+        collectives apart from the engine's bookkeeping (the "used" exchange goes on the control group)."""
+        return self.sparse or self.quantized
 
     @property
     def trace_window(self) -> tuple[int, int]:

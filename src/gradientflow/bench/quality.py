@@ -41,17 +41,38 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradientflow.bench.quality_peers import (
+    POSTLOCAL_PERIOD,
+    TORCH_PEER_WARMUP,
+    TORCH_PEERS,
+    register_torch_hook,
+    torch_peer_bytes,
+)
+
 logger = logging.getLogger(__name__)
 
-RECIPES = ("ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd")
+__all__ = ["TORCH_PEERS", "torch_peer_bytes"]
+
+RECIPES = (
+    "ddp",
+    "gf-recommended",
+    "gf-density-0.3",
+    "gf-paper",
+    "gf-fp16-dense",
+    "ddp-sgd",
+    "gf-auto",
+    "ddp-fp16-hook",
+    "ddp-powersgd",
+    "ddp-postlocal",
+)
 DENSITY = 0.1
 USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
 TTA_RECIPES = {
-    "transformer": ["ddp", "gf-recommended", "gf-fp16-dense", "gf-density-0.3"],
-    "digits": ["ddp", "gf-recommended"],
+    "transformer": ["ddp", "gf-auto", "gf-fp16-dense", "ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal"],
+    "digits": ["ddp", "gf-recommended", "gf-auto"],
 }
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
 alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it."""
@@ -80,6 +101,7 @@ class Job:
     lr_warmup_frac: float = 0.05
     probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
     model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
+    beta2: float = 0.95  # the transformer's AdamW betas = (0.9, beta2)
 
 
 @dataclass
@@ -126,7 +148,7 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"unknown recipe {base!r}; choose from {', '.join(RECIPES)}")
     if not rest:
         return base, {}
-    if not base.startswith("gf-"):
+    if not base.startswith("gf-"):  # torch DDP and its peers
         raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
     names = {f.name for f in dataclasses.fields(GradientFlowConfig)}
     overrides: dict[str, Any] = {}
@@ -153,11 +175,17 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
     recipe, overrides = parse_recipe(recipe)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
-    if recipe in ("ddp", "ddp-sgd"):
-        wrapped: nn.Module = TorchDDP(model)
+    if recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
+        # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
+        # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
+        # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
+        wrapped: nn.Module = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
+        options.update(register_torch_hook(recipe, wrapped))
     else:
-        if recipe in USER_OPTIMIZER_DENSITY:
+        if recipe == "gf-auto":
+            options = {"compression": "auto"}
+        elif recipe in USER_OPTIMIZER_DENSITY:
             options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
         elif recipe == "gf-paper":
             options = {
@@ -178,11 +206,17 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=job.paper_lr, momentum=momentum)
         options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={momentum:g})"
     elif job.workload == "transformer":
-        opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        options["optimizer"] = f"AdamW(lr={job.lr:g}, betas=(0.9, 0.95), weight_decay=0.1)"
+        opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)
+        options["optimizer"] = f"AdamW(lr={job.lr:g}, betas=(0.9, {job.beta2:g}), weight_decay=0.1)"
     else:
         opt = torch.optim.SGD(params, lr=job.lr, momentum=0.9)
         options["optimizer"] = f"SGD(lr={job.lr:g}, momentum=0.9)"
+    if recipe == "ddp-postlocal":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
+        opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
     return wrapped, opt, options
 
 
@@ -202,6 +236,8 @@ class QualityOptions:
     tta_size: tuple[int, int] = (256, 4)
     tta_model: str = "digits_wide"  # digits' time-to-accuracy network
     bandwidth: str = "1gbit"
+    adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
+    adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
     threads: int = 1
     seed: int = 0
     timeout_s: float = 1800.0
@@ -224,7 +260,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
             batch_size=opts.batch_size or batch,
             eval_every=every(steps),
             recipes=recipes,
-            lr=6e-3 * 128 / d,  # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
+            # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
+            lr=opts.adamw_lr if opts.adamw_lr is not None and name == "transformer" else 6e-3 * 128 / d,
+            beta2=opts.adamw_beta2,
             paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
             paper_warmup_steps=max(1, steps // 20),
             d_model=d,
@@ -257,7 +295,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(list(RECIPES))))
     if "digits" in opts.workloads:
         # the user's optimizer is already the paper's SGD with momentum 0.9: ddp-sgd would be ddp again
-        jobs.append(digits("digits", "small_cnn", opts.steps, chosen([r for r in RECIPES if r != "ddp-sgd"])))
+        # torch's peers are measured on the AdamW transformer, the workload they are compared on
+        digits_recipes = [r for r in RECIPES if r != "ddp-sgd" and r not in TORCH_PEERS]
+        jobs.append(digits("digits", "small_cnn", opts.steps, chosen(digits_recipes)))
     for job in jobs:
         if "ddp" not in job.recipes:
             job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against

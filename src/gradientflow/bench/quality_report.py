@@ -20,6 +20,10 @@ RECIPE_WHAT = {
     "gf-paper": "gradientflow fp16 + CSC 0.1 + momentum correction 0.9, plain SGD, dense warm-up",
     "gf-fp16-dense": "gradientflow fp16 wire, dense, the user's optimizer",
     "ddp-sgd": "torch DDP, dense fp32, gf-paper's SGD with momentum 0.9 in the optimizer (gf-paper's oracle)",
+    "gf-auto": 'gradientflow compression="auto" (AdamW: 3-bit quantised ring + error feedback; SGD: fp16 + CSC 0.1)',
+    "ddp-fp16-hook": "torch DDP + fp16_compress_hook, the user's optimizer",
+    "ddp-powersgd": "torch DDP + PowerSGD hook (rank 4, error feedback, 10 dense steps), the user's optimizer",
+    "ddp-postlocal": "torch post-local SGD: PostLocalSGDOptimizer + PeriodicModelAverager (every 8 steps after 10)",
 }
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "
@@ -113,7 +117,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                 "final_val_loss": evals[-1]["val_loss"] if evals else None,
                 "final_val_acc": evals[-1]["val_acc"] if evals else None,
                 "bytes_per_step": float(np.mean(payload)) if payload else 4.0 * n,
-                "bytes_source": "measured" if payload else "computed",
+                "bytes_source": "measured" if payload and run["recipe"].startswith("gf-") else "computed",
                 "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
                 "n_chunks": int(max(chunks)) if chunks else None,
                 "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,

@@ -20,7 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.quality import Job, QualitySpec, build_recipe, lr_schedule
+from gradientflow.bench.quality import (
+    TORCH_PEERS,
+    Job,
+    QualitySpec,
+    build_recipe,
+    lr_schedule,
+    torch_peer_bytes,
+)
 from gradientflow.bench.runner import MARK, timing_allocator
 
 logger = logging.getLogger(__name__)
@@ -105,10 +112,13 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
     return float(total[0] / total[1]), acc
 
 
-def _comm_record(wrapped: nn.Module) -> dict[str, float]:
+def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict[str, float]:
     comm_stats = getattr(wrapped, "comm_stats", None)  # gradientflow's wrapper; torch DDP has none
     if comm_stats is None:
-        return {}
+        if recipe not in TORCH_PEERS:
+            return {}  # torch DDP: the report computes 4 bytes per gradient
+        shapes = [tuple(p.shape) for p in wrapped.parameters() if p.requires_grad]
+        return {"payload_bytes": torch_peer_bytes(recipe, shapes, step)}
     s = comm_stats()
     keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
     return {k: float(s[k]) for k in keys if k in s}
@@ -216,7 +226,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 continue
             run.step_s.append(time.perf_counter() - t0)
             run.sched.step()
-            run.stats.append(_comm_record(run.wrapped))
+            run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
         if (step + 1) % job.eval_every == 0 or step + 1 == job.steps:
             eval_all(step + 1)

@@ -17,7 +17,7 @@ from gradientflow.bench.models import resolve_model
 
 from .config import CONFIGS, SimConfig, parse_bandwidth
 from .model_profile import ModelProfile, flop_profile, measured_profile
-from .planner import plan, plan_markdown
+from .planner import plan, plan_markdown, recommendation
 from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
@@ -106,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="planner: DDP, DDP + fp16 and gradientflow at several densities, with the best θ per GPU count",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        help='with --plan: what compression="auto" runs for this optimizer (sgd: CSC; adamw, also Adam and '
+        "other adaptive ones: 3-bit quantised), its step time and bytes against DDP",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument(
         "--plot",
@@ -189,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
                 }
                 for r in planned
             ]
+            if args.optimizer is not None:
+                out["recommendation"] = recommendation(planned, args.optimizer).splitlines()
         print(json.dumps(out, indent=1, default=lambda v: None))
         return 0
     print(
@@ -200,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         print(paper_comparison(name, profile, cfg))
     if planned is not None:
         print(plan_markdown(planned))
+        if args.optimizer is not None:
+            print(recommendation(planned, args.optimizer))
     if args.plot:
         print(f"plot: {Path(args.plot)}")
     return 0

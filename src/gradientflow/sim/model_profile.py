@@ -127,9 +127,13 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     "csc_accumulate" autograd's addition of a fresh gradient into the residual (the same
     ``add_``, pool-sized here); "csc_chunks" what CSC does to the *selected* chunks only (clear
     last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
-    the cost model scales it by the fraction of chunks selected.
+    the cost model scales it by the fraction of chunks selected; "quantized" the quantised recipe's
+    codec (:mod:`gradientflow.comm.quantize`, 3 bits, 128-element blocks) as one rank of a 2-rank ring
+    runs it: the contribution ``g + e``, one quantisation of every element (with its error), one
+    decoding of every element (half in the reduce-scatter, with an add, half in the allgather).
     """
     from gradientflow.comm.precision import from_wire, to_wire  # noqa: PLC0415
+    from gradientflow.comm.quantize import dequantize, quantize, wire_bytes  # noqa: PLC0415
     from gradientflow.strategies.selection import chunk_scores  # noqa: PLC0415
 
     g = torch.randn(numel)
@@ -138,6 +142,8 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     every = torch.arange(rows.shape[0])
     packed = torch.empty_like(rows)
     wire = torch.empty(numel, dtype=torch.float16)  # the engine keeps its wire buffers between steps
+    qwire = torch.empty(wire_bytes(numel, 3, 128), dtype=torch.uint8)
+    err = torch.empty(numel)
     ops: dict[str, list[Callable[[], object]]] = {
         "fp32": [lambda: to_wire(g, None, 2)],
         "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
@@ -148,6 +154,11 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
             lambda: torch.index_select(rows, 0, every, out=packed),
             lambda: rows.index_copy_(0, every, packed),
             lambda: rows.index_fill_(0, every, 0.0),
+        ],
+        "quantized": [
+            lambda: residual.add_(g),
+            lambda: quantize(g, qwire, 3, 128, err=err),
+            lambda: residual.add_(dequantize(qwire, numel, 3, 128)),
         ],
     }
     out = {}

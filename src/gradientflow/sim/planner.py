@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .config import SimConfig
 from .model_profile import ModelProfile
-from .schedule import TECHNIQUES, Iteration, Technique, simulate
+from .schedule import QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
 
 DDP_BUCKET_MB = 25.0
 DDP = Technique("ring", True, 4, True, False, "fp32")
@@ -56,7 +56,35 @@ def plan(
         for d in densities:
             res = simulate(profile, dataclasses.replace(gf_cfg, density=d), n, "csc", TECHNIQUES["csc"])
             rows.append(PlanRow(n, f"gradientflow CSC density {d:g}", theta, res))
+        rows.append(PlanRow(n, QUANTIZED_SYSTEM, theta, simulate(profile, gf_cfg, n, "quantized", QUANTIZED)))
     return rows
+
+
+QUANTIZED_SYSTEM = "gradientflow quantized 3-bit"
+AUTO_PICK = {"sgd": "gradientflow CSC density 0.1", "adamw": QUANTIZED_SYSTEM}
+"""What ``compression="auto"`` runs for an optimizer (:mod:`gradientflow.strategies.recipes`): SGD
+(with or without momentum) -> CSC, fp16 + density 0.1; Adam, AdamW and the rest -> 3-bit quantised."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def recommendation(rows: list[PlanRow], optimizer: str) -> str:
+    """Per GPU count: what ``compression="auto"`` runs for ``optimizer``, its predicted step time and
+    bytes, against torch DDP's (the quality side: docs/adamw.md's measured table)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} (adam and the others: adamw), got {optimizer!r}")
+    pick = AUTO_PICK[optimizer]
+    lines = []
+    for n in dict.fromkeys(r.gpus for r in rows):
+        ddp = next(r for r in rows if r.gpus == n and r.system == "DDP (fp32)")
+        mine = next((r for r in rows if r.gpus == n and r.system == pick), None)
+        if mine is None or n == 1:
+            continue  # one GPU sends nothing
+        lines.append(
+            f'- {n} GPUs, {optimizer}: compression="auto" runs {pick}: {mine.result.iteration_s * 1e3:.1f} ms per '
+            f"step ({ddp.result.iteration_s / mine.result.iteration_s:.2f}x DDP's), "
+            f"{mine.result.bytes_per_gpu / max(1, ddp.result.bytes_per_gpu):.3f} of DDP's bytes."
+        )
+    return "\n".join(lines) + "\n"
 
 
 def plan_markdown(rows: list[PlanRow]) -> str:

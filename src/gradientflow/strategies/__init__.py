@@ -2,7 +2,10 @@
 
 - :mod:`.dense` — every gradient, averaged (optionally cast to a 16-bit wire);
 - :mod:`.csc` — coarse-grained sparse communication: the top chunks by score, the rest kept in a
-  residual (:mod:`.selection`, :mod:`.residual`, :mod:`.slices`, :mod:`.pitfalls`).
+  residual (:mod:`.selection`, :mod:`.residual`, :mod:`.slices`, :mod:`.pitfalls`);
+- :mod:`.quantized` — every gradient every step, block-quantised to a few bits with error feedback,
+  on a quantised ring (:mod:`gradientflow.comm.quantized_ring`);
+- :mod:`.recipes` — which of them ``compression="auto"`` picks for an optimizer.
 
 :func:`build_strategy` is the one place that maps a validated config to a strategy.
 """
@@ -25,6 +28,19 @@ def build_strategy(
     """The strategy ``config`` asks for, as the reducer's ``make_sync`` (built once the pool exists)."""
 
     def make(pool: GradPool, shapes: list[torch.Size]) -> SyncStrategy:
+        if config.quantized:
+            from .quantized import QuantizedSync  # noqa: PLC0415 — only quantised runs need it
+
+            return QuantizedSync(
+                pool,
+                group=group,
+                world_size=dist.get_world_size(group),
+                bits=config.quant_bits,
+                block=config.quant_block,
+                clip=config.quant_clip,
+                shapes=shapes,
+                watchdog=watchdog,
+            )
         dense = DenseSync(
             group=group,
             world_size=dist.get_world_size(group),

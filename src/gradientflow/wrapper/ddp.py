@@ -32,6 +32,7 @@ from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
+from . import auto
 from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
 from .join import GradientFlowJoinHook, common_rank
 
@@ -62,7 +63,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
         dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
         chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
-        measured at construction, see :mod:`gradientflow.engine.schedule`];
+        measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; named
+        recipes "fp16", "csc", "quantized" / "q3", "auto": docs/adamw.md];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -106,6 +108,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_finite: bool = False,
         trace_path: str | None = None,
         trace_steps: tuple[int, int] | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -144,7 +147,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             check_finite=check_finite,
             trace_path=trace_path,
             trace_steps=trace_steps,
+            compression=compression,
         )
+        self._gf_auto = auto.AutoState(requested=self.config.compression == "auto")
         # torch DDP's public attributes, same names and meaning.
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
@@ -221,7 +226,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         old = self.__dict__.get("_gf_engine")
         if old is not None:
             old.remove_hooks()
-        control = self._gf_control_group() if self.config.sparse else None
+        control = self._gf_control_group() if self.config.needs_control_group else None
         make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
         self._gf_engine = Reducer(
             self._gf_params,
@@ -251,8 +256,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             old.remove()
         self._gf_optimizer_hook = None
         self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        if not self.config.sparse:
-            return  # check_optimizer has nothing to say about dense synchronisation
+        if not (self.config.sparse or self._gf_auto.requested):
+            return  # check_optimizer has nothing to say about dense or quantised synchronisation
         me = weakref.ref(self)
 
         def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -263,6 +268,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             own = {id(p) for p in model._gf_params}
             if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
                 model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
+                auto.note_optimizer(model, optimizer)
 
         handle = register_optimizer_step_pre_hook(first_step)
         weakref.finalize(self, handle.remove)
@@ -295,6 +301,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 )
         if self._join_config.enable:
             Join.notify_join_context(self)
+        auto.switch_if_chosen(self)
         if self._gf_syncs_buffers():
             self._gf_broadcast_buffers(active=True)
 
@@ -413,7 +420,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
         values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        return comm_state.save(self._gf_engine, self._gf_world_size)
+        return auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
@@ -421,6 +428,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Everything is checked first: a state from another model, world size or chunk size, or a
         truncated one, raises ``ValueError`` and leaves this model as it was.
         """
+        state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
         comm_state.load(self._gf_engine, state, self._gf_world_size)
 
     def register_grad_scaler(self, scaler: Any) -> None:
@@ -441,9 +449,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gf_engine.sync.check_optimizer(optimizer)
 
     # ---- introspection ------------------------------------------------------------------
-    def comm_stats(self) -> dict[str, float | int]:
-        """Counters of the last completed synchronised step (see :class:`StepStats`)."""
-        return self._gf_engine.last_stats.as_dict()
+    def comm_stats(self) -> dict[str, float | int | str]:
+        """Counters of the last completed synchronised step (see :class:`StepStats`), and the active
+        ``compression`` recipe (under ``"auto"`` also ``compression_auto``: what picked it)."""
+        return {**self._gf_engine.last_stats.as_dict(), **auto.describe(self)}
 
     @property
     def pool(self) -> GradPool:
@@ -452,4 +461,4 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
-_PICKLED = {"_gf_device", "_gf_ignored"}
+_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto"}

@@ -1,0 +1,213 @@
+"""Quantised error-feedback synchronisation: every coordinate, every step, in a few bits.
+
+The recipe for adaptive optimizers (Adam, AdamW): sparsification (CSC) delays most coordinates
+and Adam's per-coordinate normalisation turns those delays into a quality loss; quantisation
+sends every coordinate every step, coarsely, and error feedback makes the coarseness unbiased
+over time.  Per synchronised step and bucket (launched as buckets become ready, as dense does):
+
+  1. Contribution: ``x = g / N + e``, the bucket's local gradient pre-divided by the world size
+     (folded into the copy of a fresh gradient, :meth:`QuantizedSync.take_fresh`) plus this
+     rank's error-feedback residual ``e`` (fp32; in units of the loss scale, like CSC's).
+  2. A quantised ring allreduce of ``x`` (:class:`~gradientflow.comm.quantized_ring.QuantizedRing`:
+     reduce-scatter with dequantise-add-requantise per hop, allgather of the owner's bytes), which
+     leaves the decoded average in the pool on every rank (the same bytes decoded the same way:
+     identical on all ranks) and the quantisation error of everything this rank quantised in ``e``
+     (two ranks: one exchange of whole quantised contributions, the same bytes, no requantised sum).
+     Nothing is lost: ``sum over ranks of e + N * result == sum of the ranks' x``.
+  3. The rings of a step run one after another, in bucket order (so every rank posts its
+     point-to-point messages in the same order); the engine's :meth:`progress` calls between
+     gradient hooks advance them while backward goes on, and :meth:`finish` drives the rest.
+
+Bytes per step: ``bits/8 + 2/block`` per gradient (3 bits, 128-element blocks: 0.0977 of fp32),
+``2 (N-1)/N`` times of it per rank, as a dense ring.  No host read on the step's path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm.precision import divide, loss_scale
+from ..comm.quantized_ring import QuantizedRing
+from ..diagnostics.stats import StepStats
+from ..diagnostics.watchdog import Watchdog
+from ..engine.pool import Bucket, GradPool, Layout
+from ..engine.protocol import SyncStrategy
+from .residual import Residuals, residual_state, validate_residual_state
+
+
+class _Pending:
+    """One launched bucket: its pool slice, its fp32 contribution, its residual slice, its ring."""
+
+    def __init__(self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool) -> None:
+        self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
+        self.x: torch.Tensor | None = None
+        self.ring: QuantizedRing | None = None
+        self.started_at = 0.0
+
+
+class QuantizedSync(SyncStrategy):
+    """Block-quantised (``bits``, ``block``) ring allreduce with per-rank error feedback."""
+
+    def __init__(
+        self,
+        pool: GradPool,
+        *,
+        group: dist.ProcessGroup,
+        world_size: int,
+        bits: int,
+        block: int,
+        shapes: Sequence[torch.Size],
+        watchdog: Watchdog | None = None,
+        clip: float = 0.0,
+    ) -> None:
+        self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
+        self.watchdog = watchdog
+        self._shapes = list(shapes)
+        self.pool = pool
+        self.res: Residuals | None = None  # allocated at the first step
+        self.step = 0
+        self._scaler: Any = None
+        self._queue: deque[_Pending] = deque()
+        self._in_step = False
+
+    # ---- layout and state -----------------------------------------------------------------
+    def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
+        self.pool = new_pool
+        if self.res is not None:
+            self.res = self.res.moved_to(new_pool.layout)
+
+    def has_state(self) -> bool:
+        return self.res is not None
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """Keep the residual in units of ``scaler``'s loss scale (and clean it after an overflow)."""
+        self._scaler = scaler
+
+    # ---- per step -------------------------------------------------------------------------
+    def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
+        """Step 1's division, folded into the copy of a fresh gradient into the pool."""
+        divide(grad, self.world_size, None, out=out)
+        return True
+
+    def _begin_step(self) -> None:
+        if self.res is None:
+            self.res = Residuals(self.pool.layout, 1, False, self._shapes)
+        self.res.rescale(loss_scale(self._scaler))
+        if self._scaler is not None:
+            self.res.clean()  # an overflowed step left NaN in the blocks it touched
+        self._in_step = True
+
+    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+        """Queue the bucket's ring; start it at once if no earlier ring of this step is still running."""
+        assert bucket is not None, "the quantised recipe is launched per bucket (shadow steps pass theirs)"
+        if not self._in_step:
+            self._begin_step()
+        assert self.res is not None  # allocated by _begin_step
+        err = self.res.v[bucket.pool][bucket.start : bucket.end]
+        self._queue.append(_Pending(bucket, flat, err, divided))
+        self.progress(stats)
+
+    def _start(self, p: _Pending, stats: StepStats) -> None:
+        """Step 1 (``x = g/N + e``, in the pool slice itself for an fp32 pool) and the ring's first message."""
+        if p.flat.dtype == torch.float32:
+            if not p.divided:
+                divide(p.flat, self.world_size, None)
+            p.x = p.flat.add_(p.err)
+        else:  # 16-bit pool: the contribution is built in fp32 (err is fp32)
+            p.x = p.flat.float()
+            if not p.divided:
+                divide(p.x, self.world_size, None)
+            p.x.add_(p.err)
+        timeout = self.watchdog.timeout if self.watchdog is not None else None
+        p.ring = QuantizedRing(
+            p.x, p.err, self.group, bits=self.bits, block=self.block, timeout=timeout, clip=self.clip
+        )
+        p.started_at = time.perf_counter()
+        stats.record_collective(p.ring.payload_bytes)
+
+    def _complete(self, p: _Pending, stats: StepStats) -> None:
+        stats.record_done(time.perf_counter())
+        if p.x is not None and p.x is not p.flat:
+            p.flat.copy_(p.x)
+
+    def progress(self, stats: StepStats) -> None:
+        """Advance the running ring as far as its messages allow; start the next; never wait."""
+        t0 = time.perf_counter()
+        while self._queue:
+            p = self._queue[0]
+            if p.ring is None:
+                self._start(p, stats)
+            if not self._run(p, block=False):
+                break
+            self._queue.popleft()
+            self._complete(p, stats)
+        stats.phase("pack", t0)
+
+    def _run(self, p: _Pending, block: bool) -> bool:
+        assert p.ring is not None  # started by _start
+        try:
+            if block:
+                p.ring.wait()
+                return True
+            return p.ring.poll()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            what = f"bucket {p.bucket.index} (quantised ring)"
+            raise self.watchdog.failure(what, p.ring.payload_bytes, exc, time.perf_counter() - p.started_at) from exc
+
+    def finish(self, stats: StepStats) -> None:
+        """End of backward: run every queued ring to the end; the pool holds the decoded average."""
+        if not self._in_step:
+            self._begin_step()  # no parameters launched: still a step (counts, rescale)
+        while self._queue:
+            p = self._queue[0]
+            if p.ring is None:
+                self._start(p, stats)
+            t0 = time.perf_counter()
+            self._run(p, block=True)
+            stats.phase("wire_wait", t0)
+            self._queue.popleft()
+            self._complete(p, stats)
+        self._in_step = False
+        self.step += 1
+        stats.extra.update(quant_bits=self.bits, quant_block=self.block)
+
+    def untouched(self, params: Sequence[int]) -> list[int]:
+        """Unused parameters whose delivered average is exactly 0 (a residual may deliver something).
+
+        A host read per such parameter, only on steps where some parameter was unused everywhere.
+        """
+        views = self.pool.views
+        return [i for i in params if not bool(views[i].any())]
+
+    # ---- checkpoint -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The residual (unpadded, unscaled, in the current pool layout), the quantiser and the step."""
+        sizes = [b.numel() for b in self.pool.buffers]
+        return {"step": self.step, "quantizer": [self.bits, self.block], **residual_state(self.res, 1, sizes)}
+
+    def validate_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"step", "quantizer"} - set(state)
+        if missing:
+            raise ValueError(f"gradientflow quantised: the communication state lacks {sorted(missing)} (truncated?)")
+        if list(state["quantizer"]) != [self.bits, self.block]:
+            raise ValueError(
+                f"gradientflow quantised: the checkpoint was saved with bits, block = {list(state['quantizer'])}, "
+                f"this model has {[self.bits, self.block]}. Resume with the same compression."
+            )
+        validate_residual_state(state, 1, [b.numel() for b in self.pool.buffers], False)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.validate_state_dict(state)
+        self.res = None
+        if state["v"] is not None:
+            self.res = Residuals(self.pool.layout, 1, False, self._shapes)
+            self.res.load(state)
+        self.step = int(state["step"])

@@ -1,0 +1,102 @@
+"""``compression="auto"``: dense until the wrapper knows its optimizer, then that optimizer's recipe.
+
+1. At the first ``step()`` of an optimizer holding the model's parameters (the wrapper's optimizer
+   step pre-hook, :meth:`DistributedDataParallel._gf_watch_optimizers`), :func:`note_optimizer`
+   records the recipe for its class (:func:`gradientflow.strategies.recipes.recipe_for_optimizer`).
+   Step 0's gradients were averaged densely in fp32, exactly as torch DDP does.
+2. At the next synchronised forward (:func:`switch_if_chosen`; not inside the optimizer hook, where
+   ``.grad`` still holds the result the optimizer is reading) the ranks check they picked the
+   same recipe, and the wrapper rebuilds its engine with it (the observed pool order is kept).
+3. ``comm_state_dict()`` records the active recipe; loading it into a fresh ``"auto"`` wrapper
+   switches to that recipe first, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer
+
+DistributedDataParallel = Any
+"""The wrapper (:class:`gradientflow.wrapper.ddp.DistributedDataParallel`), not imported: ddp imports this module."""
+
+
+@dataclass
+class AutoState:
+    """What ``"auto"`` knows: whether it was asked for, the pending choice, and why."""
+
+    requested: bool
+    pending: str | None = None
+    reason: str = "no optimizer step seen yet: dense fp32"
+
+
+def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    """Step 1: the first optimizer stepping this model decides (later ones are ignored)."""
+    auto = model._gf_auto
+    if not auto.requested or auto.pending is not None or model.config.compression != "auto":
+        return
+    auto.pending = recipe_for_optimizer(optimizer)
+    auto.reason = f"{type(optimizer).__name__} -> {auto.pending}"
+
+
+def switch_if_chosen(model: DistributedDataParallel) -> None:
+    """Step 2, at a synchronised forward: agree across ranks and rebuild the engine with the recipe."""
+    auto = model._gf_auto
+    if auto.pending is None or model.config.compression != "auto":
+        return
+    agree_on_recipe(auto.pending, auto.reason, model.process_group, model._gf_watchdog, model.join_device)
+    _rebuild(model, auto.pending)
+
+
+def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
+    """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
+    CSC's density ramp is where a run started with ``compression="csc"`` would be."""
+    engine = model._gf_engine
+    model.config = dataclasses.replace(model.config, compression=recipe)
+    model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
+    model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
+
+
+def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
+    """Step 3: the active recipe goes into the communication checkpoint (and a choice not yet applied:
+    a run saved between the first optimizer step and the next forward switches at that forward too)."""
+    state["compression"] = model.config.compression
+    if model.config.compression == "auto" and model._gf_auto.pending is not None:
+        state["auto_pending"] = model._gf_auto.pending
+    return state
+
+
+def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
+    """Step 3: an ``"auto"`` wrapper not yet switched takes the checkpoint's recipe; other mismatches raise."""
+    state = dict(state)
+    saved = state.pop("compression", model.config.compression)
+    pending = state.pop("auto_pending", None)
+    active = model.config.compression
+    if saved == active:
+        if pending is not None and active == "auto":
+            model._gf_auto.pending = pending
+            model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
+        return state
+    if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
+        model._gf_auto.reason = f"{saved} (from the loaded communication state)"
+        _rebuild(model, saved)
+        return state
+    raise ValueError(
+        f"gradientflow: the communication state was saved with compression={saved!r}, this model runs "
+        f"compression={active!r}. Build the model with the compression it was saved with."
+    )
+
+
+def describe(model: DistributedDataParallel) -> dict[str, str]:
+    """For ``comm_stats()``: the active recipe and, under ``"auto"``, why (nothing for the default "none",
+    whose counters stay all numbers)."""
+    if model.config.compression == "none":
+        return {}
+    out = {"compression": model.config.compression}
+    if model._gf_auto.requested:
+        out["compression_auto"] = model._gf_auto.reason
+    return out

@@ -1,0 +1,321 @@
+"""compression="quantized" / "auto" (issue 27), written as user code where it can be.
+
+- the block quantiser against a numpy re-implementation, and its byte count by hand;
+- the quantised ring on 2, 3 and 4 ranks against the same ring simulated in numpy; ranks end
+  identical; error mass conserved (sum of the ranks' errors + N x result == sum of the inputs);
+- training: the recipe with the quantiser off ("q32") gives torch DDP's parameters; with 3 bits
+  ranks hold identical parameters after every step; checkpoint + resume == uninterrupted run;
+- options: a mismatch across ranks is a ValueError on every rank; conflicting keywords raise;
+  "auto" picks csc for SGD (with and without momentum), quantized for Adam and AdamW, and
+  ``comm_stats()`` says which.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from gradientflow.config import GradientFlowConfig
+
+from _dist import run_distributed
+
+BITS, BLOCK = 3, 128
+
+
+# ---- the quantiser, in numpy ------------------------------------------------------------------
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round fp32 to bf16 (nearest, ties to even), returned as fp32."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK) -> np.ndarray:
+    """The decoded values of ``x`` (fp32): per block s = bf16(max|x|), q = clip(round(x L / s), -L, L),
+    decoded q s / L, all in fp32 (numpy rounds half to even, as torch does)."""
+    L = np.float32(2 ** (bits - 1) - 1)
+    m = x.size
+    nb = -(-m // block)
+    rows = np.zeros(nb * block, np.float32)
+    rows[:m] = x
+    rows = rows.reshape(nb, block)
+    step = _bf16(np.abs(rows).max(axis=1)) / L
+    safe = np.where(step > 0, step, np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(rows / safe[:, None]), -L, L).astype(np.float32)
+    return (q * step[:, None]).reshape(-1)[:m]
+
+
+def np_ring(xs: list[np.ndarray], bits: int = BITS, block: int = BLOCK) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The quantised ring, simulated: segments of whole blocks; segment s starts at rank s, each next
+    rank adds its own part to the decoded partial and requantises; the last rank's quantised sum is
+    what everyone decodes (two ranks: an exchange of whole contributions).  Returns (result, errors)."""
+    N, n = len(xs), xs[0].size
+    if N == 2:  # one exchange of whole quantised contributions; each rank adds the two decoded ones
+        decoded = [np_quantize(x, bits, block) for x in xs]
+        return decoded[0] + decoded[1], [x - d for x, d in zip(xs, decoded)]
+    nb = -(-n // block)
+    q, rem = divmod(nb, N)
+    bounds, start = [], 0
+    for i in range(N):
+        end = start + q + (i < rem)
+        bounds.append((min(start * block, n), min(end * block, n)))
+        start = end
+    result = np.zeros(n, np.float32)
+    errs = [np.zeros(n, np.float32) for _ in range(N)]
+    for s, (a, b) in enumerate(bounds):
+        if a == b:
+            continue
+        decoded = None
+        for hop in range(N):  # rank s, s+1, ..., s+N-1 (mod N) in turn
+            r = (s + hop) % N
+            value = xs[r][a:b].copy() if decoded is None else (xs[r][a:b] + decoded).astype(np.float32)
+            decoded = np_quantize(value, bits, block)
+            errs[r][a:b] = value - decoded
+        result[a:b] = decoded
+    return result, errs
+
+
+def test_quantiser_matches_numpy_and_counts_bytes():
+    from gradientflow.comm.quantize import dequantize, quantize, wire_bytes
+
+    g = torch.Generator().manual_seed(0)
+    for m in (128, 1000, 5):
+        x = torch.randn(m, generator=g) * 3
+        out = torch.empty(wire_bytes(m, BITS, BLOCK), dtype=torch.uint8)
+        err = torch.empty(m)
+        decoded = quantize(x, out, BITS, BLOCK, err=err)
+        assert torch.equal(dequantize(out, m, BITS, BLOCK), decoded)  # the receiver decodes what the sender kept
+        np.testing.assert_allclose(decoded.numpy(), np_quantize(x.numpy()), rtol=1e-6, atol=0)
+        assert torch.equal(err, x - decoded)
+    # Subnormal blocks (a step whose reciprocal overflows) and all-zero blocks decode finite.
+    tiny = torch.cat([torch.full((128,), 1e-40), torch.zeros(128)])
+    out = torch.empty(wire_bytes(256, BITS, BLOCK), dtype=torch.uint8)
+    assert torch.isfinite(quantize(tiny, out, BITS, BLOCK)).all()
+    # By hand: 3 bits per element + one bf16 scale per 128 elements = 3/8 + 2/128 bytes; fp32 is 4.
+    assert wire_bytes(128 * 1000, BITS, BLOCK) / (4 * 128 * 1000) == pytest.approx((3 / 8 + 2 / 128) / 4)
+    assert (3 / 8 + 2 / 128) / 4 == pytest.approx(0.09765625)
+
+
+# ---- the ring on 2, 3, 4 ranks ----------------------------------------------------------------
+def _ring_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[list[float], list[float], list[float]]]:
+    import torch.distributed as dist
+
+    from gradientflow.comm.quantized_ring import QuantizedRing
+
+    out = []
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * n + rank)) * (rank + 1)
+        x0 = x.clone()
+        err = torch.full((n,), float("nan"))  # every element must be written
+        ring = QuantizedRing(x, err, dist.group.WORLD, bits=BITS, block=BLOCK)
+        ring.wait()
+        out.append((x0.tolist(), x.tolist(), err.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_matches_numpy_reference_and_conserves_error_mass(world):
+    sizes = [1000, 5, 128 * 7 + 3]  # several blocks per rank; fewer blocks than ranks; a short last block
+    per_rank = run_distributed(_ring_worker, world, sizes)
+    for k in range(len(sizes)):
+        xs = [np.array(r[k][0], np.float32) for r in per_rank]
+        results = [np.array(r[k][1], np.float32) for r in per_rank]
+        errs = [np.array(r[k][2], np.float32) for r in per_rank]
+        for res in results[1:]:
+            np.testing.assert_array_equal(res, results[0])  # identical bytes decoded identically
+        ref, ref_errs = np_ring(xs)
+        scale = np.abs(sum(xs)).max()
+        # numpy and torch may round the adds of a partial differently in the last bit; that moves no
+        # code except at an exact tie, so equality up to a few fp32 ulps of the sum's magnitude.
+        np.testing.assert_allclose(results[0], ref, rtol=0, atol=4e-6 * scale)
+        for e, re in zip(errs, ref_errs):
+            np.testing.assert_allclose(e, re, rtol=0, atol=4e-6 * scale)
+        # Error mass: the errors telescope, sum_r err_r + result == sum_r x_r, up to the fp32
+        # rounding of the N-1 adds of each partial (each <= half an ulp of the partial).
+        mass = sum(e.astype(np.float64) for e in errs) + results[0] - sum(x.astype(np.float64) for x in xs)
+        assert np.abs(mass).max() <= world * 2**-23 * scale
+
+
+# ---- training, as a user writes it ------------------------------------------------------------
+def _net():
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def _batches(rank: int, steps: int):
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(steps)]
+
+
+def _train(model, opt, batches, after_step=None):
+    from torch.nn import functional as F
+
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+
+def _params(net) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in net.parameters()]).tolist()
+
+
+def _training_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import gradientflow
+
+    steps = 6
+    batches = _batches(rank, steps)
+    out: dict = {}
+
+    # 1. Quantiser off ("q32"): the same ring and error feedback, fp32 on the wire -> torch DDP.
+    for name, wrap in (
+        ("torch", lambda n: TorchDDP(n)),
+        ("q32", lambda n: gradientflow.DistributedDataParallel(n, compression="q32")),
+    ):
+        net = _net()
+        model = wrap(net)
+        _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches)
+        out[name] = _params(net)
+
+    # 2. 3 bits: identical parameters on every rank after every step.
+    net = _net()
+    model = gradientflow.DistributedDataParallel(net, compression="quantized")
+    history: list[list[float]] = []
+    _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches, lambda: history.append(_params(net)))
+    out["q3_history"] = history
+    stats = model.comm_stats()
+    out["q3_bytes"] = (stats["payload_bytes"], stats["dense_bytes"], stats["compression"])
+
+    # 3. Checkpoint at step k and resume == uninterrupted (auto + AdamW: dense step 0, then quantised).
+    def run(stop: int | None, resume: dict | None) -> tuple[list[float], dict | None]:
+        net = _net()
+        model = gradientflow.DistributedDataParallel(net, compression="auto")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        todo = batches
+        if resume is not None:
+            net.load_state_dict(resume["model"])
+            opt.load_state_dict(resume["opt"])
+            model.load_comm_state_dict(resume["comm"])
+            todo = batches[resume["at"] :]
+        elif stop is not None:
+            todo = batches[:stop]
+        _train(model, opt, todo)
+        if stop is None:
+            return _params(net), None
+        buf = io.BytesIO()
+        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "comm": model.comm_state_dict()}, buf)
+        buf.seek(0)
+        return _params(net), {**torch.load(buf, weights_only=True), "at": stop}
+
+    whole, _ = run(None, None)
+    out["resume"] = []
+    for k in (1, 3):
+        _, ckpt = run(k, None)
+        resumed, _ = run(None, ckpt)
+        out["resume"].append(resumed == whole)
+
+    # 4. auto: the recipe by optimizer class, agreed, named in comm_stats().
+    picks = {}
+    for label, make in (
+        ("SGD", lambda p: torch.optim.SGD(p, lr=0.1)),
+        ("SGD momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("Adam", lambda p: torch.optim.Adam(p, lr=1e-3)),
+        ("AdamW", lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    ):
+        model = gradientflow.DistributedDataParallel(_net(), compression="auto")
+        _train(model, make(model.parameters()), batches[:2])
+        s = model.comm_stats()
+        picks[label] = (s["compression"], s["compression_auto"])
+
+    out["picks"] = picks
+    dist.barrier()
+    return out
+
+
+def test_training_full_precision_identical_ranks_resume_and_auto_picks():
+    per_rank = run_distributed(_training_worker, 3)
+    for r in per_rank:
+        # Quantiser off: only the order of the fp32 additions differs from torch DDP's allreduce
+        # (<= 2 ulp per averaged gradient with 3 ranks); six AdamW steps at lr 1e-2 move each
+        # parameter by <= 6e-2, normalised by Adam, so the difference stays within 1e-6.
+        np.testing.assert_allclose(r["q32"], r["torch"], rtol=0, atol=1e-6)
+        assert r["resume"] == [True, True]  # checkpoint after steps 1 and 3, resumed: bit for bit
+    for step in range(6):
+        assert per_rank[1]["q3_history"][step] == per_rank[0]["q3_history"][step]
+        assert per_rank[2]["q3_history"][step] == per_rank[0]["q3_history"][step]
+    payload, dense, name = per_rank[0]["q3_bytes"]
+    assert name == "quantized"
+    assert payload / dense < 0.11  # 0.0977 plus each bucket's short last block
+    assert per_rank[0]["picks"] == {
+        "SGD": ("csc", "SGD -> csc"),
+        "SGD momentum": ("csc", "SGD -> csc"),
+        "Adam": ("quantized", "Adam -> quantized"),
+        "AdamW": ("quantized", "AdamW -> quantized"),
+    }
+
+
+# ---- options ----------------------------------------------------------------------------------
+def _mismatch_worker(rank: int, world: int) -> list[str]:
+    from torch.nn import functional as F
+
+    import gradientflow
+
+    messages = []
+    try:  # an option that differs between ranks
+        gradientflow.DistributedDataParallel(_net(), compression="quantized" if rank == 0 else "q4")
+        messages.append("no error")
+    except ValueError as exc:
+        messages.append(str(exc))
+    try:  # auto, but the ranks step different optimizer classes
+        model = gradientflow.DistributedDataParallel(_net(), compression="auto")
+        opt = torch.optim.AdamW(model.parameters()) if rank == 0 else torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in _batches(rank, 2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        messages.append("no error")
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_mismatch_across_ranks_is_a_value_error_on_every_rank():
+    for option, auto in run_distributed(_mismatch_worker, 2):
+        assert "different options: compression" in option or "different options: quant_bits" in option, option
+        assert "different recipes" in auto, auto
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"compression": "csc", "density": 0.3}, "density"),
+        ({"compression": "quantized", "comm_dtype": "fp16"}, "comm_dtype"),
+        ({"compression": "auto", "density": 0.1}, "density"),
+        ({"compression": "q9"}, "compression must be"),
+        ({"compression": "q3b100"}, "compression must be"),
+    ],
+)
+def test_conflicting_or_unknown_compression_raises(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        GradientFlowConfig(**kwargs)
+
+
+def test_named_recipes_set_todays_keywords():
+    assert (GradientFlowConfig(compression="csc").comm_dtype, GradientFlowConfig(compression="csc").density) == (
+        "fp16",
+        0.1,
+    )
+    assert GradientFlowConfig(compression="fp16").wire_dtype == torch.float16
+    q = GradientFlowConfig(compression="q4b64")
+    assert (q.compression, q.quant_bits, q.quant_block) == ("quantized", 4, 64)
+    assert GradientFlowConfig().compression == "none" and not GradientFlowConfig().quantized

@@ -1,0 +1,36 @@
+"""The planner knows the quantised recipe (issue 27): its bytes by hand, and what "auto" runs per optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gradientflow.sim import ModelProfile, SimConfig, simulate
+from gradientflow.sim.planner import QUANTIZED_SYSTEM, plan, recommendation
+from gradientflow.sim.schedule import QUANTIZED
+
+# Two tensors of 1000 and 3000 gradients, t(1) = 1 s, a 1 GB/s link (tests/test_sim.py's hand model).
+HAND = ModelProfile("hand", numels=(1000, 3000), order=(1, 0), ready=(1.0, 0.5), source="hand")
+CFG = SimConfig(bandwidth=1e9, latency=1e-5, batch=1, gpu_images_per_s=1.0, backward_fraction=0.5, theta_mb=0.0)
+
+
+def test_quantized_bytes_and_time_by_hand():
+    it = simulate(HAND, CFG, 2, "quantized", QUANTIZED)
+    # 3 bits + one 2-byte scale per 128 gradients = 0.390625 bytes per gradient, per tensor (theta 0)
+    assert it.bytes_per_gpu == math.ceil(3000 * 0.390625) + math.ceil(1000 * 0.390625)
+    assert it.bytes_per_gpu / (4 * 4000) == pytest.approx(0.0977, abs=1e-3)
+    assert it.collectives == 2
+    # passes are free at the default pass rate; the last tensor (1000, ready at the end of backward)
+    # goes on the wire at 1.0 s: 1e-5 + 2 * 1/2 * 391 B / 1 GB/s after it
+    assert it.iteration_s == pytest.approx(1.0 + 1e-5 + 391 / 1e9)
+
+
+def test_planner_lists_quantized_and_recommends_by_optimizer():
+    rows = plan(HAND, CFG, [1, 4], densities=(0.1,))
+    assert [r.system for r in rows if r.gpus == 4][-1] == QUANTIZED_SYSTEM
+    adamw = recommendation(rows, "adamw")
+    assert "4 GPUs, adamw" in adamw and QUANTIZED_SYSTEM in adamw and "1 GPUs" not in adamw
+    assert "gradientflow CSC density 0.1" in recommendation(rows, "sgd")
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        recommendation(rows, "lbfgs")
