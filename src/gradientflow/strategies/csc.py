@@ -72,6 +72,7 @@ from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
 from .selection import chunk_scores, dense_from, density_at, n_selected, samples_chunks, score_scratch, select_chunks
 from .slices import Slice, SliceQueue
+from .writeback import PoolWriter
 
 
 class SparseSync(SyncStrategy):
@@ -105,7 +106,7 @@ class SparseSync(SyncStrategy):
         self._dense_from = dense_from(self.chunk_size, wire.itemsize)  # scores travel as fp32
         self.step = 0
         self.last_slice_sizes: list[int] = []
-        self._sent: list[tuple[int, torch.Tensor]] = []  # (pool, chunk indices) of the last step
+        self._writer = PoolWriter()
         self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
@@ -138,7 +139,7 @@ class SparseSync(SyncStrategy):
         self._ready = [0] * len(self.sizes)  # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
-        self._clean_versions: list[int] | None = None  # see _clear_pool
+        self._writer.forget()
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
@@ -152,9 +153,9 @@ class SparseSync(SyncStrategy):
     @property
     def last_selected(self) -> torch.Tensor:
         """Global indices (ascending per slice) of the chunks the last step sent."""
-        if not self._sent:
+        if not self._writer.sent:
             return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([idx + self.offsets[k] for k, idx in self._sent])
+        return torch.cat([idx + self.offsets[k] for k, idx in self._writer.sent])
 
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters none of whose chunks was sent this step (a sent chunk may carry residual)."""
@@ -314,7 +315,7 @@ class SparseSync(SyncStrategy):
         if self._last_dense:
             self.dense.finish(stats)
             stats.extra.update(selected_chunks=self.total_chunks, n_chunks=self.total_chunks, warmup=1, density=1.0)
-            self._clean_versions = None  # the pool holds a dense result
+            self._writer.forget()  # the pool holds a dense result
             self.step += 1
             return
         tail = self._end_of_backward(stats)
@@ -337,7 +338,8 @@ class SparseSync(SyncStrategy):
         ok = math.isfinite(float(total))
         stats.host_syncs += 1
         stats.phase("check", t0)
-        self._write_back(slices, ok, stats)
+        assert self.res is not None  # allocated by the first sparse step's _begin_step
+        self._writer.write_back(self.pool, self._pool_rows, self.res, slices, ok, stats, self.dense.watchdog)
         stats.extra.update(
             n_chunks=self.total_chunks,
             warmup=0,
@@ -365,56 +367,6 @@ class SparseSync(SyncStrategy):
                 scored.append((k, rng))
         stats.phase("score", t0)
         return scored
-
-    def _write_back(self, slices: list[Slice], ok: bool, stats: StepStats) -> None:
-        """The pool gets the reduced chunks and zeros elsewhere; sent chunks leave u and v.
-
-        The pool is zeroed first: it may hold this step's local gradient (pool-path pools) or
-        the last step's result, neither of which may reach the optimizer.
-        """
-        t0 = time.perf_counter()
-        t_trace = phase_start(self.dense.watchdog)
-        self._clear_pool()
-        t0 = stats.phase("zero", t0)
-        if not ok:
-            # NaN on every rank: GradScaler.step skips everywhere (a plain optimizer would apply
-            # NaN, exactly as it would after a dense allreduce of a non-finite gradient).
-            for buf in self.pool.buffers:
-                buf.fill_(float("nan"))
-            self.res.clean()
-            self._sent = []
-            stats.phase("zero", t0)
-            phase_end(self.dense.watchdog, "csc.write-back", t_trace)
-            return
-        for sl in slices:
-            rows = self._pool_rows[sl.pool]
-            rows.index_copy_(0, sl.idx, sl.packed.to(rows.dtype))
-        t0 = stats.phase("unpack", t0)
-        for sl in slices:  # momentum factor masking: what was sent leaves the residual
-            self.res.rows(sl.pool).index_fill_(0, sl.idx, 0.0)
-            if self.res.u is not None:
-                self.res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
-        self._sent = [(sl.pool, sl.idx) for sl in slices]
-        self._clean_versions = [b._version for b in self.pool.padded]
-        stats.phase("zero", t0)
-        phase_end(self.dense.watchdog, "csc.write-back", t_trace)
-
-    def _clear_pool(self) -> None:
-        """Zero the pool: only last step's chunks if nothing else has written to it since.
-
-        Direct pools never see this step's gradient (it went into v), so after a write-back the
-        pool holds the sent chunks and zeros.  The buffers' version counters (bumped by any
-        in-place write: a pool-path accumulation, ``GradScaler.unscale_``, a clipping, an
-        optimizer that edits ``.grad``) tell whether that is still so; if not, one memset.
-        """
-        versions = self._clean_versions
-        self._clean_versions = None
-        if versions is not None and versions == [b._version for b in self.pool.padded]:
-            for k, idx in self._sent:
-                self._pool_rows[k].index_fill_(0, idx, 0.0)
-            return
-        for buf in self.pool.padded:
-            buf.zero_()
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""CSC's end of a step: the pool gets the reduced chunks and zeros elsewhere; sent chunks leave u and v.
+
+Kept apart from :mod:`.csc` because it is the one part of CSC that writes where the optimizer reads
+(the pool): what it may leave there, and when a whole-pool memset can be skipped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..diagnostics.stats import StepStats
+from ..diagnostics.trace import phase_end, phase_start
+from ..diagnostics.watchdog import Watchdog
+from ..engine.pool import GradPool
+from .residual import Residuals
+from .slices import Slice
+
+
+class PoolWriter:
+    """Writes a CSC step's result into the pool and remembers what it wrote (to clear it cheaply)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, torch.Tensor]] = []  # (pool, chunk indices) of the last step
+        self.clean_versions: list[int] | None = None  # the pool's versions right after the last write
+
+    def forget(self) -> None:
+        """The pool now holds something else (a dense result): the next clear is a full memset."""
+        self.clean_versions = None
+
+    def write_back(
+        self,
+        pool: GradPool,
+        rows: list[torch.Tensor],
+        res: Residuals,
+        slices: list[Slice],
+        ok: bool,
+        stats: StepStats,
+        watchdog: Watchdog | None,
+    ) -> None:
+        """1. zero the pool (it may hold this step's local gradient or the last step's result, neither
+        of which may reach the optimizer); 2. the reduced chunks into their rows; 3. the sent chunks
+        leave the residual (momentum factor masking).  ``ok=False`` (a non-finite sum, the same
+        verdict on every rank): NaN everywhere, so GradScaler.step skips on every rank."""
+        t0 = time.perf_counter()
+        t_trace = phase_start(watchdog)
+        self.clear(pool, rows)
+        t0 = stats.phase("zero", t0)
+        if not ok:
+            for buf in pool.buffers:
+                buf.fill_(float("nan"))
+            res.clean()
+            self.sent = []
+            stats.phase("zero", t0)
+            phase_end(watchdog, "csc.write-back", t_trace)
+            return
+        for sl in slices:
+            r = rows[sl.pool]
+            r.index_copy_(0, sl.idx, sl.packed.to(r.dtype))
+        t0 = stats.phase("unpack", t0)
+        for sl in slices:
+            res.rows(sl.pool).index_fill_(0, sl.idx, 0.0)
+            if res.u is not None:
+                res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
+        self.sent = [(sl.pool, sl.idx) for sl in slices]
+        self.clean_versions = [b._version for b in pool.padded]
+        stats.phase("zero", t0)
+        phase_end(watchdog, "csc.write-back", t_trace)
+
+    def clear(self, pool: GradPool, rows: list[torch.Tensor]) -> None:
+        """Zero the pool: only last step's chunks if nothing else has written to it since.
+
+        Direct pools never see this step's gradient (it went into v), so after a write-back the
+        pool holds the sent chunks and zeros.  The buffers' version counters (bumped by any
+        in-place write: a pool-path accumulation, ``GradScaler.unscale_``, a clipping, an
+        optimizer that edits ``.grad``) tell whether that is still so; if not, one memset.
+        """
+        versions = self.clean_versions
+        self.clean_versions = None
+        if versions is not None and versions == [b._version for b in pool.padded]:
+            for k, idx in self.sent:
+                rows[k].index_fill_(0, idx, 0.0)
+            return
+        for buf in pool.padded:
+            buf.zero_()
