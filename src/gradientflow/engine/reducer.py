@@ -101,6 +101,8 @@ class Reducer:
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
         self.usage = ParamUsage(n, static_graph)
         self.result_versions: tuple[int, ...] | None = None
+        self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
+        self.last_error = ""  # the last error this engine raised (torch DDP's logging data reports it)
         device = params[0].device
         self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
         self.finite_check = FiniteCheck(watchdog, names, device) if config.check_finite else None
@@ -282,6 +284,8 @@ class Reducer:
             self.bind_grads(sync=False)
 
     def _param_ready(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is None:  # an undefined gradient (autograd produced none): the parameter counts as unused
+            return
         usage = self.usage
         usage.fresh[i] = 0
         usage.used[i] = 1
@@ -392,6 +396,11 @@ class Reducer:
             self.unbound = False
             self.usage.reset()
         self.last_stats = bw.stats
+        if bw.order and self.usage.static_graph:
+            error = self.usage.check_static_graph(bw.order, self.names, dist.get_rank(self.group))
+            if error is not None:
+                self.last_error = str(error)
+                raise error
         if not self.layout_final:
             self._relayout_from_observed(bw.order)
         if self.config.sparse:
@@ -399,6 +408,9 @@ class Reducer:
         if t_final is not None:
             tr.complete("final wait", "final", t_final, time.perf_counter())
         self._end_step()
+        after, self.after_step = self.after_step, None
+        if after is not None:
+            after()
 
     def shadow_step(self) -> None:
         """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""

@@ -26,6 +26,7 @@ class ParamUsage:
         self.used = bytearray(n)  # 1: a backward on this rank produced the gradient since the last sync
         self.static_graph = static_graph
         self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
+        self.static_used: bytearray | None = None  # static_graph: this rank's used set at the first step
 
     def reset(self) -> None:
         """A synchronisation ended: nothing is fresh or used any more."""
@@ -56,3 +57,35 @@ class ParamUsage:
         else:
             unused = self.static_unused or []
         return [i for i in unused if self.fresh[i]]
+
+    def check_static_graph(self, order: list[int], names: list[str], rank: int) -> RuntimeError | None:
+        """``static_graph=True`` promises the same used parameters every step (the used exchange ran once).
+
+        The error for a step that breaks it (torch DDP's messages), None if it keeps it: a changed
+        graph would otherwise drop gradients silently."""
+        used = bytearray(len(self.used))
+        for i in order:
+            used[i] = 1
+        first = self.static_used
+        if first is None:
+            self.static_used = used
+            return None
+        if used == first:
+            return None
+        new = [names[i] for i in range(len(used)) if used[i] and not first[i]]
+        gone = [i for i in range(len(used)) if first[i] and not used[i]]
+        if new:
+            msg = (
+                "gradientflow: Your training graph has changed in this iteration: parameters unused in the first "
+                f"iteration received a gradient ({', '.join(new)}); this is not compatible with static_graph=True. "
+                "Pass static_graph=False (unused parameters are handled every step)."
+            )
+        else:
+            msg = (
+                "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+                "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
+                "first iteration, but then got unused in the second iteration. this is not compatible with "
+                "static_graph set to True.\nParameter indices which did not receive grad for rank "
+                f"{rank}: {' '.join(map(str, gone))} ({', '.join(names[i] for i in gone)})"
+            )
+        return RuntimeError(msg)

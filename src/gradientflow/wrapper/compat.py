@@ -20,6 +20,11 @@ from torch import nn
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
+class DDPValueError(ValueError, RuntimeError):
+    """A setup torch DDP refuses with ``RuntimeError`` and gradientflow with ``ValueError`` (what to do
+    instead): both ``except`` clauses catch it."""
+
+
 @dataclass(frozen=True)
 class DDPSettings:
     """What the wrapper takes from torch DDP's arguments."""
@@ -168,22 +173,13 @@ def resolve_ddp_args(
     )
 
 
-def check_no_sparse_gradients(module: nn.Module, ignored: set[str]) -> None:
-    """Raise if a module would produce sparse gradients (``nn.Embedding(..., sparse=True)``).
-
-    A sparse gradient cannot live in the dense pool; densifying it silently would break
-    ``SparseAdam`` and multiply the bytes sent.
-    """
+def sparse_gradient_params(module: nn.Module) -> set[str]:
+    """Names of the parameters that get sparse gradients (``nn.Embedding`` / ``EmbeddingBag(sparse=True)``)."""
+    names = set()
     for mod_name, mod in module.named_modules():
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
-            name = f"{mod_name}.weight" if mod_name else "weight"
-            if name in ignored:
-                continue
-            raise ValueError(
-                f"parameter '{name}' has sparse gradients ({type(mod).__name__}(sparse=True)), which "
-                "gradientflow does not synchronise: use sparse=False (dense gradients, any optimizer), or list "
-                "the parameter in module._ddp_params_and_buffers_to_ignore and synchronise it yourself."
-            )
+            names.add(f"{mod_name}.weight" if mod_name else "weight")
+    return names
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:

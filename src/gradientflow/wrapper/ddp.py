@@ -31,11 +31,13 @@ from ..engine.consistency import check_same_setup
 from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..strategies import build_strategy
-from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
+from .compat import DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .join import GradientFlowJoinHook, common_rank
+from .sparse_grads import SparseGradSync
+from .torch_api import DoubleWrapError, TorchDDPAPI
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
     torch DDP's arguments keep their positions, defaults and meaning:
@@ -106,6 +108,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            raise DoubleWrapError(
+                f"the module is already a {type(module).__module__}.{type(module).__name__}; wrapping it again would "
+                "average every gradient twice. Wrap the inner model (model.module) once."
+            )
         settings = resolve_ddp_args(
             module,
             device_ids=device_ids,
@@ -151,24 +158,28 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = settings.static_graph
         self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
+        # True after a synchronised forward (and at first): the next forward, with grad or not, broadcasts
+        # the buffers, as torch DDP does (a validation pass after training sees rank 0's BatchNorm stats).
+        self.require_forward_param_sync = True
+        self.device_mesh = device_mesh
+        self.bucket_cap_mb_list = bucket_cap_mb_list
+        self._gf_divide_by_initial_world_size = True
         self._gf_device = settings.device
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        check_no_sparse_gradients(module, ignored)
-        self._gf_ignored = ignored
+        self._gf_ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self._gf_attach_group(settings.process_group)
         group = self.process_group
         self._gf_collect_tensors()
-        if not self._gf_params:
-            raise ValueError(
+        if not self._gf_params and not self._gf_sparse_params:
+            raise DDPValueError(
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
         self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
         # One exchange compares the options that must agree and the models (even with init_sync=False:
         # a mismatch there is a hang or a silently wrong model later).
-        named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+        named = [(n, p) for n, p in module.named_parameters() if n not in self._gf_ignored]
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in ignored]
+        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in self._gf_ignored]
         check_same_setup(self.config, signature, group, self._gf_watchdog, self._gf_params[0].device)
         if settings.init_sync:
             states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
@@ -203,8 +214,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
-        self._gf_names = [n for n, p in named if p.requires_grad]
-        self._gf_params = [p for _, p in named if p.requires_grad]
+        sparse = sparse_gradient_params(self.module)  # torch DDP syncs these apart, one allreduce each
+        self._gf_sparse_params = [p for n, p in named if p.requires_grad and n in sparse]
+        self._gf_sparse = SparseGradSync(self._gf_sparse_params, self.process_group, self._gf_watchdog)
+        self._gf_names = [n for n, p in named if p.requires_grad and n not in sparse]
+        self._gf_params = [p for n, p in named if p.requires_grad and n not in sparse]
         self._gf_frozen = [(n, p) for n, p in named if not p.requires_grad and p.is_floating_point()]
         self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
 
@@ -214,7 +228,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if old is not None:
             old.remove_hooks()
         control = self._gf_control_group() if self.config.sparse else None
-        make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
+        if self.__dict__.get("_gf_comm_hook") is not None:
+            make_sync = self._gf_make_sync()
+        else:
+            make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
         self._gf_engine = Reducer(
             self._gf_params,
             self._gf_names,
@@ -267,9 +284,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if sync:
             self._gf_before_sync_forward()
+        if self.require_forward_param_sync and self._gf_syncs_buffers():
+            self._gf_sync_buffers(post_forward=False)
         if self._gf_device is not None:
             inputs, kwargs = move_to_device(inputs, self._gf_device), move_to_device(kwargs, self._gf_device)
         out = self.module(*inputs, **kwargs)
+        if self.require_forward_param_sync and self._gf_syncs_buffers():
+            self._gf_sync_buffers(post_forward=True)
+        self.require_forward_param_sync = sync
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
         if t_fwd is not None:
@@ -286,19 +308,52 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "wrapping (toggling it off and on again later is fine), or wrap the model anew."
                 )
         if self._join_config.enable:
-            Join.notify_join_context(self)
-        if self._gf_syncs_buffers():
-            self._gf_broadcast_buffers(active=True)
+            work = Join.notify_join_context(self)
+            if work is not None and not self._gf_divide_by_initial_world_size:
+                self._gf_engine.after_step = self._gf_rescale_by_active(work)
+
+    def _gf_rescale_by_active(self, work: Any) -> Any:
+        """``join(divide_by_initial_world_size=False)``: the step's mean over the ranks still training
+        (Join's own allreduce of ones counts them); the engine divided by the initial world size."""
+        pool = self._gf_engine.pool
+
+        def rescale() -> None:
+            work.wait()
+            active = int(work.result()[0].item()) if hasattr(work, "result") else self._gf_world_size
+            if 0 < active < self._gf_world_size:
+                with torch.no_grad():
+                    for buf in pool.buffers:
+                        buf.mul_(self._gf_world_size / active)
+
+        return rescale
 
     def _gf_syncs_buffers(self) -> bool:
+        self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
         return self.forward_sync_buffers and bool(self._gf_module_buffers) and self._gf_world_size > 1
 
     @torch.compiler.disable
     def _gf_after_forward(self, out: Any, sync: bool) -> None:
         self._gf_engine.arm(out, sync)
+        if sync and self._gf_sparse_params:
+            self._gf_sparse.arm(out)
+
+    @torch.compiler.disable
+    def _gf_sync_buffers(self, post_forward: bool) -> None:
+        """Before forward (or after it, with a post-forward buffer hook): the buffer broadcast, or the user's hook."""
+        hook = self.__dict__.get("_gf_buffer_hook")
+        if hook is None:
+            if not post_forward:
+                self._gf_broadcast_buffers(active=True)
+            return
+        state, fn, pre_forward = hook
+        if pre_forward != post_forward:
+            named = {n: b for n, b in self.module.named_buffers() if n not in self._gf_ignored}
+            for fut in fn(state, named) or []:
+                fut.wait()
 
     def _gf_broadcast_buffers(self, active: bool) -> None:
-        """Buffers from rank 0 (under ``Join``: from the highest rank still training)."""
+        """Buffers from rank 0 (under ``Join``: from the highest rank still training); the buffers are
+        looked up at every broadcast, so one the model reassigned (not changed in place) is the one sent."""
         src = self._gf_src
         if self._join_config.enable:
             src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
@@ -314,22 +369,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    # ---- uneven inputs (torch Join) ---------------------------------------------------------
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """``with model.join(): ...`` — ranks with fewer batches shadow the others until all are done.
-
-        Gradients are averaged over the initial world size (joined ranks contribute zero), DDP's
-        default; ``divide_by_initial_world_size=False`` is not supported.
-        """
-        if not divide_by_initial_world_size:
-            raise ValueError(
-                "join(divide_by_initial_world_size=False) is not supported: gradientflow divides by the initial "
-                "world size (joined ranks contribute zero). Scale the learning rate if you need the other mean."
-            )
-        return Join([self], enable, throw_on_early_termination)
-
+    # ---- uneven inputs (torch Join; join() itself is in TorchDDPAPI) -------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return GradientFlowJoinHook(self)
 
@@ -340,25 +380,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group
-
-    # ---- torch DDP methods we do not implement -------------------------------------------
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Not supported: gradientflow's options replace the common hooks."""
-        raise NotImplementedError(
-            "gradientflow does not run DDP communication hooks; its options cover the common ones: "
-            "fp16_compress_hook -> comm_dtype='fp16', bf16_compress_hook -> comm_dtype='bf16', PowerSGD -> "
-            "density=0.1 (coarse-grained sparse communication), allreduce_hook -> the default."
-        )
-
-    # ---- torch DDP properties -------------------------------------------------------------
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13 DDP)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
 
     # ---- nn.Module plumbing: device/dtype changes, copies, pickling ------------------------
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:

@@ -161,7 +161,7 @@ IMPLEMENTATIONS = {"torch": TorchDDP, "gradientflow": Gradientflow}
 
 
 def all_ddp_tests() -> list[str]:
-    """The DDP tests: ``test_DistributedDataParallel*``, ``test_ddp_*`` and every other test whose body constructs DDP."""
+    """The DDP tests: ``test_DistributedDataParallel*``, ``test_ddp_*`` and the other tests that construct DDP."""
     base = _dt.DistributedTest._DistTestBase
     names = sorted(n for n in dir(base) if n.startswith("test_"))
 
