@@ -413,7 +413,12 @@ class Reducer:
             after()
 
     def shadow_step(self) -> None:
-        """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration).
+
+        The step's result is not this rank's gradient: as under torch DDP, ``.grad`` is left as the
+        user left it (``None`` stays ``None``; a kept gradient reads zero), so the first backward after
+        ``join`` does not add the others' average to its own."""
+        was_none = [p.grad is None for p in self.params]
         with torch.no_grad():
             for p in self.params:
                 p.grad = None
@@ -422,6 +427,11 @@ class Reducer:
                 self.step_check.start_neutral()
             self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
             self.finish_backward()
+            for buf in self.pool.buffers:
+                buf.zero_()
+            for p, none in zip(self.params, was_none):
+                if none:
+                    p.grad = None
 
     def _end_step(self) -> None:
         """The check_finite verdict on this step, then count it (messages, trace window)."""

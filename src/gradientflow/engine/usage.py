@@ -72,20 +72,20 @@ class ParamUsage:
             return None
         if used == first:
             return None
-        new = [names[i] for i in range(len(used)) if used[i] and not first[i]]
+        new = [i for i in range(len(used)) if used[i] and not first[i]]
         gone = [i for i in range(len(used)) if first[i] and not used[i]]
-        if new:
-            msg = (
-                "gradientflow: Your training graph has changed in this iteration: parameters unused in the first "
-                f"iteration received a gradient ({', '.join(new)}); this is not compatible with static_graph=True. "
-                "Pass static_graph=False (unused parameters are handled every step)."
-            )
-        else:
-            msg = (
-                "Expected to have finished reduction in the prior iteration before starting a new one. This error "
-                "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
-                "first iteration, but then got unused in the second iteration. this is not compatible with "
-                "static_graph set to True.\nParameter indices which did not receive grad for rank "
-                f"{rank}: {' '.join(map(str, gone))} ({', '.join(names[i] for i in gone)})"
-            )
+
+        def listed(idx: list[int]) -> str:
+            return " ".join(map(str, idx)) + f" ({', '.join(names[i] for i in idx)})" if idx else "none"
+
+        # torch's two messages (one for each direction) in one, so that code matching either matches
+        msg = (
+            "Your training graph has changed in this iteration, which static_graph=True forbids: pass "
+            "static_graph=False (unused parameters are then found every step).\n"
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
+            "first iteration, but then got unused in the second iteration. this is not compatible with "
+            f"static_graph set to True.\nParameter indices which did not receive grad for rank {rank}: {listed(gone)}; "
+            f"unused at the first iteration and received a grad now: {listed(new)}"
+        )
         return RuntimeError(msg)

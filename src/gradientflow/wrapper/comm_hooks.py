@@ -69,7 +69,7 @@ class HookSync(SyncStrategy):
         params = [self.params[i] for i in bucket.params]
         stats.record_collective(flat.numel() * flat.element_size())
         fut = self.hook(self.state, GradBucket(bucket.index, bucket.index == n - 1, flat, grads, params))
-        if not isinstance(fut, torch.futures.Future):
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future or a Work's get_future()
             raise RuntimeError(
                 f"gradientflow: the communication hook must return a torch.futures.Future, got {type(fut).__name__}"
             )

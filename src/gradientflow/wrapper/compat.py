@@ -86,17 +86,14 @@ def resolve_ddp_args(
             "every gradient into θ-sized slices of one pool (fusion_threshold_mb); to keep parameters out of "
             "synchronisation set module._ddp_params_and_buffers_to_ignore."
         )
-    if bucket_cap_mb_list:
-        raise ValueError(
-            "bucket_cap_mb_list is not supported: gradientflow cuts its pool with one threshold; pass "
-            "bucket_cap_mb (or fusion_threshold_mb) instead."
-        )
+    # bucket_cap_mb_list (per-bucket sizes after the rebuild) is recorded, not used: the pool is cut
+    # by one threshold, and bucket sizes change when bytes go on the wire, never the result.
     if device_mesh is not None:
         if process_group is not None:
-            raise ValueError("pass either process_group or device_mesh, not both")
+            raise DDPValueError("Cannot specify both process_group and device_mesh arguments: pass one of them.")
         if getattr(device_mesh, "ndim", 1) != 1:
-            raise ValueError(
-                f"device_mesh must be 1-D for data parallelism, got a {device_mesh.ndim}-D mesh: pass "
+            raise DDPValueError(
+                f"Only 1D device mesh is supported (data parallelism), got a {device_mesh.ndim}-D mesh: pass "
                 "process_group=mesh.get_group(mesh_dim=...) for the data-parallel dimension."
             )
         process_group = device_mesh.get_group()

@@ -57,7 +57,8 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         check_reduction, skip_all_reduce_unused_params, batched_grad_copy: accepted, no effect on
             results here.
         mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce,
-            bucket_cap_mb_list, a multi-dimensional device_mesh: ``ValueError`` with the alternative.
+            a multi-dimensional device_mesh: ``ValueError`` with the alternative.  bucket_cap_mb_list:
+            recorded (``bucket_bytes_cap_list``); the pool is cut by one threshold.
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
@@ -163,6 +164,7 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         self.require_forward_param_sync = True
         self.device_mesh = device_mesh
         self.bucket_cap_mb_list = bucket_cap_mb_list
+        self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._gf_divide_by_initial_world_size = True
         self._gf_device = settings.device
         self._gf_ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -227,8 +229,11 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         old = self.__dict__.get("_gf_engine")
         if old is not None:
             old.remove_hooks()
-        control = self._gf_control_group() if self.config.sparse else None
-        if self.__dict__.get("_gf_comm_hook") is not None:
+        hooked = self.__dict__.get("_gf_comm_hook") is not None
+        # A hook's then() callbacks issue collectives from the backend's threads (PowerSGD: P, then Q):
+        # the used exchange, issued before the hooks' futures are waited for, must not share their group.
+        control = self._gf_control_group() if self.config.sparse or hooked else None
+        if hooked:
             make_sync = self._gf_make_sync()
         else:
             make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
@@ -318,8 +323,7 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         pool = self._gf_engine.pool
 
         def rescale() -> None:
-            work.wait()
-            active = int(work.result()[0].item()) if hasattr(work, "result") else self._gf_world_size
+            active = int(work.get_future().wait()[0].item())
             if 0 < active < self._gf_world_size:
                 with torch.no_grad():
                     for buf in pool.buffers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
@@ -115,6 +116,10 @@ class TorchDDPAPI:
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction (before the first backward, as torch requires)."""
+        if self._gf_engine.watchdog.step > 0:
+            msg = "_set_static_graph() should be called before training loop starts (after wrapping the model)"
+            self._gf_engine.last_error = msg
+            raise RuntimeError(msg)
         self.static_graph = True
         self._gf_engine.usage.static_graph = True
 
@@ -130,14 +135,41 @@ class TorchDDPAPI:
         return order[id(p)]
 
     def _build_debug_param_to_name_mapping(self, parameters: list[nn.Parameter]) -> dict[int, str]:
-        """Index in ``parameters`` -> the parameter's name (ValueError if they are not this model's)."""
-        names = {id(p): n for n, p in self.module.named_parameters() if n not in self._gf_ignored and p.requires_grad}
-        if len(parameters) != len(names) or any(id(p) not in names for p in parameters):
+        """Index in ``parameters`` -> the parameter's name (torch's checks: ValueError if they are not this model's)."""
+        index = {p: i for i, p in enumerate(parameters)}
+        mapping: dict[int, str] = {}
+        for module_name, module in self.module.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                fqn = f"{module_name}.{param_name}" if module_name else param_name
+                if fqn in self._gf_ignored or not param.requires_grad:
+                    continue
+                if param not in index:
+                    raise ValueError(f"Param with name {fqn} found in module parameters, but not DDP parameters.")
+                mapping[index[param]] = fqn
+        if len(set(parameters)) != len(mapping):
             raise ValueError(
                 "Expected param to name mapping to cover all parameters, but got conflicting lengths: "
-                f"{len(names)} vs {len(parameters)}. This indicates a bug in DDP, please report an issue to PyTorch."
+                f"{len(set(parameters))} vs {len(mapping)}."
             )
-        return {i: names[id(p)] for i, p in enumerate(parameters)}
+        return mapping
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Any:
+        """The parameters DDP synchronises (those not in ``_ddp_params_and_buffers_to_ignore``), as torch's helper."""
+        for name, param in module.named_parameters():
+            if not hasattr(param, "_ddp_ignored"):
+                yield (name, param) if named_params else param
+
+    def _default_broadcast_coalesced(
+        self, bufs: Any = None, bucket_size: int | None = None, authoritative_rank: int = 0
+    ) -> None:
+        """``bufs`` (default: the module's buffers) from ``authoritative_rank`` (torch's buffer-hook helper)."""
+        from ..comm.collectives import broadcast_coalesced  # noqa: PLC0415
+
+        tensors = list(bufs) if bufs is not None else self._gf_module_buffers
+        src = dist.get_global_rank(self.process_group, authoritative_rank)
+        with torch.no_grad():
+            broadcast_coalesced(tensors, src, self.process_group, self._gf_watchdog, "buffer broadcast")
 
     @property
     def parameters_to_ignore(self) -> set[str]:

@@ -99,8 +99,10 @@ class CudaOnCpu(torch.overrides.TorchFunctionMode):
             return args[0]
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
-        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
-            args = (args[0], _cpu_device(args[1]), *args[2:])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], *map(_cpu_device, args[1:]))
+        elif func is torch._C._nn._parse_to:  # nn.Module.to(...)'s arguments
+            args = tuple(map(_cpu_device, args))
         return func(*args, **kwargs)
 
 
@@ -161,17 +163,23 @@ IMPLEMENTATIONS = {"torch": TorchDDP, "gradientflow": Gradientflow}
 
 
 def all_ddp_tests() -> list[str]:
-    """The DDP tests: ``test_DistributedDataParallel*``, ``test_ddp_*`` and the other tests that construct DDP."""
+    """The DDP tests: ``test_DistributedDataParallel*``, ``test_ddp_*`` and the other tests that construct
+    DDP, in their body or through the class's helper methods (followed to any depth)."""
     base = _dt.DistributedTest._DistTestBase
-    names = sorted(n for n in dir(base) if n.startswith("test_"))
-
-    def constructs_ddp(name: str) -> bool:
+    sources = {}
+    for name in dir(base):
         try:
-            return "DistributedDataParallel(" in inspect.getsource(inspect.unwrap(getattr(base, name)))
+            sources[name] = inspect.getsource(inspect.unwrap(getattr(base, name)))
         except (OSError, TypeError):
-            return False
-
-    return [n for n in names if n.startswith(("test_DistributedDataParallel", "test_ddp_")) or constructs_ddp(n)]
+            continue
+    builds = {n for n, src in sources.items() if "DistributedDataParallel(" in src}
+    while True:
+        more = {n for n, src in sources.items() if n not in builds and any(f"self.{h}(" in src for h in builds)}
+        if not more:
+            break
+        builds |= more
+    names = sorted(n for n in dir(base) if n.startswith("test_"))
+    return [n for n in names if n.startswith(("test_DistributedDataParallel", "test_ddp_")) or n in builds]
 
 
 _SKIP_CODES = {s.exit_code for s in _cd.TEST_SKIPS.values()}
