@@ -11,6 +11,7 @@ What happens during a synchronised backward
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..strategies import build_strategy
 from .compat import DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
+from .construction import agree_on_construction, fallback_group
 from .join import GradientFlowJoinHook, common_rank
 from .sparse_grads import SparseGradSync
 from .torch_api import DoubleWrapError, TorchDDPAPI
@@ -104,90 +106,82 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
         check_finite: bool = False,
-        trace_path: str | None = None,
+        trace_path: str | os.PathLike | None = None,
         trace_steps: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        error: Exception | None = None
+        try:  # everything local first: a failure here is raised on every rank (agree_on_construction)
+            self._gf_validate(module, locals())
+        except (ValueError, TypeError, RuntimeError) as e:
+            error = e
+        agree_on_construction(
+            error, self.__dict__.get("process_group") or fallback_group(process_group, device_mesh), module
+        )
+        settings, group = self._gf_settings, self.process_group
+        # One exchange compares the options that must agree and the models (even with init_sync=False:
+        # a mismatch there is a hang or a silently wrong model later).
+        named = [(n, p) for n, p in module.named_parameters() if n not in self._gf_ignored]
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in self._gf_ignored]
+        device = named[0][1].device
+        check_same_setup(self.config, signature, group, self._gf_watchdog, device)
+        if settings.init_sync:
+            states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
+            with torch.no_grad():
+                broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
+        self._gf_build_engine(order=None)
+
+    def _gf_validate(self, module: nn.Module, args: dict[str, Any]) -> None:
+        """Arguments, options and module, checked on this rank alone (no collective)."""
+        a = dict(args)
+        device_ids, output_device = a["device_ids"], a["output_device"]
         if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
             raise DoubleWrapError(
                 f"the module is already a {type(module).__module__}.{type(module).__name__}; wrapping it again would "
                 "average every gradient twice. Wrap the inner model (model.module) once."
             )
+        trace_path = a["trace_path"]
         settings = resolve_ddp_args(
             module,
-            device_ids=device_ids,
-            output_device=output_device,
-            broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers,
-            init_sync=init_sync,
-            process_group=process_group,
-            device_mesh=device_mesh,
-            bucket_cap_mb=bucket_cap_mb,
-            fusion_threshold_mb=fusion_threshold_mb,
-            bucket_cap_mb_list=bucket_cap_mb_list,
-            static_graph=static_graph,
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
+            **{k: a[k] for k in _DDP_ARGS},
         )
         self.config = GradientFlowConfig(
             fusion_threshold_mb=settings.fusion_threshold_mb,
             broadcast_buffers=settings.forward_sync_buffers,
-            comm_dtype=comm_dtype,
-            algorithm=algorithm,
-            density=density,
-            chunk_size=chunk_size,
-            warmup_steps=warmup_steps,
-            momentum=momentum,
-            dense_1d=dense_1d,
-            chunk_score=chunk_score,
-            csc_scope=csc_scope,
-            timeout=timeout,
-            check_consistency=check_consistency,
-            check_finite=check_finite,
-            trace_path=trace_path,
-            trace_steps=trace_steps,
+            trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
+            **{k: a[k] for k in _GF_OPTIONS},
         )
         # torch DDP's public attributes, same names and meaning.
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
-        self.dim = dim
+        self.dim = a["dim"]
         self.forward_sync_buffers = settings.forward_sync_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = a["find_unused_parameters"]
+        self.gradient_as_bucket_view = a["gradient_as_bucket_view"]
         self.static_graph = settings.static_graph
         self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
         # True after a synchronised forward (and at first): the next forward, with grad or not, broadcasts
         # the buffers, as torch DDP does (a validation pass after training sees rank 0's BatchNorm stats).
         self.require_forward_param_sync = True
-        self.device_mesh = device_mesh
-        self.bucket_cap_mb_list = bucket_cap_mb_list
-        self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
+        self.device_mesh = a["device_mesh"]
+        self.bucket_cap_mb_list = a["bucket_cap_mb_list"]
+        self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in self.bucket_cap_mb_list or []]
         self._gf_divide_by_initial_world_size = True
         self._gf_device = settings.device
         self._gf_ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._gf_settings = settings
         self._gf_attach_group(settings.process_group)
-        group = self.process_group
         self._gf_collect_tensors()
         if not self._gf_params and not self._gf_sparse_params:
             raise DDPValueError(
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
-        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
-        # One exchange compares the options that must agree and the models (even with init_sync=False:
-        # a mismatch there is a hang or a silently wrong model later).
-        named = [(n, p) for n, p in module.named_parameters() if n not in self._gf_ignored]
-        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in self._gf_ignored]
-        check_same_setup(self.config, signature, group, self._gf_watchdog, self._gf_params[0].device)
-        if settings.init_sync:
-            states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
-            with torch.no_grad():
-                broadcast_coalesced(states, self._gf_src, group, self._gf_watchdog, "parameter broadcast")
-        self._gf_build_engine(order=None)
+        params = self._gf_params or self._gf_sparse_params
+        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), params[0].device)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
     def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
@@ -467,6 +461,16 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
         """The gradient pool (its ``layout`` and flat ``buffers``); read-only."""
         return self._gf_engine.pool
 
+
+_DDP_ARGS = (
+    "device_ids", "output_device", "broadcast_buffers", "forward_sync_buffers", "init_sync", "process_group",
+    "device_mesh", "bucket_cap_mb", "fusion_threshold_mb", "bucket_cap_mb_list", "static_graph",
+    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+)  # fmt: skip
+_GF_OPTIONS = (
+    "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
+    "csc_scope", "timeout", "check_consistency", "check_finite", "trace_steps",
+)  # fmt: skip
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
 _PICKLED = {"_gf_device", "_gf_ignored"}
