@@ -35,6 +35,7 @@ from ..strategies import build_strategy
 from .compat import DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
 from .join import GradientFlowJoinHook, common_rank
+from .shutdown import end_groups_at_exit
 from .sparse_grads import SparseGradSync
 from .torch_api import DoubleWrapError, TorchDDPAPI
 
@@ -120,6 +121,7 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
             error, self.__dict__.get("process_group") or fallback_group(process_group, device_mesh), module
         )
         settings, group = self._gf_settings, self.process_group
+        end_groups_at_exit()
         # One exchange compares the options that must agree and the models (even with init_sync=False:
         # a mismatch there is a hang or a silently wrong model later).
         named = [(n, p) for n, p in module.named_parameters() if n not in self._gf_ignored]
