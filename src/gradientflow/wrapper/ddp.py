@@ -22,16 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm.collectives import broadcast_coalesced
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog, resolve_timeout
-from ..engine import comm_state
 from ..engine.consistency import check_same_setup
 from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..strategies import build_strategy
+from .checkpoint import Checkpointing
 from .compat import DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
 from .join import GradientFlowJoinHook, common_rank
@@ -40,7 +39,7 @@ from .sparse_grads import SparseGradSync
 from .torch_api import DoubleWrapError, TorchDDPAPI
 
 
-class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
     torch DDP's arguments keep their positions, defaults and meaning:
@@ -249,35 +248,6 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
             self._gf_engine.register_grad_scaler(self._gf_scaler)
         self._gf_watch_optimizers()
 
-    def _gf_watch_optimizers(self) -> None:
-        """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
-        first ``step()``, so the measured pitfalls are reported without the user knowing the method.
-
-        One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it;
-        after an optimizer's first step it costs one WeakSet lookup per step.
-        """
-        old = self.__dict__.get("_gf_optimizer_hook")
-        if old is not None:
-            old.remove()
-        self._gf_optimizer_hook = None
-        self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        if not self.config.sparse:
-            return  # check_optimizer has nothing to say about dense synchronisation
-        me = weakref.ref(self)
-
-        def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            model = me()
-            if model is None or optimizer in model._gf_checked_optimizers:
-                return
-            model._gf_checked_optimizers.add(optimizer)
-            own = {id(p) for p in model._gf_params}
-            if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
-                model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
-
-        handle = register_optimizer_step_pre_hook(first_step)
-        weakref.finalize(self, handle.remove)
-        self._gf_optimizer_hook = handle
-
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -399,60 +369,6 @@ class DistributedDataParallel(TorchDDPAPI, nn.Module, Joinable):
             self._gf_build_engine(list(layout.order), layout_final=engine.layout_final)
         return self
 
-    def __getstate__(self) -> dict[str, Any]:
-        """As torch DDP: the process group and the engine are not pickled (rebuilt on load)."""
-        default = dist.distributed_c10d._get_default_group()
-        if self.process_group is not dist.group.WORLD and self.process_group != default:
-            raise ValueError(
-                "gradientflow: pickling/deepcopy is only supported with the default process group (as torch DDP)"
-            )
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_gf_") or k in _PICKLED}
-        state.pop("process_group", None)
-        state["_gf_comm_state"] = self.comm_state_dict()
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        comm = state.pop("_gf_comm_state")
-        self.__dict__.update(state)
-        self._gf_attach_group(dist.group.WORLD)
-        self._gf_collect_tensors()
-        self._gf_build_engine(order=comm.get("layout_order"))
-        self.load_comm_state_dict(comm)
-
-    # ---- state of the communication (CSC residuals) ---------------------------------------
-    def comm_state_dict(self) -> dict[str, Any]:
-        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model.
-
-        Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
-        values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
-        """
-        return comm_state.save(self._gf_engine, self._gf_world_size)
-
-    def load_comm_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
-
-        Everything is checked first: a state from another model, world size or chunk size, or a
-        truncated one, raises ``ValueError`` and leaves this model as it was.
-        """
-        comm_state.load(self._gf_engine, state, self._gf_world_size)
-
-    def register_grad_scaler(self, scaler: Any) -> None:
-        """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
-
-        Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
-        """
-        self._gf_scaler = scaler
-        self._gf_engine.register_grad_scaler(scaler)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below ``pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
-
-        Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
-        calling it first (to see the warnings before training) keeps that from repeating them."""
-        self._gf_checked_optimizers.add(optimizer)
-        self._gf_engine.sync.check_optimizer(optimizer)
-
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self) -> dict[str, float | int]:
         """Counters of the last completed synchronised step (see :class:`StepStats`)."""
@@ -473,6 +389,3 @@ _GF_OPTIONS = (
     "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
     "csc_scope", "timeout", "check_consistency", "check_finite", "trace_steps",
 )  # fmt: skip
-
-# Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
-_PICKLED = {"_gf_device", "_gf_ignored"}
