@@ -93,7 +93,7 @@ def resolve_ddp_args(
             raise DDPValueError("Cannot specify both process_group and device_mesh arguments: pass one of them.")
         if getattr(device_mesh, "ndim", 1) != 1:
             raise DDPValueError(
-                f"Only 1D device mesh is supported (data parallelism), got a {device_mesh.ndim}-D mesh: pass "
+                f"Only 1D device mesh is supported, got a {device_mesh.ndim}-D mesh: pass "
                 "process_group=mesh.get_group(mesh_dim=...) for the data-parallel dimension."
             )
         process_group = device_mesh.get_group()

@@ -67,7 +67,9 @@ class TorchDDPAPI:
         it cannot be combined with ``comm_dtype`` other than ``"fp32"`` or with ``density``.
         """
         if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+            msg = f"Communication hook must be callable, got {type(hook).__name__}"
+            self._gf_engine.last_error = msg  # torch DDP's logging data reports it
+            raise TypeError(msg)
         if self.__dict__.get("_gf_comm_hook") is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         cfg = self.config
