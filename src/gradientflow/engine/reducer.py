@@ -396,9 +396,9 @@ class Reducer:
             self.unbound = False
             self.usage.reset()
         self.last_stats = bw.stats
-        if bw.order and self.usage.static_graph:
+        if bw.order:  # also without static_graph: torch's reducer._ddp_graph_static() reports it
             error = self.usage.check_static_graph(bw.order, self.names, dist.get_rank(self.group))
-            if error is not None:
+            if error is not None and self.usage.static_graph:
                 self.last_error = str(error)
                 raise error
         if not self.layout_final:

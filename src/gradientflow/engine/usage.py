@@ -26,7 +26,8 @@ class ParamUsage:
         self.used = bytearray(n)  # 1: a backward on this rank produced the gradient since the last sync
         self.static_graph = static_graph
         self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
-        self.static_used: bytearray | None = None  # static_graph: this rank's used set at the first step
+        self.static_used: bytearray | None = None  # this rank's used set at the first step
+        self.graph_static = True  # every step so far used the first step's set (torch's _ddp_graph_static)
 
     def reset(self) -> None:
         """A synchronisation ended: nothing is fresh or used any more."""
@@ -72,6 +73,7 @@ class ParamUsage:
             return None
         if used == first:
             return None
+        self.graph_static = False
         new = [i for i in range(len(used)) if used[i] and not first[i]]
         gone = [i for i in range(len(used)) if first[i] and not used[i]]
 

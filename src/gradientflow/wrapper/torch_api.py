@@ -39,6 +39,10 @@ class _ReducerView:
     def _set_static_graph(self) -> None:
         self._ddp._set_static_graph()
 
+    def _ddp_graph_static(self) -> bool:
+        """Whether every synchronised step so far used the same parameters on this rank."""
+        return self._ddp._gf_engine.usage.graph_static
+
 
 class TorchDDPAPI:
     """torch DDP's methods and attributes beyond ``forward``/``no_sync`` (mixed into the wrapper)."""
