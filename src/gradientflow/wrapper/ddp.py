@@ -181,8 +181,13 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
                 "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
                 "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
             )
-        params = self._gf_params or self._gf_sparse_params
-        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), params[0].device)
+        if not self._gf_params:
+            names = ", ".join(repr(n) for n, p in module.named_parameters() if p in set(self._gf_sparse_params))
+            raise DDPValueError(
+                f"gradientflow.DistributedDataParallel: the module has only sparse gradients ({names}); the engine "
+                "needs at least one dense trainable parameter. Use torch DDP for this module, or sparse=False."
+            )
+        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
     def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
