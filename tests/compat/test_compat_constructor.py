@@ -148,7 +148,8 @@ def test_inputs_move_to_the_module_device_as_ddp() -> None:
     from collections import namedtuple
     from dataclasses import dataclass
 
-    from gradientflow.wrapper.compat import iter_tensors, move_to_device
+    from gradientflow.engine.hooks import iter_tensors
+    from gradientflow.wrapper.compat import move_to_device
 
     Pair = namedtuple("Pair", "a b")
 
