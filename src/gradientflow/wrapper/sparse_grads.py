@@ -52,5 +52,4 @@ class SparseGradSync:
             g = g.coalesce() / self.world_size
             work = dist.all_reduce(g, group=self.group, async_op=True)
             self.watchdog.wait(work, "sparse gradient allreduce", g._values().numel() * g.element_size())
-            result = work.result()[0] if hasattr(work, "result") else g
-            p.grad = result
+            p.grad = work.get_future().value()[0]  # Gloo's sparse sum is a new tensor, not ``g`` in place
