@@ -108,6 +108,8 @@ class Reducer:
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
         self.usage = ParamUsage(n, static_graph)
         self.result_versions: tuple[int, ...] | None = None
+        self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
+        self.last_error = ""  # the last error this engine raised (torch DDP's logging data reports it)
         device = params[0].device
         self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
         self.finite_check = FiniteCheck(watchdog, names, device) if config.check_finite else None
@@ -290,6 +292,8 @@ class Reducer:
             self.bind_grads(sync=False)
 
     def _param_ready(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is None:  # an undefined gradient (autograd produced none): the parameter counts as unused
+            return
         usage = self.usage
         usage.fresh[i] = 0
         usage.used[i] = 1
@@ -407,6 +411,11 @@ class Reducer:
             self.unbound = False
             self.usage.reset()
         self.last_stats = bw.stats
+        if bw.order:  # also without static_graph: torch's reducer._ddp_graph_static() reports it
+            error = self.usage.check_static_graph(bw.order, self.names, dist.get_rank(self.group))
+            if error is not None and self.usage.static_graph:
+                self.last_error = str(error)
+                raise error
         if not self.layout_final:
             self._relayout_from_observed(bw.order)
         if self.config.sparse:
@@ -414,9 +423,17 @@ class Reducer:
         if t_final is not None and tr is not None:
             tr.complete("final wait", "final", t_final, time.perf_counter())
         self._end_step()
+        after, self.after_step = self.after_step, None
+        if after is not None:
+            after()
 
     def shadow_step(self) -> None:
-        """One synchronised step with a zero local gradient (a joined rank's share of an iteration)."""
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration).
+
+        The step's result is not this rank's gradient: as under torch DDP, ``.grad`` is left as the
+        user left it (``None`` stays ``None``; a kept gradient reads zero), so the first backward after
+        ``join`` does not add the others' average to its own."""
+        was_none = [p.grad is None for p in self.params]
         with torch.no_grad():
             for p in self.params:
                 p.grad = None
@@ -425,6 +442,11 @@ class Reducer:
                 self.step_check.start_neutral()
             self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
             self.finish_backward()
+            for buf in self.pool.buffers:
+                buf.zero_()
+            for p, none in zip(self.params, was_none):
+                if none:
+                    p.grad = None
 
     def _end_step(self) -> None:
         """The check_finite verdict on this step, then count it (messages, trace window)."""

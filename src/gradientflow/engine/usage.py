@@ -27,6 +27,8 @@ class ParamUsage:
         self.used = bytearray(n)  # 1: a backward on this rank produced the gradient since the last sync
         self.static_graph = static_graph
         self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
+        self.static_used: bytearray | None = None  # this rank's used set at the first step
+        self.graph_static = True  # every step so far used the first step's set (torch's _ddp_graph_static)
 
     def reset(self) -> None:
         """A synchronisation ended: nothing is fresh or used any more."""
@@ -57,3 +59,36 @@ class ParamUsage:
         else:
             unused = self.static_unused or []
         return [i for i in unused if self.fresh[i]]
+
+    def check_static_graph(self, order: list[int], names: list[str], rank: int) -> RuntimeError | None:
+        """``static_graph=True`` promises the same used parameters every step (the used exchange ran once).
+
+        The error for a step that breaks it (torch DDP's messages), None if it keeps it: a changed
+        graph would otherwise drop gradients silently."""
+        used = bytearray(len(self.used))
+        for i in order:
+            used[i] = 1
+        first = self.static_used
+        if first is None:
+            self.static_used = used
+            return None
+        if used == first:
+            return None
+        self.graph_static = False
+        new = [i for i in range(len(used)) if used[i] and not first[i]]
+        gone = [i for i in range(len(used)) if first[i] and not used[i]]
+
+        def listed(idx: list[int]) -> str:
+            return " ".join(map(str, idx)) + f" ({', '.join(names[i] for i in idx)})" if idx else "none"
+
+        # torch's two messages (one for each direction) in one, so that code matching either matches
+        msg = (
+            "Your training graph has changed in this iteration, which static_graph=True forbids: pass "
+            "static_graph=False (unused parameters are then found every step).\n"
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
+            "first iteration, but then got unused in the second iteration. this is not compatible with "
+            f"static_graph set to True.\nParameter indices which did not receive grad for rank {rank}: {listed(gone)}; "
+            f"unused at the first iteration and received a grad now: {listed(new)}"
+        )
+        return RuntimeError(msg)

@@ -20,6 +20,11 @@ from torch import nn
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
+class DDPValueError(ValueError, RuntimeError):
+    """A setup torch DDP refuses with ``RuntimeError`` and gradientflow with ``ValueError`` (what to do
+    instead): both ``except`` clauses catch it."""
+
+
 @dataclass(frozen=True)
 class DDPSettings:
     """What the wrapper takes from torch DDP's arguments."""
@@ -80,17 +85,14 @@ def resolve_ddp_args(
             "every gradient into θ-sized slices of one pool (fusion_threshold_mb); to keep parameters out of "
             "synchronisation set module._ddp_params_and_buffers_to_ignore."
         )
-    if bucket_cap_mb_list:
-        raise ValueError(
-            "bucket_cap_mb_list is not supported: gradientflow cuts its pool with one threshold; pass "
-            "bucket_cap_mb (or fusion_threshold_mb) instead."
-        )
+    # bucket_cap_mb_list (per-bucket sizes after the rebuild) is recorded, not used: the pool is cut
+    # by one threshold, and bucket sizes change when bytes go on the wire, never the result.
     if device_mesh is not None:
         if process_group is not None:
-            raise ValueError("pass either process_group or device_mesh, not both")
+            raise DDPValueError("Cannot specify both process_group and device_mesh arguments: pass one of them.")
         if getattr(device_mesh, "ndim", 1) != 1:
-            raise ValueError(
-                f"device_mesh must be 1-D for data parallelism, got a {device_mesh.ndim}-D mesh: pass "
+            raise DDPValueError(
+                f"Only 1D device mesh is supported, got a {device_mesh.ndim}-D mesh: pass "
                 "process_group=mesh.get_group(mesh_dim=...) for the data-parallel dimension."
             )
         process_group = device_mesh.get_group()
@@ -168,22 +170,13 @@ def resolve_ddp_args(
     )
 
 
-def check_no_sparse_gradients(module: nn.Module, ignored: set[str]) -> None:
-    """Raise if a module would produce sparse gradients (``nn.Embedding(..., sparse=True)``).
-
-    A sparse gradient cannot live in the dense pool; densifying it silently would break
-    ``SparseAdam`` and multiply the bytes sent.
-    """
+def sparse_gradient_params(module: nn.Module) -> set[str]:
+    """Names of the parameters that get sparse gradients (``nn.Embedding`` / ``EmbeddingBag(sparse=True)``)."""
+    names = set()
     for mod_name, mod in module.named_modules():
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
-            name = f"{mod_name}.weight" if mod_name else "weight"
-            if name in ignored:
-                continue
-            raise ValueError(
-                f"parameter '{name}' has sparse gradients ({type(mod).__name__}(sparse=True)), which "
-                "gradientflow does not synchronise: use sparse=False (dense gradients, any optimizer), or list "
-                "the parameter in module._ddp_params_and_buffers_to_ignore and synchronise it yourself."
-            )
+            names.add(f"{mod_name}.weight" if mod_name else "weight")
+    return names
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:

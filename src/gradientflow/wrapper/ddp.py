@@ -11,33 +11,37 @@ What happens during a synchronised backward
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm.collectives import broadcast_coalesced
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog, resolve_timeout
-from ..engine import comm_state
 from ..engine.consistency import check_same_setup
 from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
 from . import auto
-from .compat import check_no_sparse_gradients, move_to_device, resolve_ddp_args
+from .checkpoint import Checkpointing
+from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
+from .construction import agree_on_construction, fallback_group
 from .join import GradientFlowJoinHook, common_rank
+from .shutdown import end_groups_at_exit
+from .sparse_grads import SparseGradSync
+from .torch_api import DoubleWrapError, TorchDDPAPI
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
     torch DDP's arguments keep their positions, defaults and meaning:
@@ -57,7 +61,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction, skip_all_reduce_unused_params, batched_grad_copy: accepted, no effect on
             results here.
         mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce,
-            bucket_cap_mb_list, a multi-dimensional device_mesh: ``ValueError`` with the alternative.
+            a multi-dimensional device_mesh: ``ValueError`` with the alternative.  bucket_cap_mb_list:
+            recorded (``bucket_bytes_cap_list``); the pool is cut by one threshold.
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
         fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
@@ -68,6 +73,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
+
+    # Set by _gf_validate / _gf_attach_group / _gf_collect_tensors (declared for the type checker).
+    config: GradientFlowConfig
+    _gf_settings: DDPSettings
+    _gf_ignored: set[str]
+    _gf_watchdog: Watchdog
+    _gf_src: int
+    _gf_params: list[nn.Parameter]
+    _gf_sparse_params: list[nn.Parameter]
+    _gf_module_buffers: list[torch.Tensor]
 
     def __init__(
         self,
@@ -106,79 +121,29 @@ class DistributedDataParallel(nn.Module, Joinable):
         timeout: float | timedelta | None = None,
         check_consistency: bool = False,
         check_finite: bool = False,
-        trace_path: str | None = None,
+        trace_path: str | os.PathLike | None = None,
         trace_steps: tuple[int, int] | None = None,
         compression: str = "none",
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        settings = resolve_ddp_args(
-            module,
-            device_ids=device_ids,
-            output_device=output_device,
-            broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers,
-            init_sync=init_sync,
-            process_group=process_group,
-            device_mesh=device_mesh,
-            bucket_cap_mb=bucket_cap_mb,
-            fusion_threshold_mb=fusion_threshold_mb,
-            bucket_cap_mb_list=bucket_cap_mb_list,
-            static_graph=static_graph,
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
+        error: Exception | None = None
+        try:  # everything local first: a failure here is raised on every rank (agree_on_construction)
+            self._gf_validate(module, locals())
+        except (ValueError, TypeError, RuntimeError) as e:
+            error = e
+        agree_on_construction(
+            error, self.__dict__.get("process_group") or fallback_group(process_group, device_mesh), module
         )
-        self.config = GradientFlowConfig(
-            fusion_threshold_mb=settings.fusion_threshold_mb,
-            broadcast_buffers=settings.forward_sync_buffers,
-            comm_dtype=comm_dtype,
-            algorithm=algorithm,
-            density=density,
-            chunk_size=chunk_size,
-            warmup_steps=warmup_steps,
-            momentum=momentum,
-            dense_1d=dense_1d,
-            chunk_score=chunk_score,
-            csc_scope=csc_scope,
-            schedule=schedule,
-            timeout=timeout,
-            check_consistency=check_consistency,
-            check_finite=check_finite,
-            trace_path=trace_path,
-            trace_steps=trace_steps,
-            compression=compression,
-        )
-        self._gf_auto = auto.AutoState(requested=self.config.compression == "auto")
-        # torch DDP's public attributes, same names and meaning.
-        self.module = module
-        self.device_ids = list(device_ids) if device_ids else None
-        self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
-        self.dim = dim
-        self.forward_sync_buffers = settings.forward_sync_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = settings.static_graph
-        self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
-        self._gf_device = settings.device
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        check_no_sparse_gradients(module, ignored)
-        self._gf_ignored = ignored
-        self._gf_attach_group(settings.process_group)
-        group = self.process_group
-        self._gf_collect_tensors()
-        if not self._gf_params:
-            raise ValueError(
-                "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
-                "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
-            )
-        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
+        settings, group = self._gf_settings, self.process_group
+        end_groups_at_exit()
         # One exchange compares the options that must agree and the models (even with init_sync=False:
         # a mismatch there is a hang or a silently wrong model later).
-        named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+        named = [(n, p) for n, p in module.named_parameters() if n not in self._gf_ignored]
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in ignored]
-        check_same_setup(self.config, signature, group, self._gf_watchdog, self._gf_params[0].device)
+        signature += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers() if n not in self._gf_ignored]
+        device = named[0][1].device
+        check_same_setup(self.config, signature, group, self._gf_watchdog, device)
         if settings.init_sync:
             states = [p for _, p in named] + (self._gf_module_buffers if settings.init_sync_buffers else [])
             with torch.no_grad():
@@ -188,6 +153,62 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.config, group, self._gf_watchdog, self._gf_params, self._gf_src
         )
         self._gf_build_engine(order=None)
+
+    def _gf_validate(self, module: nn.Module, args: dict[str, Any]) -> None:
+        """Arguments, options and module, checked on this rank alone (no collective)."""
+        a = dict(args)
+        device_ids, output_device = a["device_ids"], a["output_device"]
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            raise DoubleWrapError(
+                f"the module is already a {type(module).__module__}.{type(module).__name__}; wrapping it again would "
+                "average every gradient twice. Wrap the inner model (model.module) once."
+            )
+        trace_path = a["trace_path"]
+        settings = resolve_ddp_args(
+            module,
+            **{k: a[k] for k in _DDP_ARGS},
+        )
+        self.config = GradientFlowConfig(
+            fusion_threshold_mb=settings.fusion_threshold_mb,
+            broadcast_buffers=settings.forward_sync_buffers,
+            trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
+            **{k: a[k] for k in _GF_OPTIONS},
+        )
+        # torch DDP's public attributes, same names and meaning.
+        self.module = module
+        self.device_ids = list(device_ids) if device_ids else None
+        self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
+        self.dim = a["dim"]
+        self.forward_sync_buffers = settings.forward_sync_buffers
+        self.find_unused_parameters = a["find_unused_parameters"]
+        self.gradient_as_bucket_view = a["gradient_as_bucket_view"]
+        self.static_graph = settings.static_graph
+        self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
+        # True after a synchronised forward (and at first): the next forward, with grad or not, broadcasts
+        # the buffers, as torch DDP does (a validation pass after training sees rank 0's BatchNorm stats).
+        self.require_forward_param_sync = True
+        self.device_mesh = a["device_mesh"]
+        self.bucket_cap_mb_list = a["bucket_cap_mb_list"]
+        self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in self.bucket_cap_mb_list or []]
+        self._gf_divide_by_initial_world_size = True
+        self._gf_device = settings.device
+        self._gf_ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._gf_settings = settings
+        self._gf_attach_group(settings.process_group)
+        self._gf_collect_tensors()
+        if not self._gf_params and not self._gf_sparse_params:
+            raise DDPValueError(
+                "gradientflow.DistributedDataParallel: the module has no parameter that requires a gradient, so "
+                "there is nothing to synchronise (torch DDP refuses it too). Wrap the trainable model."
+            )
+        if not self._gf_params:
+            names = ", ".join(repr(n) for n, p in module.named_parameters() if p in set(self._gf_sparse_params))
+            raise DDPValueError(
+                f"gradientflow.DistributedDataParallel: the module has only sparse gradients ({names}); the engine "
+                "needs at least one dense trainable parameter. Use torch DDP for this module, or sparse=False."
+            )
+        self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
+        self._gf_auto = auto.AutoState(requested=self.config.compression == "auto")
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
     def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
@@ -216,8 +237,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
-        self._gf_names = [n for n, p in named if p.requires_grad]
-        self._gf_params = [p for _, p in named if p.requires_grad]
+        sparse = sparse_gradient_params(self.module)  # torch DDP syncs these apart, one allreduce each
+        self._gf_sparse_params = [p for n, p in named if p.requires_grad and n in sparse]
+        self._gf_sparse = SparseGradSync(self._gf_sparse_params, self.process_group, self._gf_watchdog)
+        self._gf_names = [n for n, p in named if p.requires_grad and n not in sparse]
+        self._gf_params = [p for n, p in named if p.requires_grad and n not in sparse]
         self._gf_frozen = [(n, p) for n, p in named if not p.requires_grad and p.is_floating_point()]
         self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
 
@@ -226,8 +250,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         old = self.__dict__.get("_gf_engine")
         if old is not None:
             old.remove_hooks()
-        control = self._gf_control_group() if self.config.needs_control_group else None
-        make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
+        hooked = self.__dict__.get("_gf_comm_hook") is not None
+        # A hook's then() callbacks issue collectives from the backend's threads (PowerSGD: P, then Q):
+        # the used exchange, issued before the hooks' futures are waited for, must not share their group.
+        control = self._gf_control_group() if self.config.needs_control_group or hooked else None
+        if hooked:
+            make_sync = self._gf_make_sync()
+        else:
+            make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
         self._gf_engine = Reducer(
             self._gf_params,
             self._gf_names,
@@ -244,36 +274,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._gf_engine.register_grad_scaler(self._gf_scaler)
         self._gf_watch_optimizers()
 
-    def _gf_watch_optimizers(self) -> None:
-        """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
-        first ``step()``, so the measured pitfalls are reported without the user knowing the method.
-
-        One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it;
-        after an optimizer's first step it costs one WeakSet lookup per step.
-        """
-        old = self.__dict__.get("_gf_optimizer_hook")
-        if old is not None:
-            old.remove()
-        self._gf_optimizer_hook = None
-        self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        if not (self.config.sparse or self._gf_auto.requested):
-            return  # check_optimizer has nothing to say about dense or quantised synchronisation
-        me = weakref.ref(self)
-
-        def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            model = me()
-            if model is None or optimizer in model._gf_checked_optimizers:
-                return
-            model._gf_checked_optimizers.add(optimizer)
-            own = {id(p) for p in model._gf_params}
-            if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
-                model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
-                auto.note_optimizer(model, optimizer)
-
-        handle = register_optimizer_step_pre_hook(first_step)
-        weakref.finalize(self, handle.remove)
-        self._gf_optimizer_hook = handle
-
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -281,9 +281,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if sync:
             self._gf_before_sync_forward()
+        if self.require_forward_param_sync and self._gf_syncs_buffers():
+            self._gf_sync_buffers(post_forward=False)
         if self._gf_device is not None:
             inputs, kwargs = move_to_device(inputs, self._gf_device), move_to_device(kwargs, self._gf_device)
         out = self.module(*inputs, **kwargs)
+        if self.require_forward_param_sync and self._gf_syncs_buffers():
+            self._gf_sync_buffers(post_forward=True)
+        self.require_forward_param_sync = sync
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
         if t_fwd is not None and tr is not None:
@@ -300,20 +305,52 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "wrapping (toggling it off and on again later is fine), or wrap the model anew."
                 )
         if self._join_config.enable:
-            Join.notify_join_context(self)
+            work = Join.notify_join_context(self)
+            if work is not None and not self._gf_divide_by_initial_world_size:
+                self._gf_engine.after_step = self._gf_rescale_by_active(work)
         auto.switch_if_chosen(self)
-        if self._gf_syncs_buffers():
-            self._gf_broadcast_buffers(active=True)
+
+    def _gf_rescale_by_active(self, work: Any) -> Any:
+        """``join(divide_by_initial_world_size=False)``: the step's mean over the ranks still training
+        (Join's own allreduce of ones counts them); the engine divided by the initial world size."""
+        pool = self._gf_engine.pool
+
+        def rescale() -> None:
+            active = int(work.get_future().wait()[0].item())
+            if 0 < active < self._gf_world_size:
+                with torch.no_grad():
+                    for buf in pool.buffers:
+                        buf.mul_(self._gf_world_size / active)
+
+        return rescale
 
     def _gf_syncs_buffers(self) -> bool:
+        self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
         return self.forward_sync_buffers and bool(self._gf_module_buffers) and self._gf_world_size > 1
 
     @torch.compiler.disable
     def _gf_after_forward(self, out: Any, sync: bool) -> None:
         self._gf_engine.arm(out, sync)
+        if sync and self._gf_sparse_params:
+            self._gf_sparse.arm(out)
+
+    @torch.compiler.disable
+    def _gf_sync_buffers(self, post_forward: bool) -> None:
+        """Before forward (or after it, with a post-forward buffer hook): the buffer broadcast, or the user's hook."""
+        hook = self.__dict__.get("_gf_buffer_hook")
+        if hook is None:
+            if not post_forward:
+                self._gf_broadcast_buffers(active=True)
+            return
+        state, fn, pre_forward = hook
+        if pre_forward != post_forward:
+            named = {n: b for n, b in self.module.named_buffers() if n not in self._gf_ignored}
+            for fut in fn(state, named) or []:
+                fut.wait()
 
     def _gf_broadcast_buffers(self, active: bool) -> None:
-        """Buffers from rank 0 (under ``Join``: from the highest rank still training)."""
+        """Buffers from rank 0 (under ``Join``: from the highest rank still training); the buffers are
+        looked up at every broadcast, so one the model reassigned (not changed in place) is the one sent."""
         src = self._gf_src
         if self._join_config.enable:
             src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
@@ -329,22 +366,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    # ---- uneven inputs (torch Join) ---------------------------------------------------------
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """``with model.join(): ...`` — ranks with fewer batches shadow the others until all are done.
-
-        Gradients are averaged over the initial world size (joined ranks contribute zero), DDP's
-        default; ``divide_by_initial_world_size=False`` is not supported.
-        """
-        if not divide_by_initial_world_size:
-            raise ValueError(
-                "join(divide_by_initial_world_size=False) is not supported: gradientflow divides by the initial "
-                "world size (joined ranks contribute zero). Scale the learning rate if you need the other mean."
-            )
-        return Join([self], enable, throw_on_early_termination)
-
+    # ---- uneven inputs (torch Join; join() itself is in TorchDDPAPI) -------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return GradientFlowJoinHook(self)
 
@@ -355,25 +377,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group
-
-    # ---- torch DDP methods we do not implement -------------------------------------------
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Not supported: gradientflow's options replace the common hooks."""
-        raise NotImplementedError(
-            "gradientflow does not run DDP communication hooks; its options cover the common ones: "
-            "fp16_compress_hook -> comm_dtype='fp16', bf16_compress_hook -> comm_dtype='bf16', PowerSGD -> "
-            "density=0.1 (coarse-grained sparse communication), allreduce_hook -> the default."
-        )
-
-    # ---- torch DDP properties -------------------------------------------------------------
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13 DDP)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
 
     # ---- nn.Module plumbing: device/dtype changes, copies, pickling ------------------------
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
@@ -393,61 +396,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._gf_build_engine(list(layout.order), layout_final=engine.layout_final)
         return self
 
-    def __getstate__(self) -> dict[str, Any]:
-        """As torch DDP: the process group and the engine are not pickled (rebuilt on load)."""
-        default = dist.distributed_c10d._get_default_group()
-        if self.process_group is not dist.group.WORLD and self.process_group != default:
-            raise ValueError(
-                "gradientflow: pickling/deepcopy is only supported with the default process group (as torch DDP)"
-            )
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_gf_") or k in _PICKLED}
-        state.pop("process_group", None)
-        state["_gf_comm_state"] = self.comm_state_dict()
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        comm = state.pop("_gf_comm_state")
-        self.__dict__.update(state)
-        self._gf_attach_group(cast(dist.ProcessGroup, dist.group.WORLD))  # __getstate__ allows no other group
-        self._gf_collect_tensors()
-        self._gf_build_engine(order=comm.get("layout_order"))
-        self.load_comm_state_dict(comm)
-
-    # ---- state of the communication (CSC residuals) ---------------------------------------
-    def comm_state_dict(self) -> dict[str, Any]:
-        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model.
-
-        Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
-        values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
-        """
-        return auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
-
-    def load_comm_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
-
-        Everything is checked first: a state from another model, world size or chunk size, or a
-        truncated one, raises ``ValueError`` and leaves this model as it was.
-        """
-        state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
-        comm_state.load(self._gf_engine, state, self._gf_world_size)
-
-    def register_grad_scaler(self, scaler: Any) -> None:
-        """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
-
-        Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
-        """
-        self._gf_scaler = scaler
-        self._gf_engine.register_grad_scaler(scaler)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below ``pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
-
-        Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
-        calling it first (to see the warnings before training) keeps that from repeating them."""
-        self._gf_checked_optimizers.add(optimizer)
-        self._gf_engine.sync.check_optimizer(optimizer)
-
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self) -> dict[str, float | int | str]:
         """Counters of the last completed synchronised step (see :class:`StepStats`), and the active
@@ -460,5 +408,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._gf_engine.pool
 
 
-# Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
-_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto"}
+_DDP_ARGS = (
+    "device_ids", "output_device", "broadcast_buffers", "forward_sync_buffers", "init_sync", "process_group",
+    "device_mesh", "bucket_cap_mb", "fusion_threshold_mb", "bucket_cap_mb_list", "static_graph",
+    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+)  # fmt: skip
+_GF_OPTIONS = (
+    "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
+    "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
+)  # fmt: skip

@@ -1,0 +1,107 @@
+"""Checkpoints of the wrapper: pickling/deepcopy (as torch DDP: the group and the engine are rebuilt),
+the communication state (CSC residuals) beside the model, and the optimizer-facing checks.
+
+A mixin of :class:`gradientflow.DistributedDataParallel`, split out of ``ddp.py`` by idea.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..engine import comm_state
+from . import auto
+
+# Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
+_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto"}
+
+
+class Checkpointing:
+    def _gf_watch_optimizers(self) -> None:
+        """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
+        first ``step()``, so the measured pitfalls are reported without the user knowing the method.
+
+        One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it;
+        after an optimizer's first step it costs one WeakSet lookup per step.
+        """
+        old = self.__dict__.get("_gf_optimizer_hook")
+        if old is not None:
+            old.remove()
+        self._gf_optimizer_hook = None
+        self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        if not (self.config.sparse or self._gf_auto.requested):
+            return  # check_optimizer has nothing to say about dense or quantised synchronisation
+        me = weakref.ref(self)
+
+        def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            model = me()
+            if model is None or optimizer in model._gf_checked_optimizers:
+                return
+            model._gf_checked_optimizers.add(optimizer)
+            own = {id(p) for p in model._gf_params}
+            if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
+                model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
+                auto.note_optimizer(model, optimizer)
+
+        handle = register_optimizer_step_pre_hook(first_step)
+        weakref.finalize(self, handle.remove)
+        self._gf_optimizer_hook = handle
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch DDP: the process group and the engine are not pickled (rebuilt on load)."""
+        default = dist.distributed_c10d._get_default_group()
+        if self.process_group is not dist.group.WORLD and self.process_group != default:
+            raise ValueError(
+                "gradientflow: pickling/deepcopy is only supported with the default process group (as torch DDP)"
+            )
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_gf_") or k in _PICKLED}
+        state.pop("process_group", None)
+        state["_gf_comm_state"] = self.comm_state_dict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        comm = state.pop("_gf_comm_state")
+        self.__dict__.update(state)
+        self._gf_attach_group(dist.group.WORLD)
+        self._gf_collect_tensors()
+        self._gf_build_engine(order=comm.get("layout_order"))
+        self.load_comm_state_dict(comm)
+
+    # ---- state of the communication (CSC residuals) ---------------------------------------
+    def comm_state_dict(self) -> dict[str, Any]:
+        """Communication state (CSC residuals u, v and step counter) to checkpoint with the model.
+
+        Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
+        values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
+        """
+        return auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
+
+    def load_comm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
+
+        Everything is checked first: a state from another model, world size or chunk size, or a
+        truncated one, raises ``ValueError`` and leaves this model as it was.
+        """
+        state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
+        comm_state.load(self._gf_engine, state, self._gf_world_size)
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).
+
+        Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
+        """
+        self._gf_scaler = scaler
+        self._gf_engine.register_grad_scaler(scaler)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
+        Adam-type optimizer meets a CSC density below ``pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
+
+        Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
+        calling it first (to see the warnings before training) keeps that from repeating them."""
+        self._gf_checked_optimizers.add(optimizer)
+        self._gf_engine.sync.check_optimizer(optimizer)
