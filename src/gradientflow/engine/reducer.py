@@ -35,9 +35,11 @@ from ..config import GradientFlowConfig
 from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
+from .binding import GradBinding
 from .consistency import FiniteCheck, StepCheck
 from .hooks import iter_tensors, remove_handles, weak_hook
-from .pool import GradPool, Layout, plan_layout, small_last
+from .layout import PoolLayout
+from .pool import Layout
 from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage
 
@@ -57,7 +59,7 @@ class _Backward:
         self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
 
 
-class Reducer:
+class Reducer(PoolLayout, GradBinding):
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
     ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
@@ -130,133 +132,6 @@ class Reducer:
         if self.finite_check is not None:  # overflow is now the scaler's to skip, not an error
             self.finite_check.scaler_registered = True
 
-    # ---- layout -------------------------------------------------------------------------
-    def keys(self) -> list[tuple[torch.dtype, torch.device]]:
-        return [(p.dtype, p.device) for p in self.params]
-
-    def install(self, layout: Layout) -> None:
-        """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
-        sparse = self.config.sparse
-        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if sparse else 1, flag=self.flag_unused)
-        with torch.no_grad():
-            for p, view in zip(self.params, pool.views):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    p.grad = view
-        self.pool = pool
-        self.bound = pool.views  # where .grad points (the pool, or a strategy's targets mid-backward)
-        self.bucket_of = [0] * len(self.params)
-        for b in layout.buckets:
-            for i in b.params:
-                self.bucket_of[i] = b.index
-
-    def plan(self, order: list[int]) -> Layout:
-        """The layout for a backward ``order`` (CSC with ``dense_1d``: 1-D parameters last)."""
-        cfg = self.config
-        if cfg.sparse and cfg.dense_1d:
-            order = small_last(order, [p.dim() <= 1 for p in self.params])
-        # CSC slices: what the last bucket holds is scored, exchanged and sent only after backward
-        tail = cfg.threshold_bytes / 8 if cfg.sparse and cfg.csc_scope == "slice" else None
-        return plan_layout([p.numel() for p in self.params], self.keys(), order, cfg.threshold_bytes, tail)
-
-    def adopt_order(self, order: list[int]) -> bool:
-        """Re-lay the pool out for ``order``; False (nothing done) if the layout would not change."""
-        old, layout = self.pool, self.plan(order)
-        if layout.order == old.layout.order:
-            return False
-        self.install(layout)
-        self.sync.relayout(old.layout, self.pool)
-        return True
-
-    def _relayout_from_observed(self, observed: list[int]) -> None:
-        """Adopt rank 0's observed backward order (unseen parameters keep their relative order)."""
-        seen = set(observed)
-        order = observed + [i for i in self.pool.layout.order if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
-        work = dist.broadcast(order_t, src=self.src, group=self.group, async_op=True)
-        self.watchdog.wait(work, "layout broadcast", order_t.numel() * 8)
-        order = order_t.tolist()
-        self.layout_final = True
-        if self.adopt_order(order):
-            logger.debug("gradientflow: gradient pool re-laid in observed backward order")
-
-    # ---- where .grad points -------------------------------------------------------------
-    def bind_grads(self, sync: bool) -> None:
-        """Point every ``.grad`` where this backward accumulates; a ``None`` grad starts from zero (fresh).
-
-        No sync: the pool's views.  A synchronised backward: wherever the strategy asks
-        (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
-        A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
-        nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
-        (:meth:`_take_fresh`), one pass where zeroing the pool and letting autograd add into it
-        takes two (AlexNet, one thread, measured once: backward 176 ms against 201); the copy also
-        divides by the world size, which the launch would otherwise spend a pass on.  A parameter
-        that got no gradient is zeroed when its bucket is launched (:meth:`_launch`).
-        """
-        pool_views, fresh = self.pool.views, self.usage.fresh
-        targets = self.sync.begin_backward() if sync else None
-        views = self.bound = targets if targets is not None else pool_views
-        params = self.params
-        self.bind_pending = False
-        with torch.no_grad():
-            if all(p.grad is None for p in params):
-                fresh[:] = b"\x01" * len(params)
-                if targets is None and sync:
-                    self.unbound = True
-                    return
-                if targets is None:
-                    for buf in self.pool.buffers:
-                        buf.zero_()
-                else:
-                    for view, pv in zip(views, pool_views):
-                        if view is pv:
-                            view.zero_()
-                for p, view in zip(params, views):
-                    p.grad = view
-                return
-            self._check_result_consumed()
-            for i, (p, view) in enumerate(zip(params, views)):
-                if p.grad is None:
-                    if view is pool_views[i]:
-                        view.zero_()
-                    fresh[i] = 1
-                    p.grad = view
-                elif view is not pool_views[i]:  # an accumulated gradient (no_sync) joins the target
-                    view.add_(p.grad)
-                    p.grad = view
-                else:
-                    self._adopt_grad(i, p)
-
-    def _rebind_to_pool(self) -> None:
-        """After a step that accumulated outside the pool: ``.grad`` shows the pool (the result) again."""
-        pool_views = self.pool.views
-        if self.bound is pool_views:
-            return
-        self.bound = pool_views
-        for p, view in zip(self.params, pool_views):
-            if p.grad is not None:
-                p.grad = view
-
-    def _check_result_consumed(self) -> None:
-        """CSC: refuse to fold last step's synchronised result into this step's residual.
-
-        After a CSC step ``.grad`` holds what was sent; a second synchronised backward before
-        ``zero_grad()`` would add it to the residual again (sent twice).  The pool's version
-        counter (bumped by any in-place write, e.g. ``zero_grad(set_to_none=False)``) tells
-        whether the user touched ``.grad`` since — no pass over the pool needed.
-        """
-        versions = self.result_versions
-        if versions is not None and versions == self._pool_versions():
-            self.result_versions = None
-            raise RuntimeError(
-                "gradientflow: a second synchronised backward started while .grad still holds the previous "
-                "step's sparse (density) result. Call optimizer.zero_grad() between steps, or accumulate "
-                "micro-batches inside model.no_sync() and synchronise once."
-            )
-
-    def _pool_versions(self) -> tuple[int, ...]:
-        return tuple(b._version for b in self.pool.buffers)
-
     # ---- backward -----------------------------------------------------------------------
     def arm(self, out: Any, sync: bool) -> None:
         """After a forward with grad enabled: the hook on its outputs starts the backward.
@@ -301,22 +176,6 @@ class Reducer:
             self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
             return
         self._grad_ready(i, param)
-
-    def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
-        """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
-        view = self.bound[i]
-        g = cast(torch.Tensor, param.grad)  # set: from its post-accumulate hook, or a caller that found it set
-        if g is view:
-            return
-        if g.is_sparse:
-            raise RuntimeError(
-                f"gradientflow: parameter '{self.names[i]}' received a sparse gradient, which gradientflow "
-                "does not synchronise; use a dense gradient (e.g. sparse=False in F.embedding)."
-            )
-        with torch.no_grad():
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g)
-        param.grad = view
 
     def _take_fresh(self, i: int, param: torch.Tensor) -> bool:
         """Unbound backward: autograd's fresh gradient enters the pool through the strategy, which may

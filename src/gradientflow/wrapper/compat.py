@@ -194,3 +194,16 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
             obj, **{f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
+
+
+# The constructor's keyword arguments, by whose they are: torch DDP's (translated by resolve_ddp_args)
+# and gradientflow's own (handed to GradientFlowConfig as they are).
+DDP_ARGS = (
+    "device_ids", "output_device", "broadcast_buffers", "forward_sync_buffers", "init_sync", "process_group",
+    "device_mesh", "bucket_cap_mb", "fusion_threshold_mb", "bucket_cap_mb_list", "static_graph",
+    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+)  # fmt: skip
+GF_OPTIONS = (
+    "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
+    "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
+)  # fmt: skip

@@ -31,7 +31,7 @@ from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
-from . import auto
+from . import auto, compat
 from .checkpoint import Checkpointing
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
@@ -164,15 +164,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
                 "average every gradient twice. Wrap the inner model (model.module) once."
             )
         trace_path = a["trace_path"]
-        settings = resolve_ddp_args(
-            module,
-            **{k: a[k] for k in _DDP_ARGS},
-        )
+        settings = resolve_ddp_args(module, **{k: a[k] for k in compat.DDP_ARGS})
         self.config = GradientFlowConfig(
             fusion_threshold_mb=settings.fusion_threshold_mb,
             broadcast_buffers=settings.forward_sync_buffers,
             trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
-            **{k: a[k] for k in _GF_OPTIONS},
+            **{k: a[k] for k in compat.GF_OPTIONS},
         )
         # torch DDP's public attributes, same names and meaning.
         self.module = module
@@ -310,20 +307,6 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
                 self._gf_engine.after_step = self._gf_rescale_by_active(work)
         auto.switch_if_chosen(self)
 
-    def _gf_rescale_by_active(self, work: Any) -> Any:
-        """``join(divide_by_initial_world_size=False)``: the step's mean over the ranks still training
-        (Join's own allreduce of ones counts them); the engine divided by the initial world size."""
-        pool = self._gf_engine.pool
-
-        def rescale() -> None:
-            active = int(work.get_future().wait()[0].item())
-            if 0 < active < self._gf_world_size:
-                with torch.no_grad():
-                    for buf in pool.buffers:
-                        buf.mul_(self._gf_world_size / active)
-
-        return rescale
-
     def _gf_syncs_buffers(self) -> bool:
         self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
         return self.forward_sync_buffers and bool(self._gf_module_buffers) and self._gf_world_size > 1
@@ -406,14 +389,3 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
     def pool(self) -> GradPool:
         """The gradient pool (its ``layout`` and flat ``buffers``); read-only."""
         return self._gf_engine.pool
-
-
-_DDP_ARGS = (
-    "device_ids", "output_device", "broadcast_buffers", "forward_sync_buffers", "init_sync", "process_group",
-    "device_mesh", "bucket_cap_mb", "fusion_threshold_mb", "bucket_cap_mb_list", "static_graph",
-    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
-)  # fmt: skip
-_GF_OPTIONS = (
-    "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
-    "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
-)  # fmt: skip

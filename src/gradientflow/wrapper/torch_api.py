@@ -63,6 +63,20 @@ class TorchDDPAPI:
         return Join([self], enable, throw_on_early_termination)
 
     # ---- communication hooks ----------------------------------------------------------------
+    def _gf_rescale_by_active(self, work: Any) -> Any:
+        """``join(divide_by_initial_world_size=False)``: the step's mean over the ranks still training
+        (Join's own allreduce of ones counts them); the engine divided by the initial world size."""
+        pool = self._gf_engine.pool
+
+        def rescale() -> None:
+            active = int(work.get_future().wait()[0].item())
+            if 0 < active < self._gf_world_size:
+                with torch.no_grad():
+                    for buf in pool.buffers:
+                        buf.mul_(self._gf_world_size / active)
+
+        return rescale
+
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """torch DDP's ``register_comm_hook``: ``hook(state, bucket) -> Future`` runs for every bucket
         instead of gradientflow's own communication (see :mod:`gradientflow.wrapper.comm_hooks`).
