@@ -133,13 +133,9 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
     out["resume"] = results
     # a comm hook through accelerate's DistributedDataParallelKwargs, against torch DDP running it
     handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
-    try:
-        _, ours, _, _ = _run(GradientFlowAccelerator, rank, acc=dict(kwargs_handlers=[handler]))
-    except NotImplementedError as e:
-        out["comm_hook"] = f"NotImplementedError: {e}"
-    else:
-        _, stock, _, _ = _run(Accelerator, rank, acc=dict(kwargs_handlers=[handler]))
-        out["comm_hook"] = _same(_params(stock), _params(ours))
+    _, ours, _, _ = _run(GradientFlowAccelerator, rank, acc=dict(kwargs_handlers=[handler]))
+    _, stock, _, _ = _run(Accelerator, rank, acc=dict(kwargs_handlers=[handler]))
+    out["comm_hook"] = _same(_params(stock), _params(ours))
     return out
 
 
@@ -149,14 +145,9 @@ def results() -> dict[str, object]:
         return run_distributed(_scenarios, WORLD, tmp, timeout=240)
 
 
-BUFFERS_AT_NO_GRAD_FORWARD = pytest.mark.xfail(
-    strict=True, reason="issue 29: buffers are not broadcast at the first no-grad forward after a training step"
-)
-
-
 @pytest.mark.parametrize(
     "feature",
-    ["defaults", "accumulate_clip", "batchnorm", pytest.param("batchnorm_val", marks=BUFFERS_AT_NO_GRAD_FORWARD)],
+    ["defaults", "accumulate_clip", "batchnorm", "batchnorm_val"],
 )
 def test_bit_identical_to_accelerate_ddp(results, feature):
     for r in results:
@@ -188,7 +179,4 @@ def test_teardown_leaves_the_module_as_accelerate_does(results):
 
 
 def test_comm_hook_matches_torch_ddp_running_it(results):
-    hook = results[0]["comm_hook"]
-    if isinstance(hook, str) and hook.startswith("NotImplementedError"):
-        pytest.skip(f"register_comm_hook is not implemented on this branch (issue 29): {hook}")
     assert all(r["comm_hook"] is True for r in results)

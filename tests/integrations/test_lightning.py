@@ -170,13 +170,9 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
         def _register_ddp_hooks(self) -> None:
             self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
 
-    try:
-        _, ours = _fit(GradientFlowStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook))
-    except NotImplementedError as e:
-        out["comm_hook"] = f"NotImplementedError: {e}"
-    else:
-        _, stock = _fit(HookedDDP())
-        out["comm_hook"] = _same(_params(stock), _params(ours))
+    _, ours = _fit(GradientFlowStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook))
+    _, stock = _fit(HookedDDP())
+    out["comm_hook"] = _same(_params(stock), _params(ours))
     return out
 
 
@@ -186,14 +182,9 @@ def results() -> dict[str, object]:
         return run_distributed(_scenarios, WORLD, tmp, timeout=240)
 
 
-# torch DDP also broadcasts buffers at the first no-grad forward after a synchronised one (Lightning's
-# validation goes through the wrapper); gradientflow only at grad-enabled forwards, so rank 1 validates
-# with its own BatchNorm statistics.  That is issue 29's (torch suite) to fix, in the wrapper.
-BUFFERS_AT_NO_GRAD_FORWARD = pytest.mark.xfail(
-    strict=True, reason="issue 29: buffers are not broadcast at the first no-grad forward after a training step"
-)
-
-
+# batchnorm_val: torch DDP also broadcasts buffers at the first no-grad forward after a synchronised one
+# (Lightning's validation goes through the wrapper), and so does gradientflow: rank 1 validates with rank
+# 0's BatchNorm statistics, as under the stock strategy.
 @pytest.mark.parametrize(
     "feature",
     [
@@ -201,7 +192,7 @@ BUFFERS_AT_NO_GRAD_FORWARD = pytest.mark.xfail(
         "accumulate_clip",
         "manual",
         "batchnorm",
-        pytest.param("batchnorm_val", marks=BUFFERS_AT_NO_GRAD_FORWARD),
+        "batchnorm_val",
     ],
 )
 def test_bit_identical_to_lightning_ddp(results, feature):
@@ -234,7 +225,4 @@ def test_warnings_name_the_users_line(results):
 
 
 def test_comm_hook_matches_torch_ddp_running_it(results):
-    hook = results[0]["comm_hook"]
-    if isinstance(hook, str) and hook.startswith("NotImplementedError"):
-        pytest.skip(f"register_comm_hook is not implemented on this branch (issue 29): {hook}")
     assert all(r["comm_hook"] is True for r in results)
