@@ -254,7 +254,7 @@ class PredictorSync(SparseSync):
             self.res.rows(k).sub_(applied)
             torch.where(sent, (rows + (age - 1) * e) / age, e, out=e)
             age.masked_fill_(sent, 0)
-        self._clean_versions = None  # the pool now holds more than the sent chunks
+        self._writer.forget()  # the pool now holds more than the sent chunks
 
 
 # ==== the run =================================================================================

@@ -338,8 +338,7 @@ class SparseSync(SyncStrategy):
         ok = math.isfinite(float(total))
         stats.host_syncs += 1
         stats.phase("check", t0)
-        assert self.res is not None  # allocated by the first sparse step's _begin_step
-        self._writer.write_back(self.pool, self._pool_rows, self.res, slices, ok, stats, self.dense.watchdog)
+        self._write_back(slices, ok, stats)
         stats.extra.update(
             n_chunks=self.total_chunks,
             warmup=0,
@@ -367,6 +366,11 @@ class SparseSync(SyncStrategy):
                 scored.append((k, rng))
         stats.phase("score", t0)
         return scored
+
+    def _write_back(self, slices: list[Slice], ok: bool, stats: StepStats) -> None:
+        """Step 5: the reduced chunks into the pool (:class:`~.writeback.PoolWriter`); a seam for variants."""
+        assert self.res is not None  # allocated by the first sparse step's _begin_step
+        self._writer.write_back(self.pool, self._pool_rows, self.res, slices, ok, stats, self.dense.watchdog)
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
