@@ -89,10 +89,12 @@ class Reducer(PoolLayout, GradBinding):
         # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).
         self._control = weakref.ref(control) if control is not None else None
         self.dense_bytes = 4 * sum(p.numel() for p in params)
-        # Dense: the last bucket's allreduce carries "some rank has a parameter without a gradient", and
-        # the used exchange runs only then; a second collective every step cost small models 1.3-2x torch
-        # DDP's step on loopback.  (CSC's launches may differ between ranks; static_graph exchanges once.)
-        self.flag_unused = not config.sparse and not static_graph
+        # Plain dense: the last bucket's allreduce carries "some rank has a parameter without a gradient",
+        # and the used exchange runs only then; a second collective every step cost small models 1.3-2x
+        # torch DDP's step on loopback.  Only where buckets are summed as they are, on the main group: a
+        # strategy with a control group (CSC, the quantised ring, a user's comm hook) transforms or
+        # reorders what it sends, so its used exchange stays on that group.  static_graph exchanges once.
+        self.flag_unused = control is None and not static_graph
         self.install(self.plan(order if order is not None else list(reversed(range(n)))))
         self.layout_final = False  # True once the pool follows an observed backward order
         self.sync: SyncStrategy = make_sync(self.pool, [p.shape for p in params])
