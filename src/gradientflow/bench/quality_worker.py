@@ -28,7 +28,7 @@ from gradientflow.bench.quality import (
     lr_schedule,
     torch_peer_bytes,
 )
-from gradientflow.bench.runner import MARK, timing_allocator
+from gradientflow.bench.runner import MARK, exit_measured, timing_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -299,3 +299,4 @@ def worker_main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     worker_main(sys.argv[1])
+    exit_measured()

@@ -47,6 +47,7 @@ from gradientflow.bench.runner_worker import (
     _build,
     _loss,
     _step,
+    exit_measured,
     powersgd_wire_bytes,
     timing_allocator,
     worker_main,
@@ -189,3 +190,4 @@ def run_launches(opts: BenchOptions, cluster: Any) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     worker_main(sys.argv[1])
+    exit_measured()

@@ -346,3 +346,19 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
         "maxrss_mb": [r["maxrss_mb"] for r in per_rank],
         "variants": variants,
     }
+
+
+def exit_measured() -> None:
+    """End a bench worker whose results are written and whose process group is destroyed, skipping the
+    interpreter's finalisation.
+
+    torch DDP with a comm hook (the PowerSGD peer) can leave a Gloo work whose tensor Gloo's own thread
+    frees while the interpreter finalises; the process then aborts ("terminate called without an active
+    exception": 1 launch of CI's bench test, 2026-11-25) although every figure was measured and written.
+    gradientflow's wrapper ends its groups at exit itself (``wrapper/shutdown.py``); the peers it is
+    timed against do not, so the worker ends here, its files and streams flushed.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
