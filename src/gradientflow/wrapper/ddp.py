@@ -308,8 +308,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         auto.switch_if_chosen(self)
 
     def _gf_syncs_buffers(self) -> bool:
-        self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
         return self.forward_sync_buffers and bool(self._gf_module_buffers) and self._gf_world_size > 1
+
+    def _gf_current_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers as they are now: one the model reassigned (not changed in place) is the one sent."""
+        self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
+        return self._gf_module_buffers
 
     @torch.compiler.disable
     def _gf_after_forward(self, out: Any, sync: bool) -> None:
@@ -332,13 +336,13 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
                 fut.wait()
 
     def _gf_broadcast_buffers(self, active: bool) -> None:
-        """Buffers from rank 0 (under ``Join``: from the highest rank still training); the buffers are
-        looked up at every broadcast, so one the model reassigned (not changed in place) is the one sent."""
+        """Buffers from rank 0 (under ``Join``: from the highest rank still training), looked up now."""
         src = self._gf_src
         if self._join_config.enable:
             src = common_rank(self.process_group, self.join_device, self._gf_watchdog, candidate=active)
+        buffers = self._gf_current_buffers()
         with torch.no_grad():
-            broadcast_coalesced(self._gf_module_buffers, src, self.process_group, self._gf_watchdog, "buffer broadcast")
+            broadcast_coalesced(buffers, src, self.process_group, self._gf_watchdog, "buffer broadcast")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

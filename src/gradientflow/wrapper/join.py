@@ -57,7 +57,7 @@ class GradientFlowJoinHook(JoinHook):
         src = common_rank(group, device, watchdog, candidate=is_last_joiner)
         states = [p for n, p in ddp.module.named_parameters() if n not in ddp._gf_ignored]
         with torch.no_grad():
-            broadcast_coalesced(states + ddp._gf_module_buffers, src, group, watchdog, "final model broadcast")
+            broadcast_coalesced(states + ddp._gf_current_buffers(), src, group, watchdog, "final model broadcast")
         check = ddp._gf_engine.step_check
         if check is not None:  # joined ranks ran fewer forward passes: agree on the count again
             check.passes = max_over_ranks(check.passes, group, device, watchdog, "join: pass count")
