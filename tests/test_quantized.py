@@ -33,19 +33,34 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
-def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK) -> np.ndarray:
-    """The decoded values of ``x`` (fp32): per block s = bf16(max|x|), q = clip(round(x L / s), -L, L),
-    decoded q s / L, all in fp32 (numpy rounds half to even, as torch does)."""
+def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK, uniform: bool = False) -> np.ndarray:
+    """The decoded values of ``x`` (fp32): per block s = bf16(max|x|), u = x / s;
+    - with a codebook (``CODEBOOKS``, 2 and 3 bits): the level of 0, ±l_1..±l_L nearest to u (a tie goes
+      toward 0), decoded ±l_k s, l_k evaluated as the codec does (Horner in fp32 on its polynomial);
+    - uniform: q = clip(round(u L), -L, L), decoded q s / L (numpy rounds half to even, as torch does)."""
+    from gradientflow.comm.quantize import CODEBOOKS, _poly
+
     L = np.float32(2 ** (bits - 1) - 1)
     m = x.size
     nb = -(-m // block)
     rows = np.zeros(nb * block, np.float32)
     rows[:m] = x
     rows = rows.reshape(nb, block)
-    step = _bf16(np.abs(rows).max(axis=1)) / L
-    safe = np.where(step > 0, step, np.float32(1)).astype(np.float32)
-    q = np.clip(np.round(rows / safe[:, None]), -L, L).astype(np.float32)
-    return (q * step[:, None]).reshape(-1)[:m]
+    s = _bf16(np.abs(rows).max(axis=1))
+    if uniform or bits not in CODEBOOKS:
+        step = s / L
+        safe = np.where(step > 0, step, np.float32(1)).astype(np.float32)
+        q = np.clip(np.round(rows / safe[:, None]), -L, L).astype(np.float32)
+        return (q * step[:, None]).reshape(-1)[:m]
+    safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    u = rows / safe[:, None]
+    lv = (0.0, *CODEBOOKS[bits])
+    k = sum((np.abs(u) > np.float32((a + b) / 2)).astype(np.float32) for a, b in zip(lv, lv[1:]))
+    c = _poly(bits)
+    level = k * np.float32(c[-1])
+    for ci in reversed(c[:-1]):
+        level = ((level + np.float32(ci)) * k).astype(np.float32)
+    return (np.copysign(level, u) * s[:, None]).astype(np.float32).reshape(-1)[:m]
 
 
 def np_ring(xs: list[np.ndarray], bits: int = BITS, block: int = BLOCK) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -90,6 +105,21 @@ def test_quantiser_matches_numpy_and_counts_bytes():
         assert torch.equal(dequantize(out, m, BITS, BLOCK), decoded)  # the receiver decodes what the sender kept
         np.testing.assert_allclose(decoded.numpy(), np_quantize(x.numpy()), rtol=1e-6, atol=0)
         assert torch.equal(err, x - decoded)
+        # uniform levels ("q3u"): the first version of the recipe
+        decoded = quantize(x, out, BITS, BLOCK, err=err, uniform=True)
+        assert torch.equal(dequantize(out, m, BITS, BLOCK, uniform=True), decoded)
+        np.testing.assert_allclose(decoded.numpy(), np_quantize(x.numpy(), uniform=True), rtol=1e-6, atol=0)
+    # By hand, 3-bit codebook levels 0, ±0.2, ±0.43, ±0.75 of the block max (midpoints 0.1, 0.315, 0.59):
+    x = torch.zeros(128)
+    x[:6] = torch.tensor(
+        [2.0, -1.0, 0.7, 0.1, -0.2, 1.3]
+    )  # max |x| = 2 (bf16-exact): x / 2 = 1, -.5, .35, .05, -.1 (a tie), .65
+    out = torch.empty(wire_bytes(128, BITS, BLOCK), dtype=torch.uint8)
+    got = quantize(x, out, BITS, BLOCK)[:6]
+    torch.testing.assert_close(got, torch.tensor([1.5, -0.86, 0.86, 0.0, -0.0, 1.5]), rtol=1e-6, atol=0)
+    # 2 bits: levels 0, ±0.46 (midpoint 0.23)
+    out2 = torch.empty(wire_bytes(128, 2, BLOCK), dtype=torch.uint8)
+    torch.testing.assert_close(quantize(x, out2, 2, BLOCK)[:6], torch.tensor([0.92, -0.92, 0.92, 0.0, -0.0, 0.92]))
     # Subnormal blocks (a step whose reciprocal overflows) and all-zero blocks decode finite.
     tiny = torch.cat([torch.full((128,), 1e-40), torch.zeros(128)])
     out = torch.empty(wire_bytes(256, BITS, BLOCK), dtype=torch.uint8)

@@ -57,25 +57,29 @@ DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 
 
-def parse_compression(value: object) -> tuple[str, int, int, float]:
-    """``(recipe, bits, block, clip)`` for a ``compression`` value; ``ValueError`` saying what is accepted.
+def parse_compression(value: object) -> tuple[str, int, int, float, bool]:
+    """``(recipe, bits, block, clip, uniform)`` for a ``compression`` value; ``ValueError`` saying what is
+    accepted.
 
-    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales; ``"q<bits>"`` another
-    width (2-8, or 32 = the quantiser off); ``"q<bits>b<block>"`` also another block (a multiple of
-    16); a trailing ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
+    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales and the non-uniform levels
+    of ``comm.quantize.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
+    ``"q<bits>b<block>"`` also another block (a multiple of 16); a ``"u"`` after them: uniform levels
+    (``"q3u"``: the first version of the recipe); a trailing ``"c<k>"`` clips each block's scale at k x its
+    RMS (an experiment; 0 = max-abs).
     """
     bits, block = DEFAULT_QUANT
     if value in COMPRESSIONS:
-        return str(value), bits, block, 0.0
-    m = re.fullmatch(r"q(\d+)(?:b(\d+))?(?:c(\d+(?:\.\d+)?))?", value) if isinstance(value, str) else None
+        return str(value), bits, block, 0.0, False
+    m = re.fullmatch(r"q(\d+)(?:b(\d+))?(u)?(?:c(\d+(?:\.\d+)?))?", value) if isinstance(value, str) else None
     if m is not None:
         bits, block = int(m[1]), int(m[2]) if m[2] else block
-        clip = float(m[3]) if m[3] else 0.0
+        clip = float(m[4]) if m[4] else 0.0
         if bits in QUANT_BITS and block >= 16 and block % 16 == 0:
-            return "quantized", bits, block, clip
+            return "quantized", bits, block, clip, m[3] is not None
     raise ValueError(
         f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
-        f"'q<bits>b<block>' (block a multiple of 16) or either with 'c<k>' (scale clipped at k x RMS), got {value!r}"
+        f"'q<bits>b<block>' (block a multiple of 16), either followed by 'u' (uniform levels) and/or 'c<k>' "
+        f"(scale clipped at k x RMS), got {value!r}"
     )
 
 
@@ -136,7 +140,7 @@ class GradientFlowConfig:
         "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
         ring; "q<bits>", "q<bits>b<block>" for others), "auto" (dense until the first optimizer step,
         then "csc" for SGD, "quantized" for Adam, AdamW and other optimizers).
-    quant_bits, quant_block, quant_clip: the quantiser of "quantized" (set from ``compression``).
+    quant_bits, quant_block, quant_clip, quant_uniform: the quantiser of "quantized" (set from ``compression``).
     """
 
     fusion_threshold_mb: float = 25.0
@@ -160,6 +164,7 @@ class GradientFlowConfig:
     quant_bits: int = DEFAULT_QUANT[0]
     quant_block: int = DEFAULT_QUANT[1]
     quant_clip: float = 0.0
+    quant_uniform: bool = False
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -201,11 +206,12 @@ class GradientFlowConfig:
 
         Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
         """
-        recipe, bits, block, clip = parse_compression(self.compression)
+        recipe, bits, block, clip, uniform = parse_compression(self.compression)
         if self.compression != "quantized" and recipe == "quantized":
             object.__setattr__(self, "quant_bits", bits)
             object.__setattr__(self, "quant_block", block)
             object.__setattr__(self, "quant_clip", clip)
+            object.__setattr__(self, "quant_uniform", uniform)
         object.__setattr__(self, "compression", recipe)
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):

@@ -54,6 +54,18 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--eval-every", type=types.positive_int, default=None, help="steps between validations (default steps/20)"
     )
     q.add_argument("--seed", type=types.nonneg_int, default=0, help="seed of models and batches (default 0)")
+    q.add_argument(
+        "--adamw-lr",
+        type=types.positive_float,
+        default=None,
+        help="peak learning rate of the quality transformer's AdamW (default 6e-3 x 128 / d_model)",
+    )
+    q.add_argument(
+        "--adamw-beta2",
+        type=types.beta,
+        default=0.95,
+        help="beta2 of the quality transformer's AdamW (default 0.95; users also run 0.999)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth=args.bandwidth,
         threads=args.threads or 1,
         seed=args.seed,
+        adamw_lr=args.adamw_lr,
+        adamw_beta2=args.adamw_beta2,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
         out=args.out or "benchmarks/quality",

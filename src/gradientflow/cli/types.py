@@ -42,6 +42,27 @@ def nonneg_float(text: str) -> float:
     return v
 
 
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
+def beta(text: str) -> float:
+    """An Adam beta: a number in [0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return v
+
+
 def _wrapper_option(name: str, value: Any) -> Any:
     """``value`` if ``GradientFlowConfig`` accepts it for option ``name``, else its ValueError as the
     argparse error (the library's own message)."""

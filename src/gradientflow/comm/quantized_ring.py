@@ -70,8 +70,9 @@ class QuantizedRing:
         block: int,
         timeout: timedelta | None = None,
         clip: float = 0.0,
+        uniform: bool = False,
     ) -> None:
-        self.x, self.err, self.group, self.clip = x, err, group, clip
+        self.x, self.err, self.group, self.clip, self.uniform = x, err, group, clip, uniform
         self.bits, self.block, self.timeout = bits, block, timeout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         n = x.numel()
@@ -117,7 +118,15 @@ class QuantizedRing:
         a, b = self.segments[s]
         if a == b:
             return self.x[a:b]
-        return quantize(self.x[a:b], buf[: self.seg_bytes[s]], self.bits, self.block, err=self.err[a:b], clip=self.clip)
+        return quantize(
+            self.x[a:b],
+            buf[: self.seg_bytes[s]],
+            self.bits,
+            self.block,
+            err=self.err[a:b],
+            clip=self.clip,
+            uniform=self.uniform,
+        )
 
     def _post(self) -> None:
         t, N = self.t, self.world
@@ -147,17 +156,17 @@ class QuantizedRing:
         a, b = self.segments[s]
         recv = self._recv[: self.seg_bytes[s]]
         if self.exchange:  # decoded own + decoded peer: a + b == b + a, so both ranks hold the same bits
-            self.x.add_(dequantize(recv, b - a, self.bits, self.block))
+            self.x.add_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
         elif t <= N - 2:  # reduce-scatter: dequantise-add, requantise
             if a < b:
-                self.x[a:b].add_(dequantize(recv, b - a, self.bits, self.block))
+                self.x[a:b].add_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
             decoded = self._quantize_into(s, self._bufs[2])
             if t == N - 2:  # the owner: x gets exactly what every other rank will decode
                 self.x[a:b].copy_(decoded)
             self._send = self._bufs[2]
         else:  # allgather: decode the owner's bytes, forward them unchanged
             if a < b:
-                self.x[a:b].copy_(dequantize(recv, b - a, self.bits, self.block))
+                self.x[a:b].copy_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
             self._send = self._recv
         self.t += 1
         if self.t == self.total:

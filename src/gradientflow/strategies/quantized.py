@@ -65,8 +65,10 @@ class QuantizedSync(SyncStrategy):
         shapes: Sequence[torch.Size],
         watchdog: Watchdog | None = None,
         clip: float = 0.0,
+        uniform: bool = False,
     ) -> None:
         self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
+        self.uniform = uniform
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
@@ -126,7 +128,14 @@ class QuantizedSync(SyncStrategy):
             p.x.add_(p.err)
         timeout = self.watchdog.timeout if self.watchdog is not None else None
         p.ring = QuantizedRing(
-            p.x, p.err, self.group, bits=self.bits, block=self.block, timeout=timeout, clip=self.clip
+            p.x,
+            p.err,
+            self.group,
+            bits=self.bits,
+            block=self.block,
+            timeout=timeout,
+            clip=self.clip,
+            uniform=self.uniform,
         )
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)

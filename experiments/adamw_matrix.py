@@ -1,0 +1,104 @@
+"""AdamW settings x seeds: ``compression="auto"`` against torch DDP, one ``gradientflow bench --quality``
+launch per (model, lr, beta2, seed), then one table of the means.
+
+    python experiments/adamw_matrix.py --out benchmarks/adamw_matrix            # run what is missing, tabulate
+    python experiments/adamw_matrix.py --out benchmarks/adamw_matrix --table    # tabulate only
+
+Each launch trains ``ddp`` and ``gf-auto`` side by side from the same seed and batches (the quality
+bench's transformer: 400 steps, 5% warm-up then cosine to 10%, AdamW weight decay 0.1, 2 ranks) and
+writes ``OUT/<model>-lr<lr>-b<beta2>-s<seed>/results.json``; a launch whose results exist is not run
+again, so the matrix can be filled in several sittings (the table says the date of each launch).
+Ratio = gf-auto's final validation loss / DDP's in the same launch; bytes = gf-auto's measured bytes per
+step over the whole run / DDP's (4 per gradient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+MODELS = {"128x2": "the bench's transformer (0.43M parameters)", "192x3": "the issue's probe size (1.4M)"}
+SETTINGS = {  # model -> (lr, beta2) pairs: the AdamW settings users run (CSC's loss moved with them)
+    "128x2": [(6e-3, 0.95), (3e-3, 0.95), (3e-3, 0.999), (1e-3, 0.95), (1e-3, 0.999)],
+    "192x3": [(3e-3, 0.95), (1e-3, 0.999)],
+}
+SEEDS = (0, 1, 2)
+RECIPES = ("ddp", "gf-auto")
+
+
+def launch_dir(out: Path, model: str, lr: float, beta2: float, seed: int) -> Path:
+    return out / f"{model}-lr{lr:g}-b{beta2:g}-s{seed}"
+
+
+def run_missing(out: Path, models: list[str]) -> None:
+    for model in models:
+        for lr, beta2 in SETTINGS[model]:
+            for seed in SEEDS:
+                d = launch_dir(out, model, lr, beta2, seed)
+                if (d / "results.json").exists():
+                    continue
+                cmd = [
+                    *("gradientflow", "bench", "--quality", "--workload", "tiny_transformer"),
+                    *("--recipes", *RECIPES, "--steps", "400", "--bandwidth", "none"),
+                    *("--transformer-size", model, "--adamw-lr", f"{lr:g}", "--adamw-beta2", f"{beta2:g}"),
+                    *("--seed", str(seed), "--out", str(d)),
+                ]
+                print(" ".join(cmd), flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def tabulate(out: Path) -> str:
+    lines = [
+        "| model | AdamW lr | beta2 | seeds | gf-auto final val loss / DDP's, per seed | mean | bytes / DDP's (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    dates: set[str] = set()
+    for model, settings in SETTINGS.items():
+        for lr, beta2 in settings:
+            ratios, fracs, seeds = [], [], []
+            for seed in SEEDS:
+                f = launch_dir(out, model, lr, beta2, seed) / "results.json"
+                if not f.exists():
+                    continue
+                res = json.loads(f.read_text())
+                dates.add(res["date"])
+                rows = {r["recipe"]: r for r in res["workloads"]["transformer"]["rows"]}
+                ratios.append(rows["gf-auto"]["ratio_to_ddp"])
+                fracs.append(rows["gf-auto"]["bytes_per_step"] / rows["ddp"]["bytes_per_step"])
+                seeds.append(seed)
+            if not ratios:
+                continue
+            per_seed = ", ".join(f"{r:.4f}" for r in ratios)
+            lines.append(
+                f"| {model} | {lr:g} | {beta2:g} | {', '.join(map(str, seeds))} | {per_seed} | "
+                f"**{statistics.mean(ratios):.4f}** | {statistics.mean(fracs):.4f} |"
+            )
+    head = (
+        f"`python experiments/adamw_matrix.py --out {out}` (launches dated {', '.join(sorted(dates))}); "
+        "each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp gf-auto --steps 400 "
+        "--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED`\n\n"
+    )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/adamw_matrix"))
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--table", action="store_true", help="only tabulate what exists")
+    args = p.parse_args(argv)
+    if not args.table:
+        run_missing(args.out, args.models)
+    table = tabulate(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
