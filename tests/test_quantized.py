@@ -64,9 +64,10 @@ def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK, uniform: bo
 
 
 def np_ring(xs: list[np.ndarray], bits: int = BITS, block: int = BLOCK) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The quantised ring, simulated: segments of whole blocks; segment s starts at rank s, each next
-    rank adds its own part to the decoded partial and requantises; the last rank's quantised sum is
-    what everyone decodes (two ranks: an exchange of whole contributions).  Returns (result, errors)."""
+    """The quantised allreduce, simulated: segments of whole blocks, segment s owned by rank s; every other
+    rank quantises its part of s, the owner adds the decoded parts to its own (in rank order) and quantises
+    the sum once: what everyone decodes (two ranks: an exchange of whole contributions).
+    Returns (result, errors)."""
     N, n = len(xs), xs[0].size
     if N == 2:  # one exchange of whole quantised contributions; each rank adds the two decoded ones
         decoded = [np_quantize(x, bits, block) for x in xs]
@@ -83,13 +84,14 @@ def np_ring(xs: list[np.ndarray], bits: int = BITS, block: int = BLOCK) -> tuple
     for s, (a, b) in enumerate(bounds):
         if a == b:
             continue
-        decoded = None
-        for hop in range(N):  # rank s, s+1, ..., s+N-1 (mod N) in turn
-            r = (s + hop) % N
-            value = xs[r][a:b].copy() if decoded is None else (xs[r][a:b] + decoded).astype(np.float32)
-            decoded = np_quantize(value, bits, block)
-            errs[r][a:b] = value - decoded
-        result[a:b] = decoded
+        total = xs[s][a:b].copy()
+        for r in range(N):
+            if r != s:
+                part = np_quantize(xs[r][a:b], bits, block)
+                errs[r][a:b] = xs[r][a:b] - part
+                total = (total + part).astype(np.float32)
+        result[a:b] = np_quantize(total, bits, block)
+        errs[s][a:b] = total - result[a:b]
     return result, errs
 
 

@@ -1,43 +1,43 @@
-"""A quantised ring allreduce with error feedback, advanced without blocking (:class:`QuantizedRing`).
+"""A quantised allreduce with error feedback, advanced without blocking (:class:`QuantizedRing`).
 
 Every rank holds ``x`` (fp32, its contribution: gradient plus last step's error) and ends with
-the same ``x`` = the decoded sum.  Group rank ``r`` sends only to ``r+1`` and receives only from
-``r-1`` (mod N), with point-to-point ops (``batch_isend_irecv``: Gloo and NCCL):
+the same ``x`` = the decoded sum, with point-to-point ops (``batch_isend_irecv``: Gloo and NCCL).
+``x`` is cut into N segments of whole blocks (:mod:`gradientflow.comm.quantize`); rank s owns
+segment s.  Two rounds:
 
-1. Cut ``x`` into N segments of whole blocks (:mod:`gradientflow.comm.quantize`).
-2. Reduce-scatter, steps t = 0..N-2: at t = 0 quantise our own segment ``r``; at every step send
-   the quantised segment ``r-t``, receive segment ``r-t-1``, decode it and add our contribution
-   (dequantise-add), then requantise the partial sum for the next step.  After N-1 steps rank r
-   holds the whole (decoded + own) sum of segment ``r+1`` and quantises it one last time.
-3. Allgather, steps t = N-1..2N-3: the owner's quantised bytes go round the ring unchanged;
-   every rank (the owner too) decodes those same bytes, so all ranks end with identical sums.
+1. Reduce-scatter, direct: every rank quantises each segment it does not own and sends it to the
+   segment's owner; the owner decodes the N-1 contributions and adds them to its own, exact
+   (in rank order, so the sum is deterministic).
+2. Allgather: the owner quantises the whole sum once and sends those bytes to every other rank;
+   every rank (the owner too) decodes the same bytes, so all ranks end with identical sums.
 
-Two ranks: the ring's two steps (rank r sends its quantised half, the owner requantises the
-decoded-plus-own sum and sends it back) become one exchange of each rank's whole quantised
-contribution, the same bytes (one quantised copy each way), and each rank adds the two decoded
-contributions.  The sum is then never requantised: its quantisation noise is that of the two
-contributions alone, where the ring's adds the sum's own (twice the magnitude when the ranks'
-gradients agree): measured on the quality bench's AdamW transformer, see docs/adamw.md.
+Why not a chain round the ring (dequantise-add-requantise at every hop): each hop requantises a
+growing partial sum, so a segment collects the noise of N quantisations at 1/N, 2/N, .., N/N of its
+magnitude (1.9x one quantisation of the sum at 4 ranks); the direct reduce-scatter quantises only
+the contributions (N-1 of them at 1/N) and the sum once (1.2x).  Measured on the quality bench's
+AdamW transformer at 4 ranks, see docs/adamw.md.  The bytes are the same: each rank sends
+``(N-1)/N`` of one quantised copy in each round, ``2 (N-1)/N`` in all, as a dense ring, so they do
+not grow with the world size; two rounds instead of the ring's 2 (N-1) hops.
 
-Error feedback: each rank quantises every element exactly once per allreduce (its own segment at
-t = 0, the N-2 partial sums it forwards, the one it owns), and ``err`` receives
-``value before quantisation - decoded value`` there.  Summed over ranks the errors telescope:
-``sum_r err_r + result == sum_r x_r`` elementwise up to fp32 rounding of the adds: nothing
-is lost, it is only delayed to the next step.
+Two ranks: one exchange of each rank's whole quantised contribution, the same bytes (one quantised
+copy each way), and each rank adds the two decoded contributions.  The sum is then never
+requantised: its noise is that of the two contributions alone (measured: 1.030 -> 1.018 of DDP's
+loss against requantising the sum, docs/adamw.md).
 
-Bytes per rank: ``2 (N-1)/N`` of one quantised copy of ``x``, as a dense ring, so they do not
-grow with the world size.  One message per segment and step; a segment is small (3 bits per
-element), so it is not pipelined further.
+Error feedback: each rank quantises every element exactly once per allreduce (the segments it
+sends, and the sum of the one it owns), and ``err`` receives ``value before quantisation - decoded
+value`` there.  Summed over ranks the errors telescope: ``sum_r err_r + result == sum_r x_r``
+elementwise up to fp32 rounding of the adds: nothing is lost, it is only delayed to the next step.
 
-Non-blocking: :meth:`QuantizedRing.poll` does the work of every step whose messages have arrived
+Non-blocking: :meth:`QuantizedRing.poll` does the work of every round whose messages have arrived
 and posts the next, never waiting; :meth:`QuantizedRing.wait` drives it to the end.  Gloo's
 point-to-point works never report completion before ``wait()`` (``is_completed()`` stays False,
-torch 2.13), so one daemon thread (:class:`_Waiter`) only *waits* on each step's works, GIL
+torch 2.13), so one daemon thread (:class:`_Waiter`) only *waits* on each round's works, GIL
 released, and flags them done; it never issues a collective.  The engine
-polls at every gradient hook, so the ring of a bucket runs while backward goes on, on the
+polls at every gradient hook, so the allreduce of a bucket runs while backward goes on, on the
 training thread (collectives are only ever issued from it, in the same order on every rank).
-Several rings in flight over the same group are matched by posting order: rank r posts its
-sends to r+1 and r+1 its receives from r in the same (ring, step) order.
+Several in flight over the same group are matched by posting order: every pair of ranks posts
+its sends and receives in the same (allreduce, round) order.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class QuantizedRing:
     """One in-place quantised SUM allreduce of ``x`` over ``group``, error into ``err``.
 
     ``x`` and ``err``: fp32, contiguous, 1-D, the same numel on every rank.  ``bits`` / ``block``:
-    the block quantiser's (``block`` a multiple of 16).  ``start`` posts step 0 at once.
+    the block quantiser's (``block`` a multiple of 16).  The constructor posts round 0 at once.
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class QuantizedRing:
         parts = 1 if self.exchange else self.world
         self.segments = [(min(a * block, n), min(b * block, n)) for a, b in _split(nb, parts)]
         self.seg_bytes = [wire_bytes(b - a, bits, block) if b > a else 0 for a, b in self.segments]
-        self.total = 1 if self.exchange else 2 * (self.world - 1)
+        self.total = 1 if self.exchange else 2
         self.t = 0
         self.payload_bytes = wire_bytes(n, bits, block) if n else 0  # one quantised copy of x
         self._works: list[dist.Work] = []
@@ -91,99 +91,100 @@ class QuantizedRing:
         if self.done:
             err.zero_()
             return
-        top = max(self.seg_bytes)
-        self._bufs = [torch.empty(top, dtype=torch.uint8, device=x.device) for _ in range(3)]
-        self._send = self._bufs[2]
-        decoded = self._quantize_into(self._send_seg(0), self._send)
+        # Per-segment slices of one send buffer (every segment, own included: round 1 sends the own
+        # one) and one receive buffer per round: round 0 receives N-1 contributions to the own segment,
+        # round 1 every other owner's sum (at that segment's offset).
+        offs = [0]
+        for nbytes in self.seg_bytes:
+            offs.append(offs[-1] + nbytes)
+        self._off = offs
+        self._sbuf = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
         if self.exchange:
-            x.copy_(decoded)  # our own share of the sum, as the peer will decode it
-        self._post()
+            self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
+            x.copy_(self._quantize_into(0))  # our own share of the sum, as the peer will decode it
+            self._post([(1 - self.rank, self._send(0), self._rbuf)])
+            return
+        own = self.seg_bytes[self.rank]
+        self._rbuf = torch.empty(max(offs[-1], (self.world - 1) * own), dtype=torch.uint8, device=x.device)
+        pairs = []
+        for q in self._others():
+            self._quantize_into(q)  # err[q] = our contribution's error; x[q] is overwritten in round 1
+            pairs.append((q, self._send(q), self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own]))
+        self._post(pairs)
 
-    # ---- ring geometry -------------------------------------------------------------------
-    def _send_seg(self, t: int) -> int:
-        if self.exchange:
-            return 0
-        N, r = self.world, self.rank
-        return (r - t) % N if t <= N - 2 else (r + 1 - (t - N + 1)) % N
+    # ---- geometry --------------------------------------------------------------------------
+    def _others(self) -> list[int]:
+        return [q for q in range(self.world) if q != self.rank]
 
-    def _recv_seg(self, t: int) -> int:
-        return self._send_seg(t + 1)  # what arrives at step t is forwarded at step t+1
+    def _slot(self, q: int) -> int:
+        """Where rank q's contribution to our segment lands in the round-0 receive buffer."""
+        return q if q < self.rank else q - 1
+
+    def _send(self, s: int) -> torch.Tensor:
+        return self._sbuf[self._off[s] : self._off[s + 1]]
 
     def _peer(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
     # ---- work ----------------------------------------------------------------------------
-    def _quantize_into(self, s: int, buf: torch.Tensor) -> torch.Tensor:
-        """Quantise segment ``s`` of x into ``buf``; its error into err; return the decoded values."""
+    def _quantize_into(self, s: int) -> torch.Tensor:
+        """Quantise segment ``s`` of x into its send slice; its error into err; return the decoded values."""
         a, b = self.segments[s]
         if a == b:
             return self.x[a:b]
         return quantize(
-            self.x[a:b],
-            buf[: self.seg_bytes[s]],
-            self.bits,
-            self.block,
-            err=self.err[a:b],
-            clip=self.clip,
-            uniform=self.uniform,
+            self.x[a:b], self._send(s), self.bits, self.block, err=self.err[a:b], clip=self.clip, uniform=self.uniform
         )
 
-    def _post(self) -> None:
-        t, N = self.t, self.world
+    def _decode(self, wire: torch.Tensor, s: int) -> torch.Tensor:
+        a, b = self.segments[s]
+        return dequantize(wire, b - a, self.bits, self.block, self.uniform)
+
+    def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on
+        both sides alike (segment sizes are the same on every rank)."""
         ops = []
-        rs, ss = self._recv_seg(t), self._send_seg(t)
-        self._recv = self._bufs[t % 2]
-        if self.seg_bytes[rs]:
-            ops.append(
-                dist.P2POp(dist.irecv, self._recv[: self.seg_bytes[rs]], self._peer((self.rank - 1) % N), self.group)
-            )
-        if self.seg_bytes[ss]:
-            ops.append(
-                dist.P2POp(dist.isend, self._send[: self.seg_bytes[ss]], self._peer((self.rank + 1) % N), self.group)
-            )
+        for q, send, recv in pairs:
+            if recv.numel():
+                ops.append(dist.P2POp(dist.irecv, recv, self._peer(q), self.group))
+            if send.numel():
+                ops.append(dist.P2POp(dist.isend, send, self._peer(q), self.group))
         self._works = dist.batch_isend_irecv(ops) if ops else []
         self._arrived = _WAITER.watch(self._works, self.timeout)
 
     def _advance(self) -> None:
-        """Step t's messages have arrived: fold them in, post step t+1.
-
-        Buffers: receives alternate between ``bufs[0]`` and ``bufs[1]``; the reduce-scatter sends
-        (and the owner's final segment) are quantised into ``bufs[2]``, free once step t is
-        complete; an allgather step forwards the buffer it received into.
-        """
-        t, N = self.t, self.world
-        s = self._recv_seg(t)
-        a, b = self.segments[s]
-        recv = self._recv[: self.seg_bytes[s]]
+        """Round t's messages have arrived: fold them in, post round t+1."""
+        r = self.rank
         if self.exchange:  # decoded own + decoded peer: a + b == b + a, so both ranks hold the same bits
-            self.x.add_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
-        elif t <= N - 2:  # reduce-scatter: dequantise-add, requantise
+            self.x.add_(self._decode(self._rbuf, 0))
+        elif self.t == 0:  # the owner: add the N-1 decoded contributions (rank order), quantise the sum once
+            a, b = self.segments[r]
+            own = self.seg_bytes[r]
             if a < b:
-                self.x[a:b].add_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
-            decoded = self._quantize_into(s, self._bufs[2])
-            if t == N - 2:  # the owner: x gets exactly what every other rank will decode
-                self.x[a:b].copy_(decoded)
-            self._send = self._bufs[2]
-        else:  # allgather: decode the owner's bytes, forward them unchanged
-            if a < b:
-                self.x[a:b].copy_(dequantize(recv, b - a, self.bits, self.block, self.uniform))
-            self._send = self._recv
-        self.t += 1
-        if self.t == self.total:
-            self.done = True
-            self._works = []
+                for q in self._others():
+                    self.x[a:b].add_(self._decode(self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own], r))
+                self.x[a:b].copy_(self._quantize_into(r))  # exactly what every other rank will decode
+            self.t = 1
+            self._post([(q, self._send(r), self._rbuf[self._off[q] : self._off[q + 1]]) for q in self._others()])
             return
-        self._post()
+        else:  # allgather: decode every owner's bytes
+            for q in self._others():
+                a, b = self.segments[q]
+                if a < b:
+                    self.x[a:b].copy_(self._decode(self._rbuf[self._off[q] : self._off[q + 1]], q))
+        self.t = self.total
+        self.done = True
+        self._works = []
 
     def poll(self) -> bool:
-        """Do every step whose messages have arrived; never block.  True once the sum is in ``x``."""
+        """Do every round whose messages have arrived; never block.  True once the sum is in ``x``."""
         while not self.done and self._watch().event.is_set():
             self._watch().check()
             self._advance()
         return self.done
 
     def wait(self) -> torch.Tensor:
-        """Block until the sum is in ``x`` (each step bounded by ``timeout``)."""
+        """Block until the sum is in ``x`` (each round bounded by ``timeout``)."""
         while not self.done:
             self._watch().event.wait()
             self._watch().check()
@@ -191,8 +192,8 @@ class QuantizedRing:
         return self.x
 
     def _watch(self) -> _Arrival:
-        """The waiter's handle on the messages in flight (posted by every step until ``done``)."""
-        assert self._arrived is not None, "a ring step is always posted before it is waited on"
+        """The waiter's handle on the messages in flight (posted by every round until ``done``)."""
+        assert self._arrived is not None, "a round is always posted before it is waited on"
         return self._arrived
 
 
