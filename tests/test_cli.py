@@ -500,3 +500,25 @@ def test_public_names_load_on_first_use():
     proc = subprocess.run([sys.executable, "-c", _LAZY_NAMES], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["False", "True True", "module 'gradientflow' has no attribute 'NoSuchName'"]
+
+
+def test_bench_quality_adamw_settings_reach_the_job(monkeypatch, capsys):
+    """--adamw-lr / --adamw-beta2 set the quality transformer's AdamW (the settings docs/adamw.md sweeps);
+    a beta2 outside [0, 1) is refused by the parser."""
+    import gradientflow.bench.quality as quality
+
+    seen = {}
+
+    def fake_run(opts):
+        seen["jobs"] = quality.plan_jobs(opts)[0]
+
+    monkeypatch.setattr(quality, "run_quality", fake_run)
+    argv = ["bench", "--quality", "--workload", "tiny_transformer", "--bandwidth", "none"]
+    assert main([*argv, "--adamw-lr", "1e-3", "--adamw-beta2", "0.999"]) == 0
+    (job,) = seen["jobs"]
+    assert (job.lr, job.beta2) == (1e-3, 0.999)
+    assert main([*argv]) == 0
+    assert (seen["jobs"][0].lr, seen["jobs"][0].beta2) == (6e-3, 0.95)  # the defaults: 6e-3 x 128 / d_model
+    with pytest.raises(SystemExit):
+        main([*argv, "--adamw-beta2", "1.0"])
+    assert "expected a number in [0, 1)" in capsys.readouterr().err

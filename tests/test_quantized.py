@@ -351,3 +351,8 @@ def test_named_recipes_set_todays_keywords():
     q = GradientFlowConfig(compression="q4b64")
     assert (q.compression, q.quant_bits, q.quant_block) == ("quantized", 4, 64)
     assert GradientFlowConfig().compression == "none" and not GradientFlowConfig().quantized
+    # "quantized" = "q3": non-uniform levels; a "u" asks for uniform ones (the first version of the recipe)
+    d, u = GradientFlowConfig(compression="quantized"), GradientFlowConfig(compression="q3u")
+    assert (d.quant_bits, d.quant_block, d.quant_uniform) == (3, 128, False)
+    assert (u.compression, u.quant_bits, u.quant_block, u.quant_uniform) == ("quantized", 3, 128, True)
+    assert GradientFlowConfig(compression="q2b64uc2").quant_uniform
