@@ -80,7 +80,8 @@ def tabulate(out: Path) -> str:
     head = (
         f"`python experiments/adamw_matrix.py --out {out}` (launches dated {', '.join(sorted(dates))}); "
         "each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp gf-auto --steps 400 "
-        "--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED`\n\n"
+        "--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED --out DIR` "
+        "with the model, lr, beta2 and seed of each row\n\n"
     )
     return head + "\n".join(lines) + "\n"
 
