@@ -9,7 +9,8 @@ over time.  Per synchronised step and bucket (launched as buckets become ready, 
      (folded into the copy of a fresh gradient, :meth:`QuantizedSync.take_fresh`) plus this
      rank's error-feedback residual ``e`` (fp32; in units of the loss scale, like CSC's).
   2. A quantised ring allreduce of ``x`` (:class:`~gradientflow.comm.quantized_ring.QuantizedRing`:
-     reduce-scatter with dequantise-add-requantise per hop, allgather of the owner's bytes), which
+     a direct reduce-scatter of quantised contributions to each segment's owner, which quantises the
+     sum once, then an allgather of the owner's bytes), which
      leaves the decoded average in the pool on every rank (the same bytes decoded the same way:
      identical on all ranks) and the quantisation error of everything this rank quantised in ``e``
      (two ranks: one exchange of whole quantised contributions, the same bytes, no requantised sum).
