@@ -500,3 +500,14 @@ def test_public_names_load_on_first_use():
     proc = subprocess.run([sys.executable, "-c", _LAZY_NAMES], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["False", "True True", "module 'gradientflow' has no attribute 'NoSuchName'"]
+
+
+def test_torch_suite_subcommand_takes_the_runners_options():
+    """`gradientflow torch-suite` is the runner of docs/torch-ddp-suite.md, same options (one module per subcommand)."""
+    from gradientflow.cli import COMMANDS, build_parser
+
+    assert COMMANDS["torch-suite"].module == "gradientflow.cli.torch_suite"
+    args = build_parser(["torch-suite", "--ci", "--out", "d"]).parse_args(["torch-suite", "--ci", "--out", "d"])
+    assert (args.command, args.ci, args.all, args.out, args.tests) == ("torch-suite", True, False, "d", [])
+    args = build_parser(["torch-suite", "test_ddp_namedtuple"]).parse_args(["torch-suite", "test_ddp_namedtuple"])
+    assert args.tests == ["test_ddp_namedtuple"] and args.pg_timeout == 60.0
