@@ -510,4 +510,6 @@ def test_torch_suite_subcommand_takes_the_runners_options():
     args = build_parser(["torch-suite", "--ci", "--out", "d"]).parse_args(["torch-suite", "--ci", "--out", "d"])
     assert (args.command, args.ci, args.all, args.out, args.tests) == ("torch-suite", True, False, "d", [])
     args = build_parser(["torch-suite", "test_ddp_namedtuple"]).parse_args(["torch-suite", "test_ddp_namedtuple"])
-    assert args.tests == ["test_ddp_namedtuple"] and args.pg_timeout == 60.0
+    assert args.tests == ["test_ddp_namedtuple"] and args.pg_timeout == 60.0 and args.only is None
+    args = build_parser(["torch-suite", "--only", "gradientflow"]).parse_args(["torch-suite", "--only", "gradientflow"])
+    assert args.only == "gradientflow"  # the torch DDP column is then read from --out's earlier results.json

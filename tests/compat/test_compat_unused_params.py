@@ -56,6 +56,17 @@ def _default_worker(rank: int, world_size: int) -> list[str]:
     return messages
 
 
+def _functional_call_worker(rank: int, world_size: int) -> None:
+    """torch.func.functional_call with other tensors in place of the parameters: the module's own
+    parameters get no gradient, and their ``.grad`` stays ``None`` on both DDPs."""
+    ref, ours = pair(lambda: nn.Linear(1, 1))
+    for m in (ref, ours):
+        w, b = torch.ones(1, 1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        torch.func.functional_call(m, {"module.weight": w, "module.bias": b}, (torch.full((1, 1), 3.0),)).backward()
+        assert (w.grad.item(), b.grad.item()) == (3.0, 1.0)  # local: w and b are not the model's parameters
+        assert m.module.weight.grad is None and m.module.bias.grad is None
+
+
 def _find_unused_worker(rank: int, world_size: int) -> None:
     ref, ours = pair(TwoHeads, {"find_unused_parameters": True}, {"find_unused_parameters": True})
     n_params = len(list(TwoHeads().parameters()))
@@ -75,6 +86,10 @@ def _find_unused_worker(rank: int, world_size: int) -> None:
 
 def test_unused_parameter_is_torchs_error_at_next_forward() -> None:
     run_distributed(_default_worker, 2)
+
+
+def test_functional_call_leaves_the_modules_grads_none() -> None:
+    run_distributed(_functional_call_worker, 2)
 
 
 def test_find_unused_parameters_counts_users_as_torch() -> None:

@@ -258,6 +258,8 @@ class Reducer(PoolLayout, GradBinding):
             self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
             self._rebind_to_pool()
             self._release_unused(used)
+            if not bw.shadow and not self.find_unused and not self.usage.static_graph and len(bw.order) < len(bw.seen):
+                self._unsearched_unused(bw)
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
@@ -273,10 +275,6 @@ class Reducer(PoolLayout, GradBinding):
             if error is not None and self.usage.static_graph:
                 self.last_error = str(error)
                 raise error
-        if not bw.shadow and not self.find_unused and not self.usage.static_graph and len(bw.order) < len(bw.seen):
-            unused = [i for i, seen in enumerate(bw.seen) if not seen]
-            self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
-            self.last_error = str(self.pending_error)
         # torch DDP rebuilds its buckets in the observed order unless find_unused_parameters (the order may
         # change from step to step) without static_graph; so does the pool (has_rebuilt_buckets says which).
         if not self.layout_final and (not self.find_unused or self.usage.static_graph):
@@ -321,6 +319,16 @@ class Reducer(PoolLayout, GradBinding):
             self.watchdog.step += 1
             if self.trace is not None:
                 self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
+
+    def _unsearched_unused(self, bw: _Backward) -> None:
+        """Parameters this backward gave no gradient without ``find_unused_parameters``: torch's error at
+        the next forward; a ``.grad`` that was ``None`` stays ``None``, as torch leaves it (e.g. a
+        ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
+        unused = [i for i, seen in enumerate(bw.seen) if not seen]
+        self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
+        self.last_error = str(self.pending_error)
+        for i in self.sync.untouched([i for i in unused if self.usage.fresh[i]]):
+            self.params[i].grad = None
 
     def raise_pending(self) -> None:
         """At a forward with grad: the error of the previous synchronised backward, once (torch raises it

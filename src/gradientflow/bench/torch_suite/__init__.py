@@ -29,13 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ci", action="store_true", help="the CI-sized selection tests/compat runs")
     parser.add_argument("--out", default="results/torch_suite", help="where table.md and results.json go")
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout per test (s)")
+    parser.add_argument(
+        "--only",
+        choices=("torch", "gradientflow"),
+        help="run one implementation; the other's outcomes are read from --out's results.json (an earlier run)",
+    )
 
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Run the selection on torch DDP, then on gradientflow; print and write the table (``command``: how
     it was invoked, recorded in the table)."""
     from .harness import all_ddp_tests
-    from .runner import run_tests, write
+    from .runner import read_other, run_tests, write
 
     if args.all:
         names = all_ddp_tests()
@@ -43,8 +48,14 @@ def run(args: argparse.Namespace, command: str) -> int:
         names = list(CI)
     else:
         names = args.tests or list(DEFAULT)
-    by_impl = {impl: run_tests(impl, names, args.pg_timeout) for impl in ("torch", "gradientflow")}
-    print(write(args.out, names, by_impl, command.strip()))
+    note = ""
+    impls = ("torch", "gradientflow") if args.only is None else (args.only,)
+    by_impl = {impl: run_tests(impl, names, args.pg_timeout) for impl in impls}
+    if args.only is not None:  # torch DDP's outcomes do not depend on gradientflow's code: re-use them
+        other, source = read_other(args.out, args.only, names)
+        by_impl.update(other)
+        note = f"; the other column re-used from: {source}"
+    print(write(args.out, names, by_impl, command.strip(), note))
     return 0
 
 
