@@ -522,3 +522,16 @@ def test_bench_quality_adamw_settings_reach_the_job(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--adamw-beta2", "1.0"])
     assert "expected a number in [0, 1)" in capsys.readouterr().err
+
+
+def test_torch_suite_subcommand_takes_the_runners_options():
+    """`gradientflow torch-suite` is the runner of docs/torch-ddp-suite.md, same options (one module per subcommand)."""
+    from gradientflow.cli import COMMANDS, build_parser
+
+    assert COMMANDS["torch-suite"].module == "gradientflow.cli.torch_suite"
+    args = build_parser(["torch-suite", "--ci", "--out", "d"]).parse_args(["torch-suite", "--ci", "--out", "d"])
+    assert (args.command, args.ci, args.all, args.out, args.tests) == ("torch-suite", True, False, "d", [])
+    args = build_parser(["torch-suite", "test_ddp_namedtuple"]).parse_args(["torch-suite", "test_ddp_namedtuple"])
+    assert args.tests == ["test_ddp_namedtuple"] and args.pg_timeout == 60.0 and args.only is None
+    args = build_parser(["torch-suite", "--only", "gradientflow"]).parse_args(["torch-suite", "--only", "gradientflow"])
+    assert args.only == "gradientflow"  # the torch DDP column is then read from --out's earlier results.json

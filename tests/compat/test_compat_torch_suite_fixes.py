@@ -15,6 +15,9 @@ import gradientflow as gf
 from _dist import run_distributed
 from _oracle import assert_same_grads, assert_same_params, batch, pair
 
+# Both DDPs search for unused parameters, as torch DDP requires when some go without a gradient.
+UNUSED = {"find_unused_parameters": True}
+
 
 class Reassigns(nn.Module):
     """Rank 0 *reassigns* its buffer at every forward (a new tensor, not an in-place change)."""
@@ -66,7 +69,7 @@ def _batchnorm_worker(rank: int, world_size: int) -> None:
 
 
 def _undefined_grad_worker(rank: int, world_size: int) -> None:
-    ref, ours = pair(lambda: nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1)), ref_kw={"find_unused_parameters": True})
+    ref, ours = pair(lambda: nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1)), UNUSED, UNUSED)
     for step in range(2):
         for m in (ref, ours):
             out = m(batch(rank, step)).sum()

@@ -19,6 +19,9 @@ import gradientflow as gf
 from _dist import run_distributed
 from _oracle import assert_same_grads, assert_same_params, batch, pair
 
+# Both DDPs search for unused parameters, as torch DDP requires when some go without a gradient.
+UNUSED = {"find_unused_parameters": True}
+
 Out = namedtuple("Out", "main aux")
 
 
@@ -82,7 +85,7 @@ class Branchy(nn.Module):
 
 
 def _grad_none_worker(rank: int, world_size: int) -> None:
-    ref, ours = pair(Branchy, ref_kw={"find_unused_parameters": True})
+    ref, ours = pair(Branchy, UNUSED, UNUSED)
     # None after construction and after a forward, as torch DDP.
     assert all(p.grad is None for p in ours.parameters())
     ours(batch(rank, 0)).sum()
@@ -121,7 +124,8 @@ def _static_graph_worker(rank: int, world_size: int) -> list[int]:
 
 def test_static_graph_exchanges_used_flags_once() -> None:
     n_params = len(list(Branchy().parameters()))
-    assert run_distributed(_static_graph_worker, 2) == [[n_params, 0, 0]] * 2
+    # the first step's exchange: one int32 count of users per parameter (torch's local_used_map)
+    assert run_distributed(_static_graph_worker, 2) == [[4 * n_params, 0, 0]] * 2
 
 
 class Frozen(nn.Module):
@@ -137,7 +141,7 @@ class Frozen(nn.Module):
 
 
 def _frozen_worker(rank: int, world_size: int) -> None:
-    ref, ours = pair(Frozen, ref_kw={"find_unused_parameters": True})
+    ref, ours = pair(Frozen, UNUSED, UNUSED)
 
     def loss(m, r, s):
         m.module.a.requires_grad_(s % 2 == 0)  # GAN-style: toggled between steps
@@ -171,7 +175,7 @@ class Structured(nn.Module):
 
 
 def _outputs_worker(rank: int, world_size: int) -> None:
-    ref, ours = pair(Structured, ref_kw={"find_unused_parameters": True})
+    ref, ours = pair(Structured, UNUSED, UNUSED)
 
     def loss(m, r, s):
         out = m(batch(r, s))

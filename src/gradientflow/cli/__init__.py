@@ -1,4 +1,4 @@
-"""The ``gradientflow`` command: ``demo``, ``bench``, ``simulate`` and ``trace-summary``.
+"""The ``gradientflow`` command: ``demo``, ``bench``, ``simulate``, ``trace-summary`` and ``torch-suite``.
 
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> exit code``.  Only
 the subcommand named on the command line is imported and given its options: building the options of
@@ -56,6 +56,14 @@ COMMANDS: dict[str, Command] = {
         "Summarise Chrome traces written by gradientflow.DistributedDataParallel(trace_path=..., "
         "trace_steps=...): per rank file, ms per step in forward, backward, bucket hand-over, the final wait and "
         "CSC phases; collectives by kind with their bytes; blocking waits.",
+    ),
+    "torch-suite": Command(
+        "gradientflow.cli.torch_suite",
+        "torch's own DDP tests (from the installed wheel) on torch DDP and on gradientflow, side by side",
+        "Run the DDP tests of torch's distributed_test.py with 2 Gloo ranks on the CPU (CUDA mapped onto it), "
+        "once on torch's DistributedDataParallel and once on gradientflow's, and print/write the table of "
+        "outcomes (table.md, results.json in --out). Default: the tests torch DDP passes here; --all: every "
+        "DDP test; --ci: the CI selection. See docs/torch-ddp-suite.md.",
     ),
 }
 

@@ -29,7 +29,6 @@ class PoolLayout:
 
     params: list[torch.nn.Parameter]
     config: GradientFlowConfig
-    flag_unused: bool
     pool: GradPool
     bound: list[torch.Tensor]
     bucket_of: list[int]
@@ -45,7 +44,7 @@ class PoolLayout:
     def install(self, layout: Layout) -> None:
         """Allocate the pool for ``layout``; gradients that exist move into it, ``None`` stays ``None``."""
         sparse = self.config.sparse
-        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if sparse else 1, flag=self.flag_unused)
+        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if sparse else 1)
         with torch.no_grad():
             for p, view in zip(self.params, pool.views):
                 if p.grad is not None:

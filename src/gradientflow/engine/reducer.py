@@ -13,10 +13,12 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
      soon as it and all earlier buckets are complete.  Launch points are therefore a function
      of the layout alone: every rank issues the same collectives in the same order, even when
      the set of used parameters differs between ranks.
-  3. Autograd's final callback launches the remaining buckets and a one-byte-per-parameter
-     "used" exchange (MAX), waits for all, and leaves the averaged gradient in the pool (= in
-     every ``.grad``).  A parameter no rank used, whose ``.grad`` was ``None``, gets ``None``
-     back, so optimizers skip it as they do under torch DDP.
+  3. Autograd's final callback launches the remaining buckets, waits for all, and leaves the
+     averaged gradient in the pool (= in every ``.grad``).  As in torch DDP, unused parameters
+     are searched for only with ``find_unused_parameters=True`` (a per-parameter "used" count
+     exchange; once with ``static_graph``): a parameter no rank used, whose ``.grad`` was
+     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a parameter this backward
+     gave no gradient is torch's error at the next forward (:attr:`pending_error`).
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
 """
@@ -41,7 +43,7 @@ from .hooks import iter_tensors, remove_handles, weak_hook
 from .layout import PoolLayout
 from .pool import Layout
 from .protocol import MakeSync, SyncStrategy
-from .usage import ParamUsage
+from .usage import ParamUsage, unused_error
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class _Backward:
         self.order: list[int] = []
         self.stats = StepStats(dense_bytes=dense_bytes)
         self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
+        self.shadow = False  # a joined rank's zero step: no gradient is expected from it
 
 
 class Reducer(PoolLayout, GradBinding):
@@ -66,7 +69,8 @@ class Reducer(PoolLayout, GradBinding):
     pool's parameter order (a saved layout's, or ``None``: reverse registration, ~ backward);
     ``control``: CSC's second group over the same ranks (``None`` for dense); ``static_graph``:
     the set of used parameters never changes (the "used" exchange runs once); ``make_sync``: builds
-    the strategy over the pool (the wrapper's choice: :func:`gradientflow.strategies.build_strategy`).
+    the strategy over the pool (the wrapper's choice: :func:`gradientflow.strategies.build_strategy`);
+    ``find_unused``: torch DDP's ``find_unused_parameters`` (see step 3 above).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Reducer(PoolLayout, GradBinding):
         static_graph: bool,
         order: list[int] | None,
         make_sync: MakeSync,
+        find_unused: bool = False,
     ) -> None:
         n = len(params)
         self.params, self.names, self.config, self.group = params, names, config, group
@@ -89,12 +94,10 @@ class Reducer(PoolLayout, GradBinding):
         # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).
         self._control = weakref.ref(control) if control is not None else None
         self.dense_bytes = 4 * sum(p.numel() for p in params)
-        # Plain dense: the last bucket's allreduce carries "some rank has a parameter without a gradient",
-        # and the used exchange runs only then; a second collective every step cost small models 1.3-2x
-        # torch DDP's step on loopback.  Only where buckets are summed as they are, on the main group: a
-        # strategy with a control group (CSC, the quantised ring, a user's comm hook) transforms or
-        # reorders what it sends, so its used exchange stays on that group.  static_graph exchanges once.
-        self.flag_unused = control is None and not static_graph
+        # As torch DDP: without find_unused_parameters no step sends anything but gradients (a used
+        # exchange every step cost small models 1.3-2x torch DDP's step on loopback).
+        self.find_unused = find_unused
+        self.pending_error: RuntimeError | None = None  # raised at the next forward with grad (torch's timing)
         self.install(self.plan(order if order is not None else list(reversed(range(n)))))
         self.layout_final = False  # True once the pool follows an observed backward order
         self.sync: SyncStrategy = make_sync(self.pool, [p.shape for p in params])
@@ -229,10 +232,6 @@ class Reducer(PoolLayout, GradBinding):
         if self.finite_check is not None:  # before the wire overwrites the local gradient
             self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
         divided = self.unbound and bw.undivided[index] == 0  # the zeros filled in above divide to zeros
-        flag = self.pool.flag
-        if flag is not None and index == len(self.pool.layout.buckets) - 1:  # every gradient is in by now
-            flag.fill_(any(self.usage.fresh))  # a fresh parameter got none here: does another rank's count?
-            flat = self.pool.bucket_view(bucket, flagged=True)
         tr = self.trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
@@ -254,14 +253,13 @@ class Reducer(PoolLayout, GradBinding):
             t0 = time.perf_counter()
             while bw.next_bucket < len(self.pool.layout.buckets):
                 self._launch(bw, bw.next_bucket)
-            flag = self.pool.flag
-            used = None if flag is not None else self._start_used_exchange(bw)
+            used = self._start_used_exchange(bw)
             mismatch = self.step_check.verify() if self.step_check is not None else None
             self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
-            if flag is not None and flag.item() > 0:  # the same reduced value on every rank
-                used = self._start_used_exchange(bw)
             self._rebind_to_pool()
             self._release_unused(used)
+            if not bw.shadow and not self.find_unused and not self.usage.static_graph and len(bw.order) < len(bw.seen):
+                self._unsearched_unused(bw)
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
@@ -277,7 +275,9 @@ class Reducer(PoolLayout, GradBinding):
             if error is not None and self.usage.static_graph:
                 self.last_error = str(error)
                 raise error
-        if not self.layout_final:
+        # torch DDP rebuilds its buckets in the observed order unless find_unused_parameters (the order may
+        # change from step to step) without static_graph; so does the pool (has_rebuilt_buckets says which).
+        if not self.layout_final and (not self.find_unused or self.usage.static_graph):
             self._relayout_from_observed(bw.order)
         if self.config.sparse:
             self.result_versions = self._pool_versions()
@@ -302,6 +302,7 @@ class Reducer(PoolLayout, GradBinding):
             if self.step_check is not None:  # a joined rank's counts must not weigh in
                 self.step_check.start_neutral()
             self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
+            self.backward.shadow = True
             self.finish_backward()
             for buf in self.pool.buffers:
                 buf.zero_()
@@ -319,8 +320,30 @@ class Reducer(PoolLayout, GradBinding):
             if self.trace is not None:
                 self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
 
+    def _unsearched_unused(self, bw: _Backward) -> None:
+        """Parameters this backward gave no gradient without ``find_unused_parameters``: torch's error at
+        the next forward; a ``.grad`` that was ``None`` stays ``None``, as torch leaves it (e.g. a
+        ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
+        unused = [i for i, seen in enumerate(bw.seen) if not seen]
+        self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
+        self.last_error = str(self.pending_error)
+        for i in self.sync.untouched([i for i in unused if self.usage.fresh[i]]):
+            self.params[i].grad = None
+
+    def raise_pending(self) -> None:
+        """At a forward with grad: the error of the previous synchronised backward, once (torch raises it
+        there; the step itself completed, so a caller that catches it may go on)."""
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
+
     def _start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
-        return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+        if self.find_unused and not self.usage.static_graph:
+            with torch.profiler.record_function("search_unused_parameters"):  # torch's profiler event name
+                return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+        if self.usage.static_graph:
+            return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+        return None
 
     def _exchange_group(self) -> dist.ProcessGroup:
         """Where the used exchange runs.  CSC sends chunks at launches that may differ between ranks

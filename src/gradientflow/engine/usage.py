@@ -1,11 +1,15 @@
-"""Which parameters got a gradient: torch DDP's unused-parameter search, always on, one byte each.
+"""Which parameters got a gradient: torch DDP's unused-parameter search and its error.
 
-Every rank marks the parameters a backward produced a gradient for since the last synchronisation;
-one MAX allreduce of those bytes (once under ``static_graph=True``; densely, only on steps where a
-flag reduced with the last gradient bucket says some rank has a parameter without a gradient) tells
-which parameters *no* rank used.  Those whose ``.grad`` was ``None`` before the step get ``None``
-back, so optimizers skip them as they do under torch DDP, and no ``find_unused_parameters`` is
-needed.
+Every rank marks the parameters a backward produced a gradient for since the last synchronisation.
+As in torch DDP:
+
+- ``find_unused_parameters=True``: one SUM allreduce of those marks (int32, one per parameter) per
+  synchronised step counts the ranks that used each parameter (``reducer._get_local_used_map()``);
+  those no rank used, whose ``.grad`` was ``None`` before the step, get ``None`` back, so optimizers
+  skip them;
+- ``static_graph=True``: the same exchange, once (the first step's set holds for every step);
+- otherwise no exchange at all: a parameter that got no gradient on this rank is torch's
+  "Expected to have finished reduction ..." ``RuntimeError`` at the next forward (:func:`unused_error`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class ParamUsage:
         self.static_unused: list[int] | None = None  # static_graph: learnt from the first exchange
         self.static_used: bytearray | None = None  # this rank's used set at the first step
         self.graph_static = True  # every step so far used the first step's set (torch's _ddp_graph_static)
+        self.counts: torch.Tensor | None = None  # int32 per parameter: ranks that used it (the last exchange)
 
     def reset(self) -> None:
         """A synchronisation ended: nothing is fresh or used any more."""
@@ -38,21 +43,20 @@ class ParamUsage:
     def start_exchange(
         self, group: Callable[[], dist.ProcessGroup], device: torch.device, stats: StepStats
     ) -> tuple[dist.Work, torch.Tensor] | None:
-        """Start the MAX allreduce of the used bytes on ``group()``; None when ``static_graph``
-        already knows the unused parameters."""
+        """Start the SUM allreduce of the used marks on ``group()``; None when ``static_graph``
+        already knows the unused parameters.  int32, as torch's map: a uint8 sum would wrap at 256 ranks."""
         if self.static_unused is not None:
             return None
-        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(device)
-        stats.control_bytes += flags.numel()
-        return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group(), async_op=True), flags
+        flags = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(device=device, dtype=torch.int32)
+        stats.control_bytes += flags.numel() * flags.element_size()
+        return dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group(), async_op=True), flags
 
     def unused_fresh(self, pending: tuple[dist.Work, torch.Tensor] | None, watchdog: Watchdog) -> list[int]:
         """Indices of the parameters no rank used whose ``.grad`` was ``None``: they get ``None`` back."""
         if pending is not None:
             work, flags = pending
-            watchdog.wait(work, "used-parameter flags", flags.numel())
-            if not any(self.fresh) and not self.static_graph:
-                return []  # every gradient was produced (or already existed) here: nothing to read
+            watchdog.wait(work, "used-parameter counts", flags.numel() * flags.element_size())
+            self.counts = flags
             unused = [i for i, u in enumerate(flags.tolist()) if not u]
             if self.static_graph:
                 self.static_unused = unused
@@ -92,3 +96,25 @@ class ParamUsage:
             f"unused at the first iteration and received a grad now: {listed(new)}"
         )
         return RuntimeError(msg)
+
+
+def unused_error(unused: list[int], names: list[str], rank: int) -> RuntimeError:
+    """torch DDP's error for parameters that got no gradient without ``find_unused_parameters=True``.
+
+    torch's reducer text (code and users match on it), the indices (registration order of the
+    synchronised parameters) and, always, their names: torch prints the names only at a
+    ``TORCH_DISTRIBUTED_DEBUG`` level, gradientflow has them anyway."""
+    return RuntimeError(
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+        "indicates that your module has parameters that were not used in producing loss. You can enable unused "
+        "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+        "`torch.nn.parallel.DistributedDataParallel` (gradientflow's takes it too), and by \nmaking sure all "
+        "`forward` function outputs participate in calculating loss. \nIf you already have done the above, then "
+        "the distributed data parallel module wasn't able to locate the output tensors in the return value of "
+        "your module's `forward` function. Please include the loss function and the structure of the return value "
+        "of `forward` of your module when reporting this issue (e.g. list, dict, iterable).\n"
+        f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, unused))}\n"
+        f"Parameters which did not receive grad for rank {rank}: {', '.join(names[i] for i in unused)}\n"
+        "(gradientflow names them at every debug level; torch DDP asks you to set the environment variable "
+        "TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL for the names.)"
+    )

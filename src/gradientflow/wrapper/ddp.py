@@ -53,8 +53,9 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         init_sync: compare the models and broadcast rank 0's parameters and buffers [True].
         process_group / device_mesh (1-D): the group to average over [the default group].
         bucket_cap_mb: θ of lazy allreduce (the same setting as ``fusion_threshold_mb``) [25].
-        find_unused_parameters: accepted, no effect: unused parameters are always handled (a
-            one-byte-per-parameter exchange tells which ones no rank used, on the steps where a rank lacks one).
+        find_unused_parameters: as torch DDP: True = a per-parameter count of the ranks that used it is
+            exchanged every step (``.grad`` of those no rank used goes back to ``None``); False = no
+            exchange, and a parameter that got no gradient is torch's RuntimeError at the next forward.
         gradient_as_bucket_view: accepted, no effect: ``.grad`` is always a view of the pool.
         static_graph: the set of used parameters never changes, so the "used" exchange runs
             once instead of every step.
@@ -265,6 +266,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             self.static_graph,
             order,
             make_sync,
+            find_unused=self.find_unused_parameters,
         )
         self._gf_engine.layout_final = layout_final
         if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
@@ -273,6 +275,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._gf_engine.pending_error is not None and torch.is_grad_enabled():
+            self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         tr = self._gf_engine.trace
         t_fwd = time.perf_counter() if tr is not None and tr.active else None

@@ -39,6 +39,18 @@ class _ReducerView:
     def _set_static_graph(self) -> None:
         self._ddp._set_static_graph()
 
+    def _get_local_used_map(self) -> torch.Tensor:
+        """Per synchronised parameter (registration order), how many ranks' last synchronised backward
+        produced its gradient (int32, torch's map after its allreduce): exchanged every step with
+        ``find_unused_parameters=True``, at the first step with ``static_graph``."""
+        counts = self._ddp._gf_engine.usage.counts
+        if counts is None:
+            raise RuntimeError(
+                "gradientflow: no used-parameter map: it is exchanged only with find_unused_parameters=True "
+                "(or once with static_graph=True), after a synchronised backward. Pass find_unused_parameters=True."
+            )
+        return counts
+
     def _ddp_graph_static(self) -> bool:
         """Whether every synchronised step so far used the same parameters on this rank."""
         return self._ddp._gf_engine.usage.graph_static

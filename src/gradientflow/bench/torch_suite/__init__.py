@@ -4,7 +4,8 @@ Runs the DDP tests of ``torch/testing/_internal/distributed/distributed_test.py`
 ranks on the CPU (CUDA mapped onto it, see :mod:`.harness`), once on torch's
 ``DistributedDataParallel`` and once on gradientflow's, and prints/writes the table of outcomes.
 
-    python -m gradientflow.bench.torch_suite [--all | TEST ...] [--out DIR] [--only torch|gradientflow]
+    python -m gradientflow.bench.torch_suite [--all | --ci | TEST ...] [--out DIR]
+    gradientflow torch-suite [--all | --ci | TEST ...] [--out DIR]        # the same, from the CLI
 
 Default selection: :data:`DEFAULT`, the DDP tests torch DDP itself passes here; ``--all``: every
 DDP test of the module (``test_DistributedDataParallel*``, ``test_ddp_*`` and the others that
@@ -18,19 +19,28 @@ import sys
 
 from .selection import CI, DEFAULT
 
-__all__ = ["CI", "DEFAULT", "main"]
+__all__ = ["CI", "DEFAULT", "add_arguments", "main", "run"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradientflow torch-suite", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runner's options (also ``gradientflow torch-suite``'s)."""
     parser.add_argument("tests", nargs="*", help="test names (default: the default selection)")
     parser.add_argument("--all", action="store_true", help="every DDP test of torch's distributed_test.py")
     parser.add_argument("--ci", action="store_true", help="the CI-sized selection tests/compat runs")
     parser.add_argument("--out", default="results/torch_suite", help="where table.md and results.json go")
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout per test (s)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--only",
+        choices=("torch", "gradientflow"),
+        help="run one implementation; the other's outcomes are read from --out's results.json (an earlier run)",
+    )
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run the selection on torch DDP, then on gradientflow; print and write the table (``command``: how
+    it was invoked, recorded in the table)."""
     from .harness import all_ddp_tests
-    from .runner import run_tests, write
+    from .runner import read_other, run_tests, write
 
     if args.all:
         names = all_ddp_tests()
@@ -38,7 +48,20 @@ def main(argv: list[str] | None = None) -> int:
         names = list(CI)
     else:
         names = args.tests or list(DEFAULT)
-    by_impl = {impl: run_tests(impl, names, args.pg_timeout) for impl in ("torch", "gradientflow")}
-    command = "python -m gradientflow.bench.torch_suite " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(write(args.out, names, by_impl, command.strip()))
+    note = ""
+    impls = ("torch", "gradientflow") if args.only is None else (args.only,)
+    by_impl = {impl: run_tests(impl, names, args.pg_timeout) for impl in impls}
+    if args.only is not None:  # torch DDP's outcomes do not depend on gradientflow's code: re-use them
+        other, source = read_other(args.out, args.only, names)
+        by_impl.update(other)
+        note = f"; the other column re-used from: {source}"
+    print(write(args.out, names, by_impl, command.strip(), note))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradientflow.bench.torch_suite [options]``."""
+    parser = argparse.ArgumentParser(prog="gradientflow torch-suite", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run(parser.parse_args(argv), "python -m gradientflow.bench.torch_suite " + " ".join(argv))

@@ -143,9 +143,30 @@ def table(names: list[str], by_impl: dict[str, list[Outcome]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out_dir: str, names: list[str], by_impl: dict[str, list[Outcome]], command: str) -> str:
+def read_other(out_dir: str, ran: str, names: list[str]) -> tuple[dict[str, list[Outcome]], str]:
+    """``--only``: the other implementation's outcomes of ``names`` from ``out_dir``'s earlier results.json,
+    and the first line of the earlier table.md (its date and command)."""
+    other = "gradientflow" if ran == "torch" else "torch"
+    path = os.path.join(out_dir, "results.json")
+    try:
+        with open(path) as f:
+            earlier = {o["test"]: Outcome(**o) for o in json.load(f)[other]}
+    except (OSError, KeyError, ValueError) as exc:
+        raise RuntimeError(f"--only {ran}: no {other} outcomes to re-use in {path} ({exc}); run both first") from exc
+    missing = [n for n in names if n not in earlier]
+    if missing:
+        raise RuntimeError(f"--only {ran}: {path} has no {other} outcome for {', '.join(missing[:3])}; run both")
+    try:
+        with open(os.path.join(out_dir, "table.md")) as f:
+            source = f.readline().strip()
+    except OSError:
+        source = path
+    return {other: [earlier[n] for n in names]}, source
+
+
+def write(out_dir: str, names: list[str], by_impl: dict[str, list[Outcome]], command: str, note: str = "") -> str:
     os.makedirs(out_dir, exist_ok=True)
-    text = f"torch DDP test suite, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{command}`\n\n"
+    text = f"torch DDP test suite, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{command}`{note}\n\n"
     text += table(names, by_impl)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(text)
