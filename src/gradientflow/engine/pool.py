@@ -161,6 +161,9 @@ class GradPool:
             self.buffers[s.pool][s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(layout.slots, params)
         ]
         self.flag = self.padded[flag_pool][last.end : last.end + 1] if last is not None and flag_pool >= 0 else None
+        # Each bucket's slice, made once (the engine launches them every step), and the last one with the flag
+        self.bucket_views = [self.bucket_view(b) for b in layout.buckets]
+        self.flagged_last = self.bucket_view(last, flagged=True) if self.flag is not None and last is not None else None
 
     def bucket_view(self, bucket: Bucket, flagged: bool = False) -> torch.Tensor:
         """The bucket's slice of the pool (``flagged``: the last bucket with :attr:`flag` after it)."""

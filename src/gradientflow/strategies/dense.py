@@ -39,10 +39,15 @@ class DenseSync(SyncStrategy):
         self.algorithm = algorithm
         self._pending: list[tuple[torch.Tensor, torch.Tensor, PendingAllreduce]] = []
         self.scratch: Scratch | None = None  # wire buffers (and CSC's packed chunks), kept between steps
+        # the fp32 default: the pool's dtype is the wire's, so divide() is torch.div (world size 1: a copy)
+        self._plain_divide = wire_dtype is None and world_size > 1
 
     def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
         """Step 1's division, folded into the copy of a fresh gradient into the pool (one pass, not two)."""
-        divide(grad, self.world_size, self.wire_dtype, out=out)
+        if self._plain_divide:  # divide()'s own first branch, without its frame (once per parameter per step)
+            torch.div(grad, self.world_size, out=out)
+        else:
+            divide(grad, self.world_size, self.wire_dtype, out=out)
         return True
 
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
