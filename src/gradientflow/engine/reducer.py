@@ -44,6 +44,7 @@ from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage
 
 logger = logging.getLogger(__name__)
+_ENGINE = torch.autograd.Variable._execution_engine  # autograd's engine, for the final callback
 
 
 class _Backward:
@@ -51,7 +52,7 @@ class _Backward:
 
     def __init__(self, layout: Layout, n_params: int, dense_bytes: int) -> None:
         self.remaining = [len(b.params) for b in layout.buckets]
-        self.undivided = [0] * len(layout.buckets)  # gradients that did not enter through take_fresh
+        self.undivided = [0] * len(self.remaining)  # gradients that did not enter through take_fresh
         self.next_bucket = 0
         self.seen = bytearray(n_params)
         self.order: list[int] = []
@@ -160,7 +161,7 @@ class Reducer(PoolLayout, GradBinding):
             self.bind_grads(sync=True)
             bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
             bw.t_start = t_start
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            _ENGINE.queue_callback(self.finish_backward)
         return bw
 
     def _output_grad_hook(self, grad: torch.Tensor) -> None:
@@ -264,7 +265,7 @@ class Reducer(PoolLayout, GradBinding):
             tr.complete("backward", "backward", bw.t_start, t_final)
         try:
             t0 = time.perf_counter()
-            while bw.next_bucket < len(self.pool.layout.buckets):
+            while bw.next_bucket < len(bw.remaining):
                 self._launch(bw, bw.next_bucket)
             flag = self.pool.flag
             used = None if flag is not None else self._start_used_exchange(bw)
@@ -273,7 +274,8 @@ class Reducer(PoolLayout, GradBinding):
             if flag is not None and flag.item() > 0:  # the same reduced value on every rank
                 used = self._start_used_exchange(bw)
             self._rebind_to_pool()
-            self._release_unused(used)
+            if used is not None or self.usage.static_unused:  # else no parameter can get None back
+                self._release_unused(used)
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
@@ -284,9 +286,11 @@ class Reducer(PoolLayout, GradBinding):
             self.unbound = False
             self.usage.reset()
         self.last_stats = bw.stats
-        if bw.order:  # also without static_graph: torch's reducer._ddp_graph_static() reports it
+        usage = self.usage
+        # also without static_graph, until a step first differs: torch's reducer._ddp_graph_static() reports it
+        if bw.order and (usage.graph_static or usage.static_graph):
             error = self.usage.check_static_graph(bw.order, self.names, self.rank)
-            if error is not None and self.usage.static_graph:
+            if error is not None and usage.static_graph:
                 self.last_error = str(error)
                 raise error
         if not self.layout_final:
