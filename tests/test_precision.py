@@ -122,3 +122,21 @@ def test_division_folded_into_fresh_gradients_is_bit_identical() -> None:
     divides the bucket.  Same inputs, 3 ranks (a division that is not a power of two): the averaged
     gradients are equal bit for bit, for every wire dtype — neither path divides twice or not at all."""
     run_distributed(_fresh_vs_bound_worker, 3)
+
+
+def test_fp32_take_fresh_divides_as_divide_does_bit_for_bit() -> None:
+    """The fp32 default's per-gradient division (:meth:`DenseSync.take_fresh`, by a 0-dim fp32 tensor:
+    the step's hot path) gives the quotient :func:`divide` gives (by the Python int), bit for bit, for
+    world sizes that are not powers of two and for zeros of both signs, infinities, NaN and denormals."""
+    from gradientflow.comm.precision import divide
+    from gradientflow.strategies.dense import DenseSync
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 39, (4096,), generator=g).float()
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-40, 3.4e38])
+    for world_size in (2, 3, 5, 7, 12, 1000, 65537):
+        sync = DenseSync(group=None, world_size=world_size, wire_dtype=None, algorithm="native")  # type: ignore[arg-type]
+        ours, ref = torch.empty_like(x), torch.empty_like(x)
+        assert sync.take_fresh(x, ours) is True
+        divide(x, world_size, None, out=ref)
+        assert torch.equal(ours.view(torch.int32), ref.view(torch.int32)), world_size

@@ -25,6 +25,10 @@ from .ring import ring_allreduce
 
 logger = logging.getLogger(__name__)
 
+_SUM_ASYNC = dist.AllreduceOptions()  # read-only to the backend: one object for every launch
+_SUM_ASYNC.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs type it as ReduceOp; the enum value converts
+_SUM_ASYNC.asyncOp = True
+
 
 class PendingAllreduce:
     """An allreduce in flight.  ``completed_at`` is a ``time.perf_counter()`` stamp once done.
@@ -95,7 +99,13 @@ def start_allreduce(
         trace = None
     t0 = time.perf_counter() if trace is not None else 0.0
     if algorithm == "native":
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if group is None:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        else:
+            # The group's own allreduce, as torch DDP's C++ reducer calls it: dist.all_reduce's Python
+            # checks (torch-function modes, complex views, coalescing) do not apply to a real pool slice
+            # of a group this rank is in, and cost ~10 us a launch (a tenth of a 6.5K-parameter step's gap)
+            work = group.allreduce([tensor], _SUM_ASYNC)
         handle = PendingAllreduce(work, tensor, watchdog, what)
     elif algorithm == "ring":
         t_wait = time.monotonic()

@@ -39,7 +39,7 @@ class GradBinding:
         (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
         A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
-        (:meth:`_take_fresh`), one pass where zeroing the pool and letting autograd add into it
+        (:meth:`_param_ready`), one pass where zeroing the pool and letting autograd add into it
         takes two (AlexNet, one thread, measured once: backward 176 ms against 201); the copy also
         divides by the world size, which the launch would otherwise spend a pass on.  A parameter
         that got no gradient is zeroed when its bucket is launched (:meth:`_launch`).
@@ -49,12 +49,13 @@ class GradBinding:
         views = self.bound = targets if targets is not None else pool_views
         params = self.params
         self.bind_pending = False
+        if targets is None and sync and all(p.grad is None for p in params):
+            fresh[:] = b"\x01" * len(params)  # the common step (after zero_grad()): nothing to bind
+            self.unbound = True
+            return
         with torch.no_grad():
             if all(p.grad is None for p in params):
                 fresh[:] = b"\x01" * len(params)
-                if targets is None and sync:
-                    self.unbound = True
-                    return
                 if targets is None:
                     for buf in self.pool.buffers:
                         buf.zero_()

@@ -141,30 +141,24 @@ def small_last(order: Sequence[int], small: Sequence[bool]) -> list[int]:
 class GradPool:
     """Owns the flat gradient buffers of a layout and the per-parameter views into them."""
 
-    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], pad_to: int = 1, flag: bool = False) -> None:
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], pad_to: int = 1) -> None:
         """``pad_to``: each buffer's storage is rounded up to a multiple of it (CSC: whole chunks),
-        so ``padded[k]`` can be viewed as rows; ``buffers[k]`` is the exact-size view of it.
-
-        ``flag``: one more element right after the last bucket (:attr:`flag`), reduced with it when
-        that bucket is launched through ``bucket_view(bucket, flagged=True)``: a per-step signal
-        that costs no collective of its own.  ``None`` if the last bucket does not end its buffer.
-        """
+        so ``padded[k]`` can be viewed as rows; ``buffers[k]`` is the exact-size view of it."""
         self.layout = layout
-        last = layout.buckets[-1] if layout.buckets else None
-        flag_pool = last.pool if flag and last is not None and last.end == layout.sizes[last.pool] else -1
         self.padded = [
-            torch.zeros(-(-size // pad_to) * pad_to + (k == flag_pool), dtype=dtype, device=device)
-            for k, ((dtype, device), size) in enumerate(zip(layout.keys, layout.sizes))
+            torch.zeros(-(-size // pad_to) * pad_to, dtype=dtype, device=device)
+            for (dtype, device), size in zip(layout.keys, layout.sizes)
         ]
         self.buffers = [t[:size] for t, size in zip(self.padded, layout.sizes)]
         self.views = [
             self.buffers[s.pool][s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(layout.slots, params)
         ]
-        self.flag = self.padded[flag_pool][last.end : last.end + 1] if last is not None and flag_pool >= 0 else None
+        # Each bucket's slice, made once (the engine launches them every step)
+        self.bucket_views = [self.bucket_view(b) for b in layout.buckets]
 
-    def bucket_view(self, bucket: Bucket, flagged: bool = False) -> torch.Tensor:
-        """The bucket's slice of the pool (``flagged``: the last bucket with :attr:`flag` after it)."""
-        return self.padded[bucket.pool][bucket.start : bucket.end + flagged]
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's slice of the pool."""
+        return self.padded[bucket.pool][bucket.start : bucket.end]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
