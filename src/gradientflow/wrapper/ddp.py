@@ -278,6 +278,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         if self._gf_engine.pending_error is not None and torch.is_grad_enabled():
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._gf_engine.held.clear()  # last step's fresh gradients, freed where torch's zero_grad frees .grad
         tr = self._gf_engine.trace
         t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if sync:
