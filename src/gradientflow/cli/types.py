@@ -32,35 +32,25 @@ positive_int = int_at_least(1)
 nonneg_int = int_at_least(0)
 
 
-def nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return v
+def float_in(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse type: a number for which ``ok`` holds (``what`` says which), with a one-line error otherwise."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return v
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
-
-
-def beta(text: str) -> float:
-    """An Adam beta: a number in [0, 1)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
-    return v
+nonneg_float = float_in(lambda v: v >= 0, "a number >= 0")
+positive_float = float_in(lambda v: 0 < v < float("inf"), "a finite number > 0")
+beta = float_in(lambda v: 0 <= v < 1, "a number in [0, 1)")
+"""An Adam beta."""
 
 
 def _wrapper_option(name: str, value: Any) -> Any:

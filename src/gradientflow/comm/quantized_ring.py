@@ -75,6 +75,7 @@ class QuantizedRing:
         self.x, self.err, self.group, self.clip, self.uniform = x, err, group, clip, uniform
         self.bits, self.block, self.timeout = bits, block, timeout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.others = [q for q in range(self.world) if q != self.rank]  # the peers, in rank order
         n = x.numel()
         nb = -(-n // block)
         # Two ranks: one exchange of whole quantised contributions (see the module docstring).
@@ -107,15 +108,12 @@ class QuantizedRing:
         own = self.seg_bytes[self.rank]
         self._rbuf = torch.empty(max(offs[-1], (self.world - 1) * own), dtype=torch.uint8, device=x.device)
         pairs = []
-        for q in self._others():
+        for q in self.others:
             self._quantize_into(q)  # err[q] = our contribution's error; x[q] is overwritten in round 1
             pairs.append((q, self._send(q), self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own]))
         self._post(pairs)
 
     # ---- geometry --------------------------------------------------------------------------
-    def _others(self) -> list[int]:
-        return [q for q in range(self.world) if q != self.rank]
-
     def _slot(self, q: int) -> int:
         """Where rank q's contribution to our segment lands in the round-0 receive buffer."""
         return q if q < self.rank else q - 1
@@ -161,14 +159,14 @@ class QuantizedRing:
             a, b = self.segments[r]
             own = self.seg_bytes[r]
             if a < b:
-                for q in self._others():
+                for q in self.others:
                     self.x[a:b].add_(self._decode(self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own], r))
                 self.x[a:b].copy_(self._quantize_into(r))  # exactly what every other rank will decode
             self.t = 1
-            self._post([(q, self._send(r), self._rbuf[self._off[q] : self._off[q + 1]]) for q in self._others()])
+            self._post([(q, self._send(r), self._rbuf[self._off[q] : self._off[q + 1]]) for q in self.others])
             return
         else:  # allgather: decode every owner's bytes
-            for q in self._others():
+            for q in self.others:
                 a, b = self.segments[q]
                 if a < b:
                     self.x[a:b].copy_(self._decode(self._rbuf[self._off[q] : self._off[q + 1]], q))
