@@ -100,16 +100,21 @@ class QuantizedRing:
             offs.append(offs[-1] + nbytes)
         self._off = offs
         self._sbuf = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
+        # Gloo's point-to-point sends and receives host memory only ("writev: Bad address" on a CUDA
+        # tensor): there the bytes are staged through the host (NCCL sends device memory as it is).
+        self._staged = x.device.type != "cpu" and "nccl" not in str(dist.get_backend(group)).lower()
+        wire_device = torch.device("cpu") if self._staged else x.device
+        self._sent: list[torch.Tensor] = []  # host copies in flight (staged): alive until the round completes
         if self.exchange:
-            self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
-            x.copy_(self._quantize_into(0))  # our own share of the sum, as the peer will decode it
+            self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=wire_device)
+            self._quantize_into(0, inplace=True)  # our own share of the sum, as the peer will decode it
             self._post([(1 - self.rank, self._send(0), self._rbuf)])
             return
         own = self.seg_bytes[self.rank]
-        self._rbuf = torch.empty(max(offs[-1], (self.world - 1) * own), dtype=torch.uint8, device=x.device)
+        self._rbuf = torch.empty(max(offs[-1], (self.world - 1) * own), dtype=torch.uint8, device=wire_device)
         pairs = []
         for q in self.others:
-            self._quantize_into(q)  # err[q] = our contribution's error; x[q] is overwritten in round 1
+            self._quantize_into(q, inplace=True)  # err[q] = our contribution's error; x[q] is rewritten in round 1
             pairs.append((q, self._send(q), self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own]))
         self._post(pairs)
 
@@ -125,27 +130,40 @@ class QuantizedRing:
         return dist.get_global_rank(self.group, group_rank)
 
     # ---- work ----------------------------------------------------------------------------
-    def _quantize_into(self, s: int) -> torch.Tensor:
-        """Quantise segment ``s`` of x into its send slice; its error into err; return the decoded values."""
+    def _quantize_into(self, s: int, inplace: bool = False) -> None:
+        """Quantise segment ``s`` of x into its send slice and its error into err; ``inplace``: x's segment
+        becomes the decoded values (what every receiver of these bytes decodes)."""
         a, b = self.segments[s]
-        if a == b:
-            return self.x[a:b]
-        return quantize(
-            self.x[a:b], self._send(s), self.bits, self.block, err=self.err[a:b], clip=self.clip, uniform=self.uniform
-        )
+        if a < b:
+            quantize(
+                self.x[a:b],
+                self._send(s),
+                self.bits,
+                self.block,
+                err=self.err[a:b],
+                clip=self.clip,
+                uniform=self.uniform,
+                inplace=inplace,
+            )
 
-    def _decode(self, wire: torch.Tensor, s: int) -> torch.Tensor:
+    def _decode(self, wire: torch.Tensor, s: int, add: bool = False) -> None:
+        """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded)."""
         a, b = self.segments[s]
-        return dequantize(wire, b - a, self.bits, self.block, self.uniform)
+        wire = wire.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
+        dequantize(wire, b - a, self.bits, self.block, self.uniform, out=self.x[a:b], add=add)
 
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on
         both sides alike (segment sizes are the same on every rank)."""
         ops = []
+        self._sent = []
         for q, send, recv in pairs:
             if recv.numel():
                 ops.append(dist.P2POp(dist.irecv, recv, self._peer(q), self.group))
             if send.numel():
+                if self._staged:
+                    send = send.cpu()
+                    self._sent.append(send)
                 ops.append(dist.P2POp(dist.isend, send, self._peer(q), self.group))
         self._works = dist.batch_isend_irecv(ops) if ops else []
         self._arrived = _WAITER.watch(self._works, self.timeout)
@@ -154,14 +172,14 @@ class QuantizedRing:
         """Round t's messages have arrived: fold them in, post round t+1."""
         r = self.rank
         if self.exchange:  # decoded own + decoded peer: a + b == b + a, so both ranks hold the same bits
-            self.x.add_(self._decode(self._rbuf, 0))
+            self._decode(self._rbuf, 0, add=True)
         elif self.t == 0:  # the owner: add the N-1 decoded contributions (rank order), quantise the sum once
             a, b = self.segments[r]
             own = self.seg_bytes[r]
             if a < b:
                 for q in self.others:
-                    self.x[a:b].add_(self._decode(self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own], r))
-                self.x[a:b].copy_(self._quantize_into(r))  # exactly what every other rank will decode
+                    self._decode(self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own], r, add=True)
+                self._quantize_into(r, inplace=True)  # exactly what every other rank will decode
             self.t = 1
             self._post([(q, self._send(r), self._rbuf[self._off[q] : self._off[q + 1]]) for q in self.others])
             return
@@ -169,7 +187,7 @@ class QuantizedRing:
             for q in self.others:
                 a, b = self.segments[q]
                 if a < b:
-                    self.x[a:b].copy_(self._decode(self._rbuf[self._off[q] : self._off[q + 1]], q))
+                    self._decode(self._rbuf[self._off[q] : self._off[q + 1]], q)
         self.t = self.total
         self.done = True
         self._works = []

@@ -128,9 +128,10 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     ``add_``, pool-sized here); "csc_chunks" what CSC does to the *selected* chunks only (clear
     last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
     the cost model scales it by the fraction of chunks selected; "quantized" the quantised recipe's
-    codec (:mod:`gradientflow.comm.quantize`, 3 bits, 128-element blocks) as one rank of a 2-rank ring
-    runs it: the contribution ``g + e``, one quantisation of every element (with its error), one
-    decoding of every element (half in the reduce-scatter, with an add, half in the allgather).
+    codec (:mod:`gradientflow.comm.quantize`, 3 bits, 128-element blocks; on CPU its C kernel) as
+    one rank of a 2-rank ring runs it: the contribution ``g + e``, one quantisation of every element
+    (with its error), one decoding of every element (half in the reduce-scatter, with an add, half in
+    the allgather).
     """
     from gradientflow.comm.precision import from_wire, to_wire  # noqa: PLC0415
     from gradientflow.comm.quantize import dequantize, quantize, wire_bytes  # noqa: PLC0415
@@ -144,6 +145,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     wire = torch.empty(numel, dtype=torch.float16)  # the engine keeps its wire buffers between steps
     qwire = torch.empty(wire_bytes(numel, 3, 128), dtype=torch.uint8)
     err = torch.empty(numel)
+    x = g.clone()  # quantised in place, as the ring does
     ops: dict[str, list[Callable[[], object]]] = {
         "fp32": [lambda: to_wire(g, None, 2)],
         "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
@@ -157,8 +159,8 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
         ],
         "quantized": [
             lambda: residual.add_(g),
-            lambda: quantize(g, qwire, 3, 128, err=err),
-            lambda: residual.add_(dequantize(qwire, numel, 3, 128)),
+            lambda: quantize(x, qwire, 3, 128, err=err, inplace=True),
+            lambda: dequantize(qwire, numel, 3, 128, out=residual, add=True),
         ],
     }
     out = {}

@@ -15,9 +15,10 @@ over time.  Per synchronised step and bucket (launched as buckets become ready, 
      identical on all ranks) and the quantisation error of everything this rank quantised in ``e``
      (two ranks: one exchange of whole quantised contributions, the same bytes, no requantised sum).
      Nothing is lost: ``sum over ranks of e + N * result == sum of the ranks' x``.
-  3. The rings of a step run one after another, in bucket order (so every rank posts its
-     point-to-point messages in the same order); the engine's :meth:`progress` calls between
-     gradient hooks advance them while backward goes on, and :meth:`finish` drives the rest.
+  3. Every rank posts its point-to-point messages in the same order: with two ranks each ring is
+     one exchange, started as its bucket is launched (all of a step's in flight at once); from three
+     ranks the rings run one after another, in bucket order.  The engine's :meth:`progress` calls
+     between gradient hooks advance them while backward goes on, and :meth:`finish` drives the rest.
 
 Bytes per step: ``bits/8 + 2/block`` per gradient (3 bits, 128-element blocks: 0.0977 of fp32),
 ``2 (N-1)/N`` times of it per rank, as a dense ring.  No host read on the step's path.
@@ -113,7 +114,14 @@ class QuantizedSync(SyncStrategy):
             self._begin_step()
         assert self.res is not None  # allocated by _begin_step
         err = self.res.v[bucket.pool][bucket.start : bucket.end]
-        self._queue.append(_Pending(bucket, flat, err, divided))
+        p = _Pending(bucket, flat, err, divided)
+        self._queue.append(p)
+        if self.world_size == 2:
+            # One round per ring (the exchange): every rank posts its rings' messages in launch order,
+            # so they may all be in flight at once and the wire never waits for an earlier bucket's
+            # decode.  From 3 ranks a ring has two rounds, posted as messages arrive: one at a time, so
+            # every rank posts the same sequence.
+            self._start(p, stats)
         self.progress(stats)
 
     def _start(self, p: _Pending, stats: StepStats) -> None:

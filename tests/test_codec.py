@@ -1,0 +1,93 @@
+"""The CPU quantisation kernel (comm/codec.c) against the torch-ops codec: the same bytes, the same floats.
+
+Both paths must agree bit for bit, because ranks may differ in whether they could build the kernel and
+every rank must decode a message to the same floats.  Inputs cover what changes a block's arithmetic:
+ragged last blocks, all-zero blocks, subnormal blocks, ±0, values on a level's midpoint, inf and NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradientflow.comm import codec_native
+from gradientflow.comm.quantize import CODEBOOKS, SCALE_DTYPE, _mids, code_bytes, dequantize, quantize, wire_bytes
+
+pytestmark = pytest.mark.skipif(codec_native.library() is None, reason="no C compiler here")
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (so -0.0 != 0.0), except that any NaN equals any NaN: torch's own vectorised and
+    scalar fp32 -> bf16 conversions write different NaN bytes (0xFFFF, 0x7FC0), and a NaN block decodes
+    to NaN whatever its scale's bytes."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec_native, "applies", lambda *t: False)
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    heavy = torch.randn(5000, generator=g) * torch.rand(5000, generator=g) ** 4  # most of a block far below its max
+    edges = torch.zeros(384)
+    edges[:128] = torch.randn(128, generator=g) * 1e-41  # subnormal: a tiny scale
+    edges[128] = -0.0
+    # block 2: values exactly on each midpoint of a block whose max is 1 (a tie goes toward 0)
+    mids = torch.tensor([m for bits in CODEBOOKS for m in _mids(bits)])
+    edges[256 : 256 + len(mids)] = mids
+    edges[256 + len(mids) : 256 + 2 * len(mids)] = -mids
+    edges[300] = 1.0
+    nonfinite = torch.randn(300, generator=g)
+    nonfinite[5], nonfinite[140] = float("inf"), float("nan")
+    return [heavy, heavy[:1001], edges, nonfinite, torch.randn(7, generator=g), torch.zeros(0)]
+
+
+@pytest.mark.parametrize("bits", sorted(CODEBOOKS))
+@pytest.mark.parametrize("block", [16, 128, 1024])
+def test_kernel_matches_torch_ops_bit_for_bit(bits: int, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    for x in _inputs():
+        m = x.numel()
+        wire_k, err_k = torch.empty(wire_bytes(m, bits, block), dtype=torch.uint8), torch.empty(m)
+        dec_k = quantize(x, wire_k, bits, block, err=err_k)
+        back_k = dequantize(wire_k, m, bits, block)
+        acc_k = dequantize(wire_k, m, bits, block, out=x.clone(), add=True)
+        with monkeypatch.context() as mp:
+            _torch_path(mp)
+            wire_t, err_t = torch.empty_like(wire_k), torch.empty(m)
+            dec_t = quantize(x, wire_t, bits, block, err=err_t)
+            back_t = dequantize(wire_t, m, bits, block)
+            acc_t = dequantize(wire_t, m, bits, block, out=x.clone(), add=True)
+        cb = code_bytes(m, bits, block)
+        assert torch.equal(wire_k[:cb], wire_t[:cb]), (bits, block, m)  # every code
+        scale_k, scale_t = wire_k[cb:].view(SCALE_DTYPE).float(), wire_t[cb:].view(SCALE_DTYPE).float()
+        assert _same_floats(scale_k, scale_t), (bits, block, m)
+        for k, t in [(dec_k, dec_t), (err_k, err_t), (back_k, back_t), (acc_k, acc_t)]:
+            assert _same_floats(k, t), (bits, block, m)
+
+
+def test_inplace_writes_the_decoded_values_over_the_input() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    wire = torch.empty(wire_bytes(1000, 3, 128), dtype=torch.uint8)
+    expected = quantize(x, wire, 3, 128)
+    y = x.clone()
+    assert quantize(y, wire, 3, 128, inplace=True) is y
+    assert torch.equal(y, expected)
+
+
+def test_kernel_is_used_on_cpu_and_is_faster() -> None:
+    """Not a timing claim (see docs/adamw.md), only that the dispatch reaches the kernel: a CPU segment
+    must not take the torch ops' ~40 passes."""
+    calls: list[int] = []
+    lib = codec_native.library()
+    assert lib is not None
+    x = torch.randn(4096)
+    wire = torch.empty(wire_bytes(4096, 3, 128), dtype=torch.uint8)
+    orig = codec_native.quantize
+    try:
+        codec_native.quantize = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]  # type: ignore[assignment]
+        quantize(x, wire, 3, 128)
+    finally:
+        codec_native.quantize = orig  # type: ignore[assignment]
+    assert calls == [1]
