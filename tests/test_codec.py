@@ -67,6 +67,28 @@ def test_kernel_matches_torch_ops_bit_for_bit(bits: int, block: int, monkeypatch
             assert _same_floats(k, t), (bits, block, m)
 
 
+@pytest.mark.parametrize("bits", sorted(CODEBOOKS))
+def test_carry_encodes_x_plus_the_last_error_as_adding_it_first(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error feedback fused into the encode: ``quantize(x, err=e, carry=True)`` is ``x += e`` then
+    ``quantize(x, err=e)``, on both paths, to the bit."""
+    g = torch.Generator().manual_seed(2)
+    x, e = torch.randn(1000, generator=g), torch.randn(1000, generator=g) * 0.1
+    wire = torch.empty(wire_bytes(1000, bits, 128), dtype=torch.uint8)
+    ref_x, ref_e, ref_wire = x + e, torch.empty(1000), torch.empty_like(wire)
+    with monkeypatch.context() as mp:
+        _torch_path(mp)
+        quantize(ref_x, ref_wire, bits, 128, err=ref_e, inplace=True)
+    for path in ("kernel", "torch"):
+        xs, es = x.clone(), e.clone()
+        with monkeypatch.context() as mp:
+            if path == "torch":
+                _torch_path(mp)
+            assert quantize(xs, wire, bits, 128, err=es, inplace=True, carry=True) is xs
+        assert torch.equal(wire, ref_wire) and torch.equal(xs, ref_x) and torch.equal(es, ref_e), path
+    with pytest.raises(ValueError, match="inplace=True"):
+        quantize(x, wire, bits, 128, err=e, carry=True)
+
+
 def test_inplace_writes_the_decoded_values_over_the_input() -> None:
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     wire = torch.empty(wire_bytes(1000, 3, 128), dtype=torch.uint8)

@@ -356,3 +356,36 @@ def test_named_recipes_set_todays_keywords():
     assert (d.quant_bits, d.quant_block, d.quant_uniform) == (3, 128, False)
     assert (u.compression, u.quant_bits, u.quant_block, u.quant_uniform) == ("quantized", 3, 128, True)
     assert GradientFlowConfig(compression="q2b64uc2").quant_uniform
+
+
+def _theta_worker(rank: int, world: int) -> dict:
+    import gradientflow
+    from gradientflow.config import QUANT_THETA_MB
+
+    out = {}
+    for label, kw in (
+        ("quantized", {"compression": "quantized"}),
+        ("quantized, bucket_cap_mb=25", {"compression": "quantized", "bucket_cap_mb": 25}),
+        ("quantized, fusion_threshold_mb=2", {"compression": "quantized", "fusion_threshold_mb": 2}),
+        ("csc", {"compression": "csc"}),
+    ):
+        out[label] = gradientflow.DistributedDataParallel(_net(), **kw).config.fusion_threshold_mb
+    # auto: dense (θ 25) until AdamW steps, then the quantised recipe with its θ (the user gave none)
+    model = gradientflow.DistributedDataParallel(_net(), compression="auto")
+    before = model.config.fusion_threshold_mb
+    _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _batches(rank, 2))
+    out["auto + AdamW"] = (before, model.config.fusion_threshold_mb, model.comm_stats()["compression"])
+    out["expected"] = QUANT_THETA_MB
+    return out
+
+
+def test_quantized_recipe_default_theta_unless_the_user_gives_one():
+    """The quantised recipe's own θ (config.QUANT_THETA_MB, 8 MB) where neither bucket_cap_mb nor
+    fusion_threshold_mb is given; a θ the user gives is kept; other recipes keep 25 MB."""
+    r = run_distributed(_theta_worker, 2)[0]
+    assert r["expected"] == 8.0
+    assert r["quantized"] == 8.0
+    assert r["quantized, bucket_cap_mb=25"] == 25.0
+    assert r["quantized, fusion_threshold_mb=2"] == 2.0
+    assert r["csc"] == 25.0
+    assert r["auto + AdamW"] == (25.0, 8.0, "quantized")

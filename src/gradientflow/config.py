@@ -55,6 +55,11 @@ QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
+QUANT_THETA_MB = 8.0
+"""The quantised recipe's θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): its
+wire carries 0.1 of the pool's bytes, so 25 MB buckets left a 3.2M-parameter transformer (12.9 MB of
+gradients) one message after backward; 8 MB buckets (0.8 MB on the wire) overlap it (exposed wait 9.5 ->
+1.3 ms at 1 Gbit/s, experiments/quantized_theta.py, docs/adamw.md)."""
 
 
 def parse_compression(value: object) -> tuple[str, int, int, float, bool]:

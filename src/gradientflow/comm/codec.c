@@ -55,10 +55,13 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
                                                                 const int L, const float *mids,
                                                                 const float *poly, uint8_t *codes_out,
                                                                 uint16_t *scale_out, float *decoded,
-                                                                float *err) {
+                                                                float *err, int carry) {
     float v[1024], dec[1024];
     uint8_t codes[1024];
-    memcpy(v, x, (size_t)n * 4);
+    if (carry)
+        for (int i = 0; i < n; i++) v[i] = x[i] + err[i];
+    else
+        memcpy(v, x, (size_t)n * 4);
     for (int i = n; i < block; i++) v[i] = 0.0f;
     /* max |x| as the largest of the magnitudes' bit patterns (unsigned): the same order as the floats',
      * and any NaN's pattern is above inf's, so a NaN wins as in aminmax; +0 for a zero block, as
@@ -93,9 +96,11 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
 
 /* Encode m elements of x (nb = ceil(m / block) blocks, the last padded with zeros) into codes
  * (nb * block * bits / 8 bytes) and scales (nb bf16).  decoded (m floats, may alias x) gets what every
- * receiver decodes; err (m floats, or NULL) gets x - decoded.  block: a multiple of 16, <= 1024. */
+ * receiver decodes; err (m floats, or NULL) gets x - decoded.  carry (err given): x + err is encoded
+ * instead (error feedback: err holds the last error on entry), one pass fewer than adding it first.
+ * block: a multiple of 16, <= 1024. */
 void gf_quantize(const float *x, int64_t m, int bits, int block, const float *mids, const float *poly,
-                 uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err) {
+                 uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry) {
     const int64_t nb = (m + block - 1) / block;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t a0 = b * block;
@@ -103,9 +108,9 @@ void gf_quantize(const float *x, int64_t m, int bits, int block, const float *mi
         uint8_t *c = codes_out + a0 / 8 * bits;
         float *e = err ? err + a0 : NULL;
         if (bits == 3)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, c, scales_out + b, decoded + a0, e);
+            encode_block(x + a0, n, block, 3, 3, mids, poly, c, scales_out + b, decoded + a0, e, carry);
         else
-            encode_block(x + a0, n, block, 2, 1, mids, poly, c, scales_out + b, decoded + a0, e);
+            encode_block(x + a0, n, block, 2, 1, mids, poly, c, scales_out + b, decoded + a0, e, carry);
     }
 }
 

@@ -72,7 +72,7 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, p, p, p, p]
+    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, p, p, p, p, i32]
     lib.gf_quantize.restype = None
     lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, p, i32]
     lib.gf_dequantize.restype = None
@@ -114,8 +114,10 @@ def quantize(
     poly: tuple[float, ...],
     decoded: torch.Tensor,
     err: torch.Tensor | None,
+    carry: bool = False,
 ) -> None:
-    """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``) and the error."""
+    """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``) and the error;
+    ``carry``: ``x + err`` is encoded."""
     lib = library()
     assert lib is not None, "callers check applies() first"
     lib.gf_quantize(
@@ -129,6 +131,7 @@ def quantize(
         scales.data_ptr(),
         decoded.data_ptr(),
         None if err is None else err.data_ptr(),
+        int(carry),
     )
 
 

@@ -139,6 +139,16 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return (word >> _shifts(8, bits, bits, packed.device)) & ((1 << bits) - 1)
 
 
+def _native(
+    x: torch.Tensor, out: torch.Tensor, err: torch.Tensor | None, bits: int, block: int, clip: float, uniform: bool
+) -> bool:
+    """Whether :mod:`.codec_native`'s kernel encodes this call: the codebook widths, no clipping, contiguous
+    CPU tensors."""
+    if uniform or bits not in CODEBOOKS or clip != 0 or block > 1024:
+        return False
+    return codec_native.applies(x, out, *([] if err is None else [err]))
+
+
 def quantize(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -148,12 +158,14 @@ def quantize(
     clip: float = 0.0,
     uniform: bool = False,
     inplace: bool = False,
+    carry: bool = False,
 ) -> torch.Tensor:
     """Encode ``x`` (fp32, 1-D, ``m`` elements) into ``out`` (``wire_bytes(m)`` uint8).
 
     Returns the decoded values (``m`` fp32, what every receiver will decode); ``inplace``: written
     over ``x``, which is returned.  ``err``, if given, receives the quantisation error ``x - decoded``
-    (error feedback keeps it for the next step).
+    (error feedback keeps it for the next step).  ``carry`` (with ``err`` and ``inplace``): ``x + err``
+    is encoded, ``err`` holding the last step's error on entry (one pass fewer than adding it first).
     A non-finite element makes its block's scale non-finite, so it decodes to NaN everywhere.
     ``clip`` > 0: the scale is ``min(max |x|, clip x RMS of the block)`` and larger elements are
     clamped (their excess goes to ``err``): finer steps for the bulk of a block.
@@ -162,6 +174,11 @@ def quantize(
     kernel (the same bits).
     """
     m = x.numel()
+    if carry and (err is None or not inplace):
+        raise ValueError("quantize(carry=True) adds err to x in place: pass err and inplace=True")
+    if carry and not _native(x, out, err, bits, block, clip, uniform):
+        x.add_(err)  # type: ignore[arg-type]  # checked above
+        carry = False
     if bits == FULL_PRECISION:
         out.view(torch.float32).copy_(x)
         if err is not None:
@@ -171,10 +188,10 @@ def quantize(
     L = levels(bits)
     cb = code_bytes(m, bits, block)
     codebook = not uniform and bits in CODEBOOKS
-    if codebook and clip == 0 and block <= 1024 and codec_native.applies(x, out, *([] if err is None else [err])):
+    if _native(x, out, err, bits, block, clip, uniform):
         decoded = x if inplace else torch.empty_like(x)
         scales = out[cb:].view(SCALE_DTYPE)
-        codec_native.quantize(x, out, scales, bits, block, _mids(bits), _poly(bits), decoded, err)
+        codec_native.quantize(x, out, scales, bits, block, _mids(bits), _poly(bits), decoded, err, carry)
         return decoded
     if m % block:
         padded = x.new_zeros(nb * block)

@@ -57,7 +57,9 @@ class QuantizedRing:
     """One in-place quantised SUM allreduce of ``x`` over ``group``, error into ``err``.
 
     ``x`` and ``err``: fp32, contiguous, 1-D, the same numel on every rank.  ``bits`` / ``block``:
-    the block quantiser's (``block`` a multiple of 16).  The constructor posts round 0 at once.
+    the block quantiser's (``block`` a multiple of 16).  ``carry``: ``x`` holds the new contribution
+    alone and ``err`` the last error, which is added to it first (error feedback; two ranks fold the add
+    into the quantisation).  The constructor posts round 0 at once.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class QuantizedRing:
         timeout: timedelta | None = None,
         clip: float = 0.0,
         uniform: bool = False,
+        carry: bool = False,
     ) -> None:
         self.x, self.err, self.group, self.clip, self.uniform = x, err, group, clip, uniform
         self.bits, self.block, self.timeout = bits, block, timeout
@@ -89,7 +92,11 @@ class QuantizedRing:
         self._works: list[dist.Work] = []
         self._arrived: _Arrival | None = None
         self.done = self.world == 1 or n == 0
+        if carry and not (self.done or self.world == 2):
+            x.add_(err)  # the contribution; two ranks fold this add into the one quantisation of x
         if self.done:
+            if carry:
+                x.add_(err)
             err.zero_()
             return
         # Per-segment slices of one send buffer (every segment, own included: round 1 sends the own
@@ -107,7 +114,7 @@ class QuantizedRing:
         self._sent: list[torch.Tensor] = []  # host copies in flight (staged): alive until the round completes
         if self.exchange:
             self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=wire_device)
-            self._quantize_into(0, inplace=True)  # our own share of the sum, as the peer will decode it
+            self._quantize_into(0, inplace=True, carry=carry)  # our share of the sum, as the peer decodes it
             self._post([(1 - self.rank, self._send(0), self._rbuf)])
             return
         own = self.seg_bytes[self.rank]
@@ -130,9 +137,9 @@ class QuantizedRing:
         return dist.get_global_rank(self.group, group_rank)
 
     # ---- work ----------------------------------------------------------------------------
-    def _quantize_into(self, s: int, inplace: bool = False) -> None:
-        """Quantise segment ``s`` of x into its send slice and its error into err; ``inplace``: x's segment
-        becomes the decoded values (what every receiver of these bytes decodes)."""
+    def _quantize_into(self, s: int, inplace: bool = False, carry: bool = False) -> None:
+        """Quantise segment ``s`` of x (``carry``: plus err) into its send slice and its error into err;
+        ``inplace``: x's segment becomes the decoded values (what every receiver of these bytes decodes)."""
         a, b = self.segments[s]
         if a < b:
             quantize(
@@ -144,6 +151,7 @@ class QuantizedRing:
                 clip=self.clip,
                 uniform=self.uniform,
                 inplace=inplace,
+                carry=carry,
             )
 
     def _decode(self, wire: torch.Tensor, s: int, add: bool = False) -> None:

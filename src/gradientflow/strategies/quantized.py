@@ -127,14 +127,11 @@ class QuantizedSync(SyncStrategy):
     def _start(self, p: _Pending, stats: StepStats) -> None:
         """Step 1 (``x = g/N + e``, in the pool slice itself for an fp32 pool) and the ring's first message."""
         if p.flat.dtype == torch.float32:
-            if not p.divided:
-                divide(p.flat, self.world_size, None)
-            p.x = p.flat.add_(p.err)
+            p.x = p.flat
         else:  # 16-bit pool: the contribution is built in fp32 (err is fp32)
             p.x = p.flat.float()
-            if not p.divided:
-                divide(p.x, self.world_size, None)
-            p.x.add_(p.err)
+        if not p.divided:
+            divide(p.x, self.world_size, None)
         timeout = self.watchdog.timeout if self.watchdog is not None else None
         p.ring = QuantizedRing(
             p.x,
@@ -145,6 +142,7 @@ class QuantizedSync(SyncStrategy):
             timeout=timeout,
             clip=self.clip,
             uniform=self.uniform,
+            carry=True,  # x + e: the ring adds e (two ranks: inside the quantisation's pass)
         )
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)

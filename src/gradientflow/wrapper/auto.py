@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer
+from .compat import recipe_theta
 
 DistributedDataParallel = Any
 """The wrapper (:class:`gradientflow.wrapper.ddp.DistributedDataParallel`), not imported: ddp imports this module."""
@@ -56,7 +57,7 @@ def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
     CSC's density ramp is where a run started with ``compression="csc"`` would be."""
     engine = model._gf_engine
-    model.config = dataclasses.replace(model.config, compression=recipe)
+    model.config = recipe_theta(dataclasses.replace(model.config, compression=recipe), model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
     model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import QUANT_THETA_MB, GradientFlowConfig
+
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
@@ -32,10 +34,19 @@ class DDPSettings:
     device: torch.device | None  # inputs are moved here at forward (device_ids given), else None
     process_group: dist.ProcessGroup
     fusion_threshold_mb: float
+    theta_given: bool  # bucket_cap_mb or fusion_threshold_mb passed: a recipe's own default θ stays unused
     forward_sync_buffers: bool  # broadcast buffers from rank 0 at every synchronised forward
     init_sync: bool  # compare models and broadcast rank 0's state at construction
     init_sync_buffers: bool  # ... buffers included (the deprecated broadcast_buffers=False excludes them)
     static_graph: bool
+
+
+def recipe_theta(config: GradientFlowConfig, theta_given: bool) -> GradientFlowConfig:
+    """``config`` with its recipe's own θ where the user gave none: :data:`~gradientflow.config.QUANT_THETA_MB`
+    for the quantised recipe (``schedule="auto"`` derives θ itself and keeps it)."""
+    if theta_given or not config.quantized or config.schedule != "fixed":
+        return config
+    return dataclasses.replace(config, fusion_threshold_mb=QUANT_THETA_MB)
 
 
 def _device_index(d: Any) -> torch.device:
@@ -163,6 +174,7 @@ def resolve_ddp_args(
         device=device,
         process_group=group,
         fusion_threshold_mb=theta,
+        theta_given=fusion_threshold_mb is not None or bucket_cap_mb is not None,
         forward_sync_buffers=bool(forward),
         init_sync=bool(init_sync),
         init_sync_buffers=bool(at_init),

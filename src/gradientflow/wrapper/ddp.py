@@ -52,7 +52,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             from rank 0 at every synchronised forward [True].
         init_sync: compare the models and broadcast rank 0's parameters and buffers [True].
         process_group / device_mesh (1-D): the group to average over [the default group].
-        bucket_cap_mb: θ of lazy allreduce (the same setting as ``fusion_threshold_mb``) [25].
+        bucket_cap_mb: θ of lazy allreduce (the same setting as ``fusion_threshold_mb``) [25; quantised: 8].
         find_unused_parameters: as torch DDP: True = a per-parameter count of the ranks that used it is
             exchanged every step (``.grad`` of those no rank used goes back to ``None``); False = no
             exchange, and a parameter that got no gradient is torch's RuntimeError at the next forward.
@@ -66,8 +66,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             recorded (``bucket_bytes_cap_list``); the pool is cut by one threshold.
 
     gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
-        fusion_threshold_mb [25.0], comm_dtype ["fp32"], algorithm ["native"], density [None =
-        dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
+        fusion_threshold_mb [25.0; quantised: 8.0], comm_dtype ["fp32"], algorithm ["native"],
+        density [None = dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
         chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
         measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; named
         recipes "fp16", "csc", "quantized" / "q3", "auto": docs/adamw.md];
@@ -172,6 +172,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
             **{k: a[k] for k in compat.GF_OPTIONS},
         )
+        self.config = compat.recipe_theta(self.config, settings.theta_given)
         # torch DDP's public attributes, same names and meaning.
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
