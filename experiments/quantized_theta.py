@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 
-def worker(rank: int, world: int, thetas: list[float], steps: int, batch: int, size: str, out: str) -> None:
+def worker(
+    rank: int, world: int, thetas: list[float], steps: int, batch: int, size: str, out: str, device: str
+) -> None:
     from datetime import timedelta
 
     import torch
@@ -30,13 +32,14 @@ def worker(rank: int, world: int, thetas: list[float], steps: int, batch: int, s
     import gradientflow as gf
     from gradientflow.bench.models import build_model, synthetic_batch
 
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     d, layers = (int(v) for v in size.split("x"))
     models: dict[str, torch.nn.Module] = {}
     for name in ["compute", "ddp", *[f"q3 θ={t:g}" for t in thetas]]:
         torch.manual_seed(0)
-        net = build_model("tiny_transformer", d_model=d, n_layers=layers)
+        net = build_model("tiny_transformer", d_model=d, n_layers=layers).to(device)
         if name == "compute":
             models[name] = net
         elif name == "ddp":
@@ -49,7 +52,7 @@ def worker(rank: int, world: int, thetas: list[float], steps: int, batch: int, s
     exposed: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}  # the training thread's CPU time per step
     for step in range(steps):
-        x, y = synthetic_batch("tiny_transformer", batch, 1000 * step + rank)
+        x, y = synthetic_batch("tiny_transformer", batch, 1000 * step + rank, device)
         for name, model in models.items():
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -57,6 +60,8 @@ def worker(rank: int, world: int, thetas: list[float], steps: int, batch: int, s
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             opts[name].step()
+            if device != "cpu":
+                torch.cuda.synchronize()
             t = torch.tensor([time.perf_counter() - t0])
             cpu[name].append(time.thread_time() - c0)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
@@ -92,11 +97,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--size", default="256x4")
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both ranks on one GPU over Gloo")
     ap.add_argument("--out", default="benchmarks/quantized_theta")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank is not None:
-        worker(args.rank, 2, args.theta, args.steps, args.batch, args.size, args.out)
+        worker(args.rank, 2, args.theta, args.steps, args.batch, args.size, args.out, args.device)
         return
     from gradientflow.bench.cluster import EmulatedCluster
 

@@ -83,7 +83,16 @@ def test_plan_jobs():
     jobs, tta = plan_jobs(QualityOptions(workloads=["transformer"], tta_size=(64, 1), bandwidth="1gbit"))
     assert [t.name for t in tta] == ["tta"]
     # AdamW: compression="auto" (quantised) against torch's own ways to send less, on the clock
-    assert tta[0].recipes == ["ddp", "gf-auto", "gf-fp16-dense", "ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal"]
+    # and gf-auto given 20% more (faster) steps: its own time to DDP's final loss
+    assert tta[0].recipes == [
+        "ddp",
+        "gf-auto",
+        "gf-auto:steps=1.2",
+        "gf-fp16-dense",
+        "ddp-fp16-hook",
+        "ddp-powersgd",
+        "ddp-postlocal",
+    ]
     assert (tta[0].d_model, tta[0].n_layers) == (64, 1)
     # digits' time to accuracy trains the communication-bound digits_wide with the user's SGD momentum
     (t,) = plan_jobs(QualityOptions(workloads=["digits"]))[1]
@@ -98,6 +107,7 @@ def test_plan_jobs():
 
 def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
     assert parse_recipe("gf-paper") == ("gf-paper", {})
+    assert parse_recipe("gf-auto:steps=1.2") == ("gf-auto", {"steps": 1.2})  # the bench's own option
     assert parse_recipe("gf-recommended:warmup_steps=300, dense_1d=False,csc_scope=global") == (
         "gf-recommended",
         {"warmup_steps": 300, "dense_1d": False, "csc_scope": "global"},
@@ -108,6 +118,8 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
         ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"),
         ("gf-paper:density", "is not OPTION=VALUE"),
         ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]"),
+        ("gf-auto:steps=0", "steps must be a factor > 0"),
+        ("gf-auto:steps=True", "steps must be a factor > 0"),
     ]:
         with pytest.raises(ValueError, match=re.escape(says)):
             parse_recipe(bad)
@@ -188,6 +200,7 @@ def test_quality_rejects_other_workloads(capsys):
 
 def test_quality_end_to_end_tiny(tmp_path):
     variant = "gf-recommended:warmup_steps=0"  # an ablation: the same recipe without the density ramp
+    longer = "gf-fp16-dense:steps=1.5"  # 18 steps, its schedule stretched: evaluated every 4 and at its last
     args = [
         "bench",
         "--quality",
@@ -210,18 +223,28 @@ def test_quality_end_to_end_tiny(tmp_path):
         "gf-fp16-dense",
         "ddp-sgd",
         variant,
+        longer,
     ]
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "transformer step 12/12, validation loss: ddp " in proc.stderr  # progress reaches the terminal
+    assert "transformer step 12/18, validation loss: ddp " in proc.stderr  # progress reaches the terminal
     res = json.loads((tmp_path / "results.json").read_text())
     for key in ("command", "date", "options", "library_defaults", "workloads", "tta", "seconds"):
         assert key in res
     assert res["tta"] == [] and res["world_size"] == 2
     assert set(res["workloads"]) == {"transformer", "digits"}
     expected = {
-        "transformer": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", "ddp-sgd", variant},
-        "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", variant},
+        "transformer": {
+            "ddp",
+            "gf-recommended",
+            "gf-density-0.3",
+            "gf-paper",
+            "gf-fp16-dense",
+            "ddp-sgd",
+            variant,
+            longer,
+        },
+        "digits": {"ddp", "gf-recommended", "gf-density-0.3", "gf-paper", "gf-fp16-dense", variant, longer},
     }
     for name, w in res["workloads"].items():
         rows = {r["recipe"]: r for r in w["rows"]}
@@ -230,8 +253,8 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert ddp["ratio_to_ddp"] == 1.0 and ddp["bytes_source"] == "computed"
         assert ddp["bytes_per_step"] == 4 * w["n_params"]
         for r in rows.values():
-            assert r["status"] == "ok" and r["steps"] == 12
-            assert r["curve"]["step"] == [0, 4, 8, 12]
+            assert r["status"] == "ok" and r["steps"] == (18 if r["recipe"] == longer else 12)
+            assert r["curve"]["step"] == ([0, 4, 8, 12, 16, 18] if r["recipe"] == longer else [0, 4, 8, 12])
             assert all(math.isfinite(v) and v > 0 for v in r["curve"]["val_loss"]), r["curve"]
             assert math.isfinite(r["ratio_to_ddp"]) and r["ratio_to_ddp"] > 0
             assert r["curve"]["wall_s"][0] == 0 and r["curve"]["wall_s"] == sorted(r["curve"]["wall_s"])

@@ -71,11 +71,21 @@ USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
 TTA_RECIPES = {
-    "transformer": ["ddp", "gf-auto", "gf-fp16-dense", "ddp-fp16-hook", "ddp-powersgd", "ddp-postlocal"],
+    "transformer": [
+        "ddp",
+        "gf-auto",
+        "gf-auto:steps=1.2",
+        "gf-fp16-dense",
+        "ddp-fp16-hook",
+        "ddp-powersgd",
+        "ddp-postlocal",
+    ],
     "digits": ["ddp", "gf-recommended", "gf-auto"],
 }
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
-alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it."""
+alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it.  ``gf-auto`` ends
+within ~1% of DDP's loss at equal steps, a hair above it: ``gf-auto:steps=1.2`` (20% more steps, each
+a fraction of DDP's) measures its time to DDP's final loss itself."""
 WORKLOAD_OF_CLI = {"tiny_transformer": "transformer", "small_cnn": "digits"}
 """``--workload`` names (the bench's models) of the quality workloads."""
 
@@ -102,6 +112,7 @@ class Job:
     probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
     model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
     beta2: float = 0.95  # the transformer's AdamW betas = (0.9, beta2)
+    device: str = "cpu"  # "cuda": every rank on GPU local-rank mod the GPU count (Gloo: ranks may share one)
 
 
 @dataclass
@@ -139,7 +150,9 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     A *variant* of a gradientflow recipe: the recipe with some of the wrapper's options changed, to
     measure what an option does to quality (an ablation) on the same seed and batches.  Values are
     Python literals (``300``, ``0.3``, ``False``, ``None``); anything else is taken as a string
-    (``csc_scope=global``).  Raises ``ValueError`` for an unknown recipe or option or a bad value.
+    (``csc_scope=global``).  One option is the bench's own: ``steps=F`` trains F times the job's steps
+    (F > 0; the LR schedule stretched to them), for time to a loss that a recipe reaches only with more,
+    faster, steps.  Raises ``ValueError`` for an unknown recipe or option or a bad value.
     """
     from gradientflow.config import GradientFlowConfig
 
@@ -150,7 +163,7 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         return base, {}
     if not base.startswith("gf-"):  # torch DDP and its peers
         raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
-    names = {f.name for f in dataclasses.fields(GradientFlowConfig)}
+    names = {f.name for f in dataclasses.fields(GradientFlowConfig)} | {"steps"}
     overrides: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, text = (part.strip() for part in item.partition("="))
@@ -160,8 +173,11 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
             overrides[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             overrides[key] = text
+    factor = overrides.get("steps", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
     try:
-        GradientFlowConfig(**overrides)  # the wrapper's own validation, before any rank starts
+        GradientFlowConfig(**{k: v for k, v in overrides.items() if k != "steps"})  # the wrapper's validation
     except ValueError as exc:
         raise ValueError(f"{recipe!r}: {exc}") from None
     return base, overrides
@@ -196,8 +212,11 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
             }
         else:  # gf-fp16-dense
             options = {"comm_dtype": "fp16"}
+        factor = overrides.pop("steps", 1.0)
         options.update(overrides)
         wrapped = gf.DistributedDataParallel(model, **options)
+        if factor != 1.0:
+            options["steps_factor"] = factor  # the bench's, not the wrapper's: read by the worker
     params = wrapped.parameters()
     if paper_sgd:
         # gf-paper: momentum lives in CSC's momentum correction, so the optimizer applies none;
@@ -240,6 +259,7 @@ class QualityOptions:
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
     threads: int = 1
     seed: int = 0
+    device: str = "cpu"  # "cuda": models, batches and codecs on the GPU (communication still over Gloo)
     timeout_s: float = 1800.0
     prefix: str = "gfq"
     out: str = "benchmarks/quality"
@@ -268,6 +288,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
             d_model=d,
             n_layers=layers,
             n_heads=max(1, d // 32),
+            device=opts.device,
         )
 
     def digits(name: str, model: str, steps: int, recipes: list[str]) -> Job:
@@ -282,6 +303,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
             lr=0.05,
             paper_lr=0.05,
             paper_warmup_steps=max(1, steps // 20),
+            device=opts.device,
         )
 
     def chosen(default: list[str]) -> list[str]:

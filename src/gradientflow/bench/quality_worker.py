@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +40,7 @@ class _Data:
 
     def __init__(self, job: Job, seed: int, rank: int, world: int) -> None:
         self.job, self.rank, self.world = job, rank, world
+        self.device = _device(job)
         if job.workload == "transformer":
             from gradientflow.bench.data import char_vocab, encode, pydoc_topics_corpus
 
@@ -56,6 +58,7 @@ class _Data:
 
             x_train, y_train, self.val_x, self.val_y = load_digits_split(seed=seed)
             self.xs, self.ys = shard(x_train, y_train, rank, world)
+        self.val_x, self.val_y = self.val_x.to(self.device), self.val_y.to(self.device)
         self.seed = seed
 
     def batches(self):
@@ -66,12 +69,13 @@ class _Data:
             from gradientflow.bench.data import lm_batch
 
             while True:
-                yield lm_batch(self.train_ids, b, self.job.seq_len, gen)
+                x, y = lm_batch(self.train_ids, b, self.job.seq_len, gen)
+                yield x.to(self.device), y.to(self.device)
         while True:
             order = torch.randperm(len(self.xs), generator=gen)
             for pos in range(0, len(order) - b + 1, b):
                 idx = order[pos : pos + b]
-                yield self.xs[idx], self.ys[idx]
+                yield self.xs[idx].to(self.device), self.ys[idx].to(self.device)
 
     def build_model(self) -> nn.Module:
         from gradientflow.bench.models import build_model
@@ -85,8 +89,21 @@ class _Data:
                 n_layers=self.job.n_layers,
                 n_heads=self.job.n_heads,
                 seq_len=self.job.seq_len,
-            )
-        return build_model(self.job.model)
+            ).to(self.device)
+        return build_model(self.job.model).to(self.device)
+
+
+def _device(job: Job) -> torch.device:
+    if job.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def _elapsed(t0: float, device: torch.device) -> float:
+    """Seconds since ``t0`` once the device's queued work is done (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -132,6 +149,7 @@ class _Run:
     sched: Any
     batches: Any
     options: dict[str, Any]
+    steps: int
     step_s: list[float] = field(default_factory=list)
     stats: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
@@ -153,6 +171,7 @@ class _Probe:
             else torch.optim.SGD(params, lr=0.0, momentum=0.9)
         )
         self.batches = data.batches()
+        self.device = data.device
         self.times: list[float] = []
         for _ in range(2):  # untimed: first-call costs
             self.step(record=False)
@@ -165,7 +184,7 @@ class _Probe:
         _loss(self.model(x), y).backward()
         self.opt.step()
         if record:
-            self.times.append(time.perf_counter() - t0)
+            self.times.append(_elapsed(t0, self.device))
 
 
 def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
@@ -181,11 +200,13 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         model = data.build_model()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         wrapped, opt, options = build_recipe(recipe, model, job)
-        runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, job), data.batches(), options))
+        own = replace(job, steps=max(1, round(job.steps * options.get("steps_factor", 1.0))))
+        runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, own), data.batches(), options, own.steps))
 
     def eval_all(step: int) -> None:
+        """Every run due at ``step``: at every ``eval_every`` steps of its own and at its last."""
         for run in runs:
-            if run.status == "ok":
+            if run.status == "ok" and step <= run.steps and (step % job.eval_every == 0 or step == run.steps):
                 loss, acc = evaluate(cast(nn.Module, run.wrapped.module), data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
@@ -199,7 +220,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
 
     eval_all(0)
     bar = tqdm(
-        range(job.steps),
+        range(max(r.steps for r in runs)),
         desc=f"{job.name}: {len(runs)} recipes",
         unit="step",
         disable=rank != 0,
@@ -210,7 +231,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         if step % probe_every == 0:
             probe.step()
         for run in runs:
-            if run.status != "ok":
+            if run.status != "ok" or step >= run.steps:
                 continue
             x, y = next(run.batches)
             dist.barrier()
@@ -224,18 +245,21 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 run.status, run.error = "error", f"{type(exc).__name__}: {exc}"
                 logger.error("%s / %s failed at step %d: %s", job.name, run.recipe, step, run.error)
                 continue
-            run.step_s.append(time.perf_counter() - t0)
+            run.step_s.append(_elapsed(t0, data.device))
             run.sched.step()
             run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
-        if (step + 1) % job.eval_every == 0 or step + 1 == job.steps:
+        if any(
+            r.status == "ok" and step < r.steps and ((step + 1) % job.eval_every == 0 or step + 1 == r.steps)
+            for r in runs
+        ):
             eval_all(step + 1)
             if rank == 0:
                 losses = {r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}
                 bar.set_postfix(losses, refresh=False)
                 # the launcher shows MARK lines on the user's terminal (the bar goes to the launch log)
                 print(
-                    f"{MARK}{job.name} step {step + 1}/{job.steps}, validation loss: "
+                    f"{MARK}{job.name} step {step + 1}/{bar.total}, validation loss: "
                     + ", ".join(f"{k} {v}" for k, v in losses.items()),
                     file=sys.stderr,
                     flush=True,

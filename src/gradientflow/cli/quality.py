@@ -69,13 +69,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
 
-    if args.device != "cpu":
-        print(
-            "gradientflow bench: error: --quality trains on CPU (its figures are CPU ones); drop --device",
-            file=sys.stderr,
-        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gradientflow bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
         return 2
     if args.workload is not None and args.workload not in WORKLOAD_OF_CLI:
         print(
@@ -97,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         bandwidth=args.bandwidth,
         threads=args.threads or 1,
         seed=args.seed,
+        device=args.device,
         adamw_lr=args.adamw_lr,
         adamw_beta2=args.adamw_beta2,
         timeout_s=float(args.timeout),
