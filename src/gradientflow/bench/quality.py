@@ -70,18 +70,8 @@ USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
 PAPER_MOMENTUM = 0.9
-TTA_RECIPES = {
-    "transformer": [
-        "ddp",
-        "gf-auto",
-        "gf-auto:steps=1.2",
-        "gf-fp16-dense",
-        "ddp-fp16-hook",
-        "ddp-powersgd",
-        "ddp-postlocal",
-    ],
-    "digits": ["ddp", "gf-recommended", "gf-auto"],
-}
+_TTA_TRANSFORMER = "ddp gf-auto gf-auto:steps=1.2 gf-fp16-dense ddp-fp16-hook ddp-powersgd ddp-postlocal"
+TTA_RECIPES = {"transformer": _TTA_TRANSFORMER.split(), "digits": ["ddp", "gf-recommended", "gf-auto"]}
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
 alternatives (fp16 alone, density 0.3) are timed too; digits' SGD momentum keeps it.  ``gf-auto`` ends
 within ~1% of DDP's loss at equal steps, a hair above it: ``gf-auto:steps=1.2`` (20% more steps, each

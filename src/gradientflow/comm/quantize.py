@@ -144,7 +144,9 @@ def _native(
 ) -> bool:
     """Whether :mod:`.codec_native`'s kernel encodes this call: the codebook widths, no clipping, contiguous
     CPU tensors."""
-    if uniform or bits not in CODEBOOKS or clip != 0 or block > 1024:
+    if uniform or bits not in CODEBOOKS or clip != 0 or block > 1024 or out.dtype != torch.uint8:
+        return False
+    if x.dtype != torch.float32 or (err is not None and err.dtype != torch.float32):
         return False
     return codec_native.applies(x, out, *([] if err is None else [err]))
 
@@ -260,7 +262,7 @@ def _dequantize(
     cb = code_bytes(m, bits, block)
     if not uniform and bits in CODEBOOKS and block <= 1024:
         target = out if out is not None else torch.empty(m, dtype=torch.float32, device=wire.device)
-        if codec_native.applies(wire, target):
+        if wire.dtype == torch.uint8 and target.dtype == torch.float32 and codec_native.applies(wire, target):
             scales = wire[cb:].view(SCALE_DTYPE)
             codec_native.dequantize(wire, scales, m, bits, block, _poly(bits), target, add and out is not None)
             return target

@@ -45,9 +45,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
     torch DDP's arguments keep their positions, defaults and meaning:
-        device_ids, output_device: ``[local_rank]`` for a module on one GPU (inputs are moved
-            there at forward, as DDP does); ``None`` for CPU modules.  dim: accepted, unused by
-            single-device modules in DDP too.
+        device_ids, output_device: ``[local_rank]`` for a module on one GPU (inputs are moved there at
+            forward, as DDP does); ``None`` for CPU modules.  dim: accepted, unused (as in DDP).
         broadcast_buffers (deprecated in torch 2.13) / forward_sync_buffers: broadcast buffers
             from rank 0 at every synchronised forward [True].
         init_sync: compare the models and broadcast rank 0's parameters and buffers [True].
@@ -166,13 +165,13 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             )
         trace_path = a["trace_path"]
         settings = resolve_ddp_args(module, **{k: a[k] for k in compat.DDP_ARGS})
-        self.config = GradientFlowConfig(
+        config = GradientFlowConfig(
             fusion_threshold_mb=settings.fusion_threshold_mb,
             broadcast_buffers=settings.forward_sync_buffers,
             trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
             **{k: a[k] for k in compat.GF_OPTIONS},
         )
-        self.config = compat.recipe_theta(self.config, settings.theta_given)
+        self.config = compat.recipe_theta(config, settings.theta_given)  # the quantised recipe's own θ
         # torch DDP's public attributes, same names and meaning.
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
