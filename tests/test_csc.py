@@ -481,6 +481,54 @@ def test_pool_clear_follows_in_place_edits_of_grad() -> None:
     run_distributed(_clear_worker, 2, timeout=120)
 
 
+class _Branchy(nn.Module):
+    """_Net plus a side layer that only some steps use (an unused parameter, now and then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = _Net()
+        self.side = nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        out = self.net(x)
+        return out + self.side(x) if side else out
+
+
+def _fresh_vs_bound_worker(rank: int, world_size: int) -> None:
+    """From ``.grad = None`` the engine adds autograd's own gradient into v at its hook (and keeps the
+    tensor until the next forward); from zeroed ``.grad`` autograd adds into v bound as ``.grad``.
+    Both are ``v += g`` once per element: the same residual and result, bit for bit, also for a
+    parameter that got no gradient (its residual stays, and may still be sent)."""
+    gen = torch.Generator().manual_seed(70 + rank)
+    fresh, bound = (_sparse(_Branchy(), find_unused_parameters=True) for _ in range(2))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (fresh, bound)]
+    engine = fresh._gf_engine
+    for step in range(6):
+        x, y = _batch(gen)
+        side = step % 3 != 2  # steps 2 and 5: the side layer gets no gradient
+        for m, o, to_none in ((fresh, opts[0], True), (bound, opts[1], False)):
+            o.zero_grad(set_to_none=to_none)
+            out = m(x, side)
+            if m is fresh:
+                assert engine.held == []  # last step's fresh gradients are freed at the forward
+            nn.functional.cross_entropy(out, y).backward()
+        held = engine.held
+        assert len(held) == (6 if side else 4)  # one autograd tensor per parameter that got a gradient
+        v_ptrs = {t.data_ptr() for t in engine.sync.res.v}
+        assert all(t.untyped_storage().data_ptr() not in v_ptrs for t in held)  # autograd's, not v
+        for a, b in zip(fresh.module.parameters(), bound.module.parameters()):
+            assert torch.equal(a.grad if a.grad is not None else torch.zeros_like(b.grad), b.grad), step
+        for a, b in zip(_residual(fresh, "v"), _residual(bound, "v")):
+            assert torch.equal(a, b), step
+        for o in opts:
+            o.step()
+
+
+def test_csc_from_none_grads_adds_autograds_tensor_into_v_and_equals_the_bound_path() -> None:
+    run_distributed(_fresh_vs_bound_worker, 2, timeout=120)
+
+
 # ---- 1-D parameters always sent -------------------------------------------------------------
 def _dense_1d_worker(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(40 + rank)

@@ -2,8 +2,9 @@
 
 A mixin of :class:`gradientflow.engine.reducer.Reducer` (split out by idea): step 1 of the reducer's
 algorithm.  When a synchronised backward starts every ``.grad`` is bound to where this backward
-accumulates (the pool, or CSC's residual), unless a dense backward starts from ``None`` gradients
-(then each fresh gradient is copied in at its hook); after the step ``.grad`` shows the pool again.
+accumulates (the pool, or CSC's residual), unless the backward starts from ``None`` gradients
+(then each fresh gradient is copied, or for CSC added, in at its hook); after the step ``.grad`` shows
+the pool again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class GradBinding:
     usage: ParamUsage
     bind_pending: bool
     unbound: bool
+    fresh_add: bytearray | None
     result_versions: tuple[int, ...] | None
 
     def bind_grads(self, sync: bool) -> None:
@@ -37,21 +39,28 @@ class GradBinding:
 
         No sync: the pool's views.  A synchronised backward: wherever the strategy asks
         (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
-        A synchronised dense backward from ``None`` gradients (``zero_grad()``'s default) binds
+        A synchronised backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
         (:meth:`_param_ready`), one pass where zeroing the pool and letting autograd add into it
         takes two (AlexNet, one thread, measured once: backward 176 ms against 201); the copy also
-        divides by the world size, which the launch would otherwise spend a pass on.  A parameter
-        that got no gradient is zeroed when its bucket is launched (:meth:`_launch`).
+        divides by the world size, which the launch would otherwise spend a pass on.  A gradient
+        whose target is the strategy's (CSC's residual) is added into it there instead
+        (:attr:`fresh_add`), the same pass autograd's accumulation into a bound ``.grad`` costs, but
+        autograd's tensor lives on until the next forward instead of being freed mid-backward.  A
+        pool view that got no gradient is zeroed when its bucket is launched (:meth:`_launch`); a
+        strategy's target is left as it is (nothing accumulated into it).
         """
         pool_views, fresh = self.pool.views, self.usage.fresh
         targets = self.sync.begin_backward() if sync else None
         views = self.bound = targets if targets is not None else pool_views
         params = self.params
         self.bind_pending = False
-        if targets is None and sync and all(p.grad is None for p in params):
+        if sync and all(p.grad is None for p in params):
             fresh[:] = b"\x01" * len(params)  # the common step (after zero_grad()): nothing to bind
             self.unbound = True
+            # Where a strategy's target is not the pool (CSC's residual), the fresh gradient is added into it
+            # at its hook, as autograd would have added it into a bound .grad (see Reducer.held for why not).
+            self.fresh_add = None if targets is None else bytearray(v is not pv for v, pv in zip(views, pool_views))
             return
         with torch.no_grad():
             if all(p.grad is None for p in params):

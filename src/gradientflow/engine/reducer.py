@@ -6,8 +6,9 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
 (:mod:`gradientflow.engine.protocol`) decides *what*.  Per synchronised backward:
 
   1. When backward starts (a hook on the forward's outputs) every ``.grad`` is bound to its view
-     of the pool, so autograd accumulates straight into the pool.  Before that a ``.grad`` is
-     whatever the user left (``None`` after ``zero_grad()``), as in torch DDP.
+     of the pool (or CSC's residual), so autograd accumulates straight into it; from ``None``
+     gradients (``zero_grad()``) nothing is bound and step 2 moves each fresh gradient in.  Before
+     that a ``.grad`` is whatever the user left, as in torch DDP.
   2. A post-accumulate-grad hook marks each gradient ready.  Buckets (pool slices of >= θ
      bytes, cut by :func:`pool.plan_layout`) are launched strictly in bucket order, each as
      soon as it and all earlier buckets are complete.  Launch points are therefore a function
@@ -113,12 +114,12 @@ class Reducer(PoolLayout, GradBinding):
         self.sync_this_backward = True
         self.bind_pending = False
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
-        # The fresh gradients autograd made in the last unbound backward, already copied into the pool, kept
-        # until the next forward: torch DDP's `.grad` lives that long (until zero_grad), and freeing them in the
-        # middle of backward instead left the top of glibc's heap free, which glibc trimmed (an 8 MB `brk`
-        # shrink) and the next step faulted back in: 5-177 minor page faults per step on a 1M-parameter MLP
-        # against torch DDP's 0-5, ~0.5 ms of an 11.5 ms step (docs/benchmarks.md).  Costs what torch DDP
-        # holds anyway: one gradient-sized copy beside the buckets between steps.
+        self.fresh_add: bytearray | None = None  # unbound: 1 where the gradient is added into a strategy's target
+        # The fresh gradients autograd made in the last unbound backward, already copied into the pool (or added
+        # into CSC's residual), kept until the next forward: torch DDP's `.grad` lives that long (until
+        # zero_grad); freed mid-backward, glibc trimmed its heap top and the next step faulted it back in: 5-177
+        # minor faults per step on a 1M-parameter MLP (torch DDP 0-5, docs/benchmarks.md), ~14K and +80 ms per
+        # ResNet-50 step under CSC (docs/networks.md).  Costs what torch DDP holds: one gradient-sized copy.
         self.held: list[torch.Tensor] = []
         self.backward: _Backward | None = None
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
@@ -217,7 +218,13 @@ class Reducer(PoolLayout, GradBinding):
             if g.is_sparse:
                 self._adopt_grad(i, param)  # raises, naming the parameter
             src = view if g is view or g.data_ptr() == view.data_ptr() else g
-            if torch.is_grad_enabled():  # create_graph=True: the copy stays out of the graph
+            add = self.fresh_add
+            if add is not None and add[i]:  # a strategy's target (CSC's residual): what autograd's += would do
+                divided = False
+                if src is not view:
+                    with torch.no_grad():  # create_graph=True: the sum stays out of the graph
+                        view.add_(src)
+            elif torch.is_grad_enabled():  # create_graph=True: the copy stays out of the graph
                 with torch.no_grad():
                     divided = self.sync.take_fresh(src, view)
             else:
@@ -245,11 +252,13 @@ class Reducer(PoolLayout, GradBinding):
         bucket = pool.layout.buckets[index]
         flat = pool.bucket_views[index]
         if self.unbound and bw.remaining[index]:  # some gradients never came: zeros, as a bound pool holds
+            add = self.fresh_add
             with torch.no_grad():
                 for i in bucket.params:
                     p = self.params[i]
                     if p.grad is None:
-                        self.bound[i].zero_()
+                        if add is None or not add[i]:  # a strategy's target keeps what it holds (+ 0)
+                            self.bound[i].zero_()
                         p.grad = self.bound[i]
         if self.finite_check is not None:  # before the wire overwrites the local gradient
             self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
@@ -291,6 +300,7 @@ class Reducer(PoolLayout, GradBinding):
             self._rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
             self.backward = None
             self.unbound = False
+            self.fresh_add = None
             self.usage.reset()
         self.last_stats = bw.stats
         usage = self.usage
