@@ -150,6 +150,29 @@ def test_teardown_after_exception_kills_children_and_removes_everything():
 
 
 @needs_netns
+def test_a_namespace_in_use_by_another_run_is_refused_not_deleted():
+    """Two runs with one prefix: the second must not delete the first's live namespaces (that cut its links
+    mid-step); it raises naming the prefix, and leaves them."""
+    prefix = PREFIX + "b"
+    name = f"{prefix}-n0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    other = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "60"])
+    try:
+        for _ in range(50):  # until the sleeper is inside the namespace
+            if subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.strip():
+                break
+            time.sleep(0.1)
+        with pytest.raises(RuntimeError, match=f"another emulated cluster with prefix '{prefix}' is running"):
+            EmulatedCluster(nodes=2, rate="none", prefix=prefix).start()
+        assert f"netns:{name}" in leftovers(prefix)  # still there
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+        subprocess.run(["ip", "netns", "del", name], check=False)
+    assert leftovers(prefix) == []
+
+
+@needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_signal(sig):
     prefix = f"{PREFIX}{sig.name[3]}"  # ...I / ...T

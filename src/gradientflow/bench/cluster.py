@@ -77,8 +77,9 @@ class EmulatedCluster:
 
     Teardown (normal exit, exception, SIGINT, SIGTERM, atexit) kills the processes started
     with :meth:`popen` that are still running and deletes every namespace, which removes the
-    veths in it. Stale ``{prefix}-*`` namespaces from a crashed run are deleted on entry, so
-    concurrent users must pick different prefixes.
+    veths in it. Stale ``{prefix}-*`` namespaces from a crashed run are deleted on entry; ones with
+    live processes in them (another run with the same prefix) are refused with a ``RuntimeError``:
+    concurrent runs must pick different prefixes.
     """
 
     def __init__(
@@ -180,6 +181,21 @@ class EmulatedCluster:
 
     def _delete_stale(self) -> None:
         stale = leftovers(self.prefix)
+        # A namespace with processes in it is another run's, alive, that uses the same prefix: deleting it
+        # would cut that run's links mid-step (two benches at once did exactly that).  Refuse instead.
+        busy = {}
+        for item in stale:
+            kind, name = item.split(":", 1)
+            if kind == "netns":
+                pids = _run(["ip", "netns", "pids", name], check=False).stdout.split()
+                if pids:
+                    busy[name] = pids
+        if busy:
+            raise RuntimeError(
+                f"network namespaces {sorted(busy)} are in use by running processes (pids "
+                f"{sorted({p for v in busy.values() for p in v})}): another emulated cluster with prefix "
+                f"{self.prefix!r} is running. Pass another --netns-prefix, or wait for it to end."
+            )
         if stale:
             logger.warning("deleting stale %s from an earlier run", stale)
         for item in stale:
