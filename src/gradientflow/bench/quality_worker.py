@@ -30,6 +30,7 @@ from gradientflow.bench.quality import (
     torch_peer_bytes,
 )
 from gradientflow.bench.runner import MARK, exit_measured, timing_allocator
+from gradientflow.bench.runner_spec import rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class _Data:
 
     def __init__(self, job: Job, seed: int, rank: int, world: int) -> None:
         self.job, self.rank, self.world = job, rank, world
-        self.device = _device(job)
+        self.device = rank_device(job.device, int(os.environ.get("LOCAL_RANK", "0")))
         if job.workload == "transformer":
             from gradientflow.bench.data import char_vocab, encode, pydoc_topics_corpus
 
@@ -91,12 +92,6 @@ class _Data:
                 seq_len=self.job.seq_len,
             ).to(self.device)
         return build_model(self.job.model).to(self.device)
-
-
-def _device(job: Job) -> torch.device:
-    if job.device == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def _elapsed(t0: float, device: torch.device) -> float:
@@ -203,10 +198,13 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
         own = replace(job, steps=max(1, round(job.steps * options.get("steps_factor", 1.0))))
         runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, own), data.batches(), options, own.steps))
 
+    def due(run: _Run, step: int) -> bool:
+        """Evaluated after ``step`` steps: every ``eval_every`` steps of its own run and at its last."""
+        return run.status == "ok" and step <= run.steps and (step % job.eval_every == 0 or step == run.steps)
+
     def eval_all(step: int) -> None:
-        """Every run due at ``step``: at every ``eval_every`` steps of its own and at its last."""
         for run in runs:
-            if run.status == "ok" and step <= run.steps and (step % job.eval_every == 0 or step == run.steps):
+            if due(run, step):
                 loss, acc = evaluate(cast(nn.Module, run.wrapped.module), data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
@@ -249,10 +247,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
             run.sched.step()
             run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
-        if any(
-            r.status == "ok" and step < r.steps and ((step + 1) % job.eval_every == 0 or step + 1 == r.steps)
-            for r in runs
-        ):
+        if any(due(r, step + 1) for r in runs):
             eval_all(step + 1)
             if rank == 0:
                 losses = {r.recipe: f"{r.evals[-1]['val_loss']:.3f}" for r in runs if r.evals}

@@ -17,6 +17,7 @@ keep the torch ops (one kernel launch each, a few µs on a GPU).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -100,6 +101,7 @@ def applies(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and library() is not None
 
 
+@functools.cache  # the levels' midpoints and polynomial per width: built once, not per bucket and step
 def _floats(values: tuple[float, ...]) -> ctypes.Array[ctypes.c_float]:
     return (ctypes.c_float * 3)(*values, *(0.0,) * (3 - len(values)))
 

@@ -178,7 +178,8 @@ def quantize(
     m = x.numel()
     if carry and (err is None or not inplace):
         raise ValueError("quantize(carry=True) adds err to x in place: pass err and inplace=True")
-    if carry and not _native(x, out, err, bits, block, clip, uniform):
+    native = _native(x, out, err, bits, block, clip, uniform)
+    if carry and not native:
         x.add_(err)  # type: ignore[arg-type]  # checked above
         carry = False
     if bits == FULL_PRECISION:
@@ -190,7 +191,7 @@ def quantize(
     L = levels(bits)
     cb = code_bytes(m, bits, block)
     codebook = not uniform and bits in CODEBOOKS
-    if _native(x, out, err, bits, block, clip, uniform):
+    if native:
         decoded = x if inplace else torch.empty_like(x)
         scales = out[cb:].view(SCALE_DTYPE)
         codec_native.quantize(x, out, scales, bits, block, _mids(bits), _poly(bits), decoded, err, carry)
@@ -260,12 +261,16 @@ def _dequantize(
         return wire.view(torch.float32)
     nb = n_blocks(m, block)
     cb = code_bytes(m, bits, block)
-    if not uniform and bits in CODEBOOKS and block <= 1024:
-        target = out if out is not None else torch.empty(m, dtype=torch.float32, device=wire.device)
-        if wire.dtype == torch.uint8 and target.dtype == torch.float32 and codec_native.applies(wire, target):
-            scales = wire[cb:].view(SCALE_DTYPE)
-            codec_native.dequantize(wire, scales, m, bits, block, _poly(bits), target, add and out is not None)
-            return target
+    kernel = not uniform and bits in CODEBOOKS and block <= 1024 and wire.dtype == torch.uint8
+    if (
+        kernel
+        and (out is None or out.dtype == torch.float32)
+        and codec_native.applies(wire, *[t for t in [out] if t is not None])
+    ):
+        target = out if out is not None else torch.empty(m, dtype=torch.float32)
+        scales = wire[cb:].view(SCALE_DTYPE)
+        codec_native.dequantize(wire, scales, m, bits, block, _poly(bits), target, add and out is not None)
+        return target
     scale = wire[cb:].view(SCALE_DTYPE).float()
     codes = _unpack(wire[:cb], bits).view(nb, block)
     if not uniform and bits in CODEBOOKS:

@@ -92,11 +92,9 @@ class QuantizedRing:
         self._works: list[dist.Work] = []
         self._arrived: _Arrival | None = None
         self.done = self.world == 1 or n == 0
-        if carry and not (self.done or self.world == 2):
+        if carry and not self.exchange:
             x.add_(err)  # the contribution; two ranks fold this add into the one quantisation of x
         if self.done:
-            if carry:
-                x.add_(err)
             err.zero_()
             return
         # Per-segment slices of one send buffer (every segment, own included: round 1 sends the own
