@@ -58,8 +58,8 @@ DEFAULT_QUANT = (3, 128)
 QUANT_THETA_MB = 8.0
 """The quantised recipe's θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): its
 wire carries 0.1 of the pool's bytes, so 25 MB buckets left a 3.2M-parameter transformer (12.9 MB of
-gradients) one message after backward; 8 MB buckets (0.8 MB on the wire) overlap it (exposed wait 9.5 ->
-1.3 ms at 1 Gbit/s, experiments/quantized_theta.py, docs/adamw.md)."""
+gradients) one message after backward; 8 MB buckets (0.8 MB on the wire) overlap it (exposed wait 10.4 ->
+5.0 ms, step 55.3 -> 50.3 ms at 1 Gbit/s, experiments/quantized_theta.py, docs/adamw.md)."""
 
 
 def parse_compression(value: object) -> tuple[str, int, int, float, bool]:
