@@ -499,7 +499,9 @@ def _fresh_vs_bound_worker(rank: int, world_size: int) -> None:
     """From ``.grad = None`` the engine adds autograd's own gradient into v at its hook (and keeps the
     tensor until the next forward); from zeroed ``.grad`` autograd adds into v bound as ``.grad``.
     Both are ``v += g`` once per element: the same residual and result, bit for bit, also for a
-    parameter that got no gradient (its residual stays, and may still be sent)."""
+    parameter that got no gradient (its residual stays, and may still be sent).  The fresh path
+    scores the chunks as it adds (the fused kernel, where a C compiler is present) and falls back
+    to the score pass for a bucket whose parameter got no gradient."""
     gen = torch.Generator().manual_seed(70 + rank)
     fresh, bound = (_sparse(_Branchy(), find_unused_parameters=True) for _ in range(2))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (fresh, bound)]
@@ -521,6 +523,14 @@ def _fresh_vs_bound_worker(rank: int, world_size: int) -> None:
             assert torch.equal(a.grad if a.grad is not None else torch.zeros_like(b.grad), b.grad), step
         for a, b in zip(_residual(fresh, "v"), _residual(bound, "v")):
             assert torch.equal(a, b), step
+        # From None gradients the scores were summed while v was written (every parameter on a step
+        # where all got one); from a bound .grad by the score pass.  The same L1 norms, summed in
+        # another order: each within (n - 1) * 2**-24 of the exact sum, relatively (n = chunk_size).
+        scorer = engine.sync.scorer
+        if scorer.fusable[0] and step > 0:  # step 0 is a dense warm-up step
+            assert sum(scorer._fused) == (6 if side else 4), step
+        rtol = 2 * engine.sync.chunk_size * 2.0**-24
+        assert torch.allclose(engine.sync.scores, bound._gf_engine.sync.scores, rtol=rtol, atol=0), step
         for o in opts:
             o.step()
 

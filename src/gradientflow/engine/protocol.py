@@ -46,6 +46,13 @@ class SyncStrategy(ABC):
         out.copy_(grad)
         return False
 
+    def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Add parameter ``index``'s fresh gradient into ``target``, the strategy's own tensor that
+        :meth:`begin_backward` named for it (what autograd's accumulation into a bound ``.grad``
+        would have done).  The default is that add; a strategy may fold work on the sum into it
+        (CSC: its chunks' scores)."""
+        target.add_(grad)
+
     @abstractmethod
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread.

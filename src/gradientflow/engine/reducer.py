@@ -223,7 +223,7 @@ class Reducer(PoolLayout, GradBinding):
                 divided = False
                 if src is not view:
                     with torch.no_grad():  # create_graph=True: the sum stays out of the graph
-                        view.add_(src)
+                        self.sync.add_fresh(i, src, view)
             elif torch.is_grad_enabled():  # create_graph=True: the copy stays out of the graph
                 with torch.no_grad():
                     divided = self.sync.take_fresh(src, view)

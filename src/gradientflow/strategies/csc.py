@@ -12,7 +12,9 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit pool, whose v is
      fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in bucket by
      bucket: ``u = m*u + g; v += u`` (or ``v += g``).
-  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`), in the
+  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`).  On
+     CPU fp32 pools filled from ``None`` gradients it is summed while step 1 writes v (no pass of its
+     own, :class:`~gradientflow.strategies.scorer.ChunkScorer`); elsewhere a score pass runs in the
      launch of the bucket that completes the chunk, so scoring runs while backward goes on.
   3. Exchange scores and select: the scores of a *slice* of chunks are SUM-allreduced, and each
      slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower
@@ -47,9 +49,9 @@ weights and is not lost, only delayed).
 Momentum correction (``momentum > 0``): momentum is applied here, on the residual, so the
 user's optimizer must NOT apply momentum again (:meth:`SparseSync.check_optimizer` warns).
 
-Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): autograd's own
-accumulation into v, one score pass, one memset of the pool; packing, the casts, the finite
-check, the write-back and the masking touch only the selected chunks.  With momentum
+Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): the accumulation into v
+(scores folded in on CPU from ``None`` gradients, else a score pass after it); packing, the casts,
+the finite check, the write-back and the masking touch only the selected chunks.  With momentum
 correction add two passes (``u = g + m*u``, ``v += u``) and the pool's memset at bind.
 """
 
@@ -73,7 +75,8 @@ from ..engine.protocol import SyncStrategy
 from .dense import DenseSync
 from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
-from .selection import chunk_scores, dense_from, density_at, n_selected, samples_chunks, score_scratch, select_chunks
+from .scorer import ChunkScorer
+from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
 from .slices import Slice, SliceQueue
 from .writeback import PoolWriter
 
@@ -115,7 +118,7 @@ class SparseSync(SyncStrategy):
         # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
         # re-layout that usually happens during them) then cost no residual memory at all.
         self.res: Residuals | None = None
-        self._score_scratch: torch.Tensor | None = None
+        self.scorer = ChunkScorer(self.chunk_size, self.sampled)
         self._set_pool(pool)
 
     # ---- layout ---------------------------------------------------------------------------
@@ -126,8 +129,6 @@ class SparseSync(SyncStrategy):
         self.n_chunks = [math.ceil(s / C) for s in self.sizes]
         self.offsets = [sum(self.n_chunks[:k]) for k in range(len(self.sizes))]
         self.total_chunks = sum(self.n_chunks)
-        device = pool.buffers[0].device if pool.buffers else torch.device("cpu")
-        self.scores = torch.zeros(self.total_chunks, dtype=torch.float32, device=device)
         self._pool_rows = [b.view(-1, C) for b in pool.padded]
         # dense_1d: the engine laid the 1-D parameters out last; chunks from the first one on are
         # sent every step.  (A chunk may also hold the end of the last weight matrix.)
@@ -139,6 +140,8 @@ class SparseSync(SyncStrategy):
         # Autograd can accumulate into v only where v has the parameters' dtype and nothing
         # (momentum) must happen between the gradient and v.
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
+        self.scorer.set_pool(pool, self.n_chunks, self.offsets, self._direct)
+        self.scores = self.scorer.scores
         self._ready = [0] * len(self.sizes)  # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
@@ -201,6 +204,7 @@ class SparseSync(SyncStrategy):
         if self.res is None:
             self.res = Residuals(self.pool.layout, self.chunk_size, self.momentum > 0, self._shapes)
         self.res.rescale(loss_scale(self._scaler))
+        self.scorer.begin_step()
         self._in_step = True
         self._ready = [0] * len(self.sizes)
         self._scored = [0] * len(self.sizes)
@@ -223,6 +227,11 @@ class SparseSync(SyncStrategy):
         if self._in_step and self._direct[bucket.pool]:
             return self.res.v[bucket.pool][bucket.start : bucket.end]
         return flat
+
+    def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Step 1 for a fresh gradient of a direct pool: ``v += g``, with step 2 folded in where it can
+        be (:class:`~.scorer.ChunkScorer`)."""
+        self.scorer.add_fresh(index, grad, target)
 
     def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete.
@@ -251,6 +260,7 @@ class SparseSync(SyncStrategy):
                 v.add_(flat)
             t0 = stats.phase("accumulate", t0)
         self._ready[k] = bucket.end
+        self.scorer.launched(bucket)
         scored = self._score_ready(k)
         stats.phase("score", t0)
         if self.per_slice and scored is not None:
@@ -274,13 +284,7 @@ class SparseSync(SyncStrategy):
         lo = self._scored[k]
         if upto <= lo:
             return None
-        off = self.offsets[k]
-        rows = self.res.rows(k)
-        if rows.device.type == "cpu" and (self._score_scratch is None or self._score_scratch.dtype != rows.dtype):
-            self._score_scratch = score_scratch(C, rows.dtype, self.sampled)
-        chunk_scores(
-            rows[lo:upto], out=self.scores[off + lo : off + upto], scratch=self._score_scratch, sampled=self.sampled
-        )
+        self.scorer.score(k, lo, upto, self.res.rows(k))
         self._scored[k] = upto
         return lo, upto
 
