@@ -78,7 +78,7 @@ from .residual import Residuals, residual_dtype, residual_state, validate_residu
 from .scorer import ChunkScorer
 from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
 from .slices import Slice, SliceQueue
-from .writeback import PoolWriter
+from .writeback import PoolWriter, untouched_params
 
 
 class SparseSync(SyncStrategy):
@@ -168,14 +168,7 @@ class SparseSync(SyncStrategy):
         if self._last_dense:
             return list(params)
         sent = set(self.last_selected.tolist())  # a host read, only when some parameter is unused everywhere
-        C, out = self.chunk_size, []
-        for i in params:
-            s = self.pool.layout.slots[i]
-            base = self.offsets[s.pool]
-            chunks = range(base + s.offset // C, base + (s.offset + s.numel - 1) // C + 1) if s.numel else ()
-            if not any(c in sent for c in chunks):
-                out.append(i)
-        return out
+        return untouched_params(params, sent, self.pool.layout, self.offsets, self.chunk_size)
 
     # ---- user hooks -----------------------------------------------------------------------
     def register_grad_scaler(self, scaler: Any) -> None:
@@ -332,6 +325,10 @@ class SparseSync(SyncStrategy):
         else:
             for k in range(len(self.sizes)):
                 self._open_slice(k, 0, self.n_chunks[k], stats)
+        # The pool's clear needs nothing of this step's wire: done while the last slices travel.
+        t0 = time.perf_counter()
+        self._writer.clear(self.pool, self._pool_rows)
+        stats.phase("zero", t0)
         slices, sent = self._queue.drain(self._send_slice, stats)
         self.dense.finish(stats)
 

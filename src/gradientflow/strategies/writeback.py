@@ -7,13 +7,14 @@ Kept apart from :mod:`.csc` because it is the one part of CSC that writes where 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
 from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import phase_end, phase_start
 from ..diagnostics.watchdog import Watchdog
-from ..engine.pool import GradPool
+from ..engine.pool import GradPool, Layout
 from .residual import Residuals
 from .slices import Slice
 
@@ -39,14 +40,13 @@ class PoolWriter:
         stats: StepStats,
         watchdog: Watchdog | None,
     ) -> None:
-        """1. zero the pool (it may hold this step's local gradient or the last step's result, neither
-        of which may reach the optimizer); 2. the reduced chunks into their rows; 3. the sent chunks
-        leave the residual (momentum factor masking).  ``ok=False`` (a non-finite sum, the same
-        verdict on every rank): NaN everywhere, so GradScaler.step skips on every rank."""
+        """After :meth:`clear` (1. zero the pool: it may hold this step's local gradient or the last
+        step's result, neither of which may reach the optimizer; done before the last slices arrive):
+        2. the reduced chunks into their rows; 3. the sent chunks leave the residual (momentum factor
+        masking).  ``ok=False`` (a non-finite sum, the same verdict on every rank): NaN everywhere,
+        so GradScaler.step skips on every rank."""
         t0 = time.perf_counter()
         t_trace = phase_start(watchdog)
-        self.clear(pool, rows)
-        t0 = stats.phase("zero", t0)
         if not ok:
             for buf in pool.buffers:
                 buf.fill_(float("nan"))
@@ -84,3 +84,17 @@ class PoolWriter:
             return
         for buf in pool.padded:
             buf.zero_()
+
+
+def untouched_params(
+    params: Sequence[int], sent: set[int], layout: Layout, offsets: list[int], chunk: int
+) -> list[int]:
+    """Those of ``params`` none of whose chunks (global indices, ``offsets``: each buffer's first) is in ``sent``."""
+    out = []
+    for i in params:
+        s = layout.slots[i]
+        base = offsets[s.pool]
+        chunks = range(base + s.offset // chunk, base + (s.offset + s.numel - 1) // chunk + 1) if s.numel else ()
+        if not any(c in sent for c in chunks):
+            out.append(i)
+    return out
