@@ -646,6 +646,56 @@ def test_fp16_gradscaler_overflow_skips_on_every_rank_and_recovers() -> None:
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[6:11]) / 5, losses
 
 
+def _wire_overflow_worker(rank: int, world_size: int, fast: bool) -> dict:
+    """Every local value finite, but the loss scale puts some past fp16's range on the wire: the
+    reduced chunks hold inf, every rank fills the pool with NaN, GradScaler skips the step and
+    halves its scale, and nothing of the residual is lost (nothing is masked)."""
+    import gradientflow.strategies.csc as csc_module
+
+    if not fast:  # the torch ops' path: index_select, mul_, copy_ and a sum of the reduced chunks
+        csc_module.csc_native.available = lambda: False  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(90 + rank)
+    model = _sparse(_mlp(), comm_dtype="fp16", density=0.5)
+    sync = model._gf_engine.sync
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=1000)
+    model.register_grad_scaler(scaler)
+    params = list(model.module.parameters())
+    skipped = []
+    for step in range(12):
+        x, y = _batch(gen)
+        scale = scaler.get_scale()  # a power of two: scaling and unscaling are exact
+        local = torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y) * scale, params)
+        v_before = _residual(model, "v") if sync.res is not None else None
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        assert sync._fast_wire == [fast], sync._fast_wire
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        if all(torch.equal(a, p) for a, p in zip(before, model.parameters())):
+            skipped.append(step)
+            assert scaler.get_scale() == scale / 2
+            assert model.comm_stats()["overflow"] == 1
+            v = _residual(model, "v")  # nothing masked: the old residual plus this step's gradient
+            for i, g in enumerate(local):
+                old = _param_view(model, v_before, i) if v_before is not None else 0.0
+                assert torch.equal(_param_view(model, v, i), old + g.reshape(-1) / scale), (step, i)
+    return {"skipped": skipped, "scale": scaler.get_scale()}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["csc_native", "torch-ops"])
+def test_an_fp16_wire_that_overflows_skips_the_step_on_every_rank(fast: bool) -> None:
+    from gradientflow.strategies import csc_native
+
+    if fast and not csc_native.available():
+        pytest.skip("no C compiler here")
+    r0, r1 = run_distributed(_wire_overflow_worker, 2, fast, timeout=120)
+    assert r0 == r1
+    assert r0["skipped"][:1] == [0] and len(r0["skipped"]) < 12, r0  # skips until the scale fits fp16
+    assert r0["scale"] < 2.0**22
+
+
 # ---- model quality on real data ------------------------------------------------------------------
 def _digits_worker(rank: int, world_size: int, epochs: int, seed: int) -> dict[str, float]:
     from sklearn.datasets import load_digits  # ships its data: no download

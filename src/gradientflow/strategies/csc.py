@@ -72,6 +72,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import phase_end, phase_start
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
+from . import csc_native
 from .dense import DenseSync
 from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
@@ -141,6 +142,9 @@ class SparseSync(SyncStrategy):
         # (momentum) must happen between the gradient and v.
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
         self.scorer.set_pool(pool, self.n_chunks, self.offsets, self._direct)
+        # fp32 pools (and so fp32 residual rows) on CPU onto an fp16 wire: csc_native's one-pass pack and unpack
+        fast = self.dense.wire_dtype == torch.float16 and csc_native.available()
+        self._fast_wire = [fast and b.device.type == "cpu" and b.dtype == torch.float32 for b in pool.buffers]
         self.scores = self.scorer.scores
         self._ready = [0] * len(self.sizes)  # elements of each buffer accumulated this step
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
@@ -302,6 +306,13 @@ class SparseSync(SyncStrategy):
         t0 = stats.phase("select", t0)
         # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
         rows = self.res.rows(sl.pool)
+        if self._fast_wire[sl.pool]:  # gather, divide, cast in one pass, straight onto the wire
+            sl.wire = self.dense.scratch_for(rows.device).take(m * self.chunk_size, torch.float16)
+            csc_native.pack_rows(rows, sl.idx, 1.0 / self.dense.world_size, sl.wire)
+            stats.phase("pack", t0)
+            phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
+            self.dense.start(sl.wire, None, "chunks", stats)
+            return
         sl.packed = self.dense.scratch_for(rows.device).take(m * self.chunk_size, rows.dtype).view(m, -1)
         torch.index_select(rows, 0, sl.idx, out=sl.packed)
         stats.phase("pack", t0)
@@ -336,13 +347,14 @@ class SparseSync(SyncStrategy):
         # wire that overflowed, in the reduced chunks.  The same verdict on every rank.
         t0 = time.perf_counter()
         total = self.scores.sum()
-        if self._check_wire:
+        if self._check_wire:  # slices on the fast wire path are checked as they are unpacked
             for sl in slices:
-                total = total + sl.packed.sum()
+                if sl.packed is not None:
+                    total = total + sl.packed.sum()
         ok = math.isfinite(float(total))
         stats.host_syncs += 1
         stats.phase("check", t0)
-        self._write_back(slices, ok, stats)
+        ok = self._write_back(slices, ok, stats)
         stats.extra.update(
             n_chunks=self.total_chunks,
             warmup=0,
@@ -371,10 +383,10 @@ class SparseSync(SyncStrategy):
         stats.phase("score", t0)
         return scored
 
-    def _write_back(self, slices: list[Slice], ok: bool, stats: StepStats) -> None:
+    def _write_back(self, slices: list[Slice], ok: bool, stats: StepStats) -> bool:
         """Step 5: the reduced chunks into the pool (:class:`~.writeback.PoolWriter`); a seam for variants."""
         assert self.res is not None  # allocated by the first sparse step's _begin_step
-        self._writer.write_back(self.pool, self._pool_rows, self.res, slices, ok, stats, self.dense.watchdog)
+        return self._writer.write_back(self.pool, self._pool_rows, self.res, slices, ok, stats, self.dense.watchdog)
 
     # ---- checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class DenseSync(SyncStrategy):
         self.world_size = world_size
         self.wire_dtype = wire_dtype
         self.algorithm = algorithm
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, PendingAllreduce]] = []
+        self._pending: list[tuple[torch.Tensor | None, torch.Tensor, PendingAllreduce]] = []
         self.scratch: Scratch | None = None  # wire buffers (and CSC's packed chunks), kept between steps
         # the fp32 default: the pool's dtype is the wire's, so divide() is torch.div (world size 1: a copy)
         self._plain_divide = wire_dtype is None and world_size > 1
@@ -62,8 +62,12 @@ class DenseSync(SyncStrategy):
             out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
         wire = to_wire(flat, self.wire_dtype, self.world_size, out=out, divided=divided)
         stats.phase("pack", t0)
+        self.start(wire, flat, f"bucket {bucket.index}" if bucket is not None else "chunks", stats)
+
+    def start(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
+        """2. start ``wire``'s allreduce; :meth:`finish` waits for it and copies it back into ``flat``
+        (``None``: the caller reads ``wire`` itself after :meth:`finish`, before the next step)."""
         stats.record_collective(wire.numel() * wire.element_size())
-        what = f"bucket {bucket.index}" if bucket is not None else "chunks"  # None: CSC's packed chunks
         handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
         self._pending.append((flat, wire, handle))
 
@@ -76,7 +80,8 @@ class DenseSync(SyncStrategy):
             handle.wait()
             stats.record_done(handle.completed_at)
             t0 = stats.phase("wire_wait", t0)
-            from_wire(flat, wire)
+            if flat is not None:
+                from_wire(flat, wire)
             stats.phase("unpack", t0)
         if self.scratch is not None:
             self.scratch.reset()  # every wire buffer of the step has been read back

@@ -4,7 +4,7 @@ Two ways to the same L1 norms (:func:`~.selection.chunk_scores` is the paper's s
 
 - **Fused** (CPU fp32 pools whose gradients accumulate straight into v, after ``zero_grad()``): the
   engine hands each fresh gradient to :meth:`ChunkScorer.add_fresh`, which adds it into v and adds
-  the L1 of what it wrote to the chunks' scores in the same pass (:mod:`.score_native`).  A chunk
+  the L1 of what it wrote to the chunks' scores in the same pass (:mod:`.csc_native`).  A chunk
   whose every element came that way is scored when its last parameter arrives; no pass of its own.
 - **A score pass** over v's rows, for every chunk that holds an element not added that way (a
   parameter without a gradient this step keeps its residual; an accumulated ``.grad`` under
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.pool import Bucket, GradPool
-from . import score_native
+from . import csc_native
 from .selection import chunk_scores, score_scratch
 
 
@@ -43,7 +43,7 @@ class ChunkScorer:
         self._per_pool = [self.scores[o : o + n] for o, n in zip(offsets, n_chunks)]
         fusable = [d and b.device.type == "cpu" and b.dtype == torch.float32 for d, b in zip(direct, pool.buffers)]
         # The fused sum is the exact L1: a sampled score (chunk_score="sampled_l1") keeps its own pass.
-        on = any(fusable) and not self.sampled and score_native.available()
+        on = any(fusable) and not self.sampled and csc_native.available()
         self.fusable = fusable if on else [False] * len(fusable)
         self.begin_step()
 
@@ -57,8 +57,8 @@ class ChunkScorer:
     def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
         """``target += grad`` (``target``: parameter ``index``'s view of v), scoring as it goes where it can."""
         slot = self.pool.layout.slots[index]
-        if self.fusable[slot.pool] and score_native.applies(target, grad):
-            score_native.add_l1(target, grad, slot.offset, self.chunk_size, self._per_pool[slot.pool])
+        if self.fusable[slot.pool] and csc_native.applies(target, grad):
+            csc_native.add_l1(target, grad, slot.offset, self.chunk_size, self._per_pool[slot.pool])
             self._fused[index] = 1
         else:
             target.add_(grad)

@@ -35,6 +35,7 @@ class Slice:
     handle: PendingAllreduce
     idx: torch.Tensor | None = None  # selected chunks, pool-local indices, ascending
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
+    wire: torch.Tensor | None = None  # instead of packed (CPU, fp16 wire): the rows packed straight onto it
 
 
 Send = Callable[[Slice, StepStats], None]

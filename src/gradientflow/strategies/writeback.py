@@ -15,6 +15,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import phase_end, phase_start
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import GradPool, Layout
+from . import csc_native
 from .residual import Residuals
 from .slices import Slice
 
@@ -39,14 +40,23 @@ class PoolWriter:
         ok: bool,
         stats: StepStats,
         watchdog: Watchdog | None,
-    ) -> None:
+    ) -> bool:
         """After :meth:`clear` (1. zero the pool: it may hold this step's local gradient or the last
         step's result, neither of which may reach the optimizer; done before the last slices arrive):
         2. the reduced chunks into their rows; 3. the sent chunks leave the residual (momentum factor
-        masking).  ``ok=False`` (a non-finite sum, the same verdict on every rank): NaN everywhere,
-        so GradScaler.step skips on every rank."""
+        masking).  ``ok=False`` (a non-finite sum, the same verdict on every rank), or a reduced
+        chunk unpacked from an fp16 wire that overflowed (the same bytes on every rank): NaN
+        everywhere, so GradScaler.step skips on every rank.  Returns whether the step was finite."""
         t0 = time.perf_counter()
         t_trace = phase_start(watchdog)
+        if ok:
+            for sl in slices:
+                r = rows[sl.pool]
+                if sl.wire is not None:
+                    ok &= csc_native.unpack_rows(r, sl.idx, sl.wire)
+                else:
+                    r.index_copy_(0, sl.idx, sl.packed.to(r.dtype))
+            t0 = stats.phase("unpack", t0)
         if not ok:
             for buf in pool.buffers:
                 buf.fill_(float("nan"))
@@ -54,11 +64,7 @@ class PoolWriter:
             self.sent = []
             stats.phase("zero", t0)
             phase_end(watchdog, "csc.write-back", t_trace)
-            return
-        for sl in slices:
-            r = rows[sl.pool]
-            r.index_copy_(0, sl.idx, sl.packed.to(r.dtype))
-        t0 = stats.phase("unpack", t0)
+            return False
         for sl in slices:
             res.rows(sl.pool).index_fill_(0, sl.idx, 0.0)
             if res.u is not None:
@@ -67,6 +73,7 @@ class PoolWriter:
         self.clean_versions = [b._version for b in pool.padded]
         stats.phase("zero", t0)
         phase_end(watchdog, "csc.write-back", t_trace)
+        return True
 
     def clear(self, pool: GradPool, rows: list[torch.Tensor]) -> None:
         """Zero the pool: only last step's chunks if nothing else has written to it since.

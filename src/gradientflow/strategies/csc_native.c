@@ -42,3 +42,36 @@ void gf_add_l1(float *v, const float *g, int64_t n, int64_t offset, int64_t chun
         j = end;
     }
 }
+
+/* The selected chunks onto an fp16 wire and back: CSC's pack (gather, pre-divide, cast) and unpack
+ * (cast, scatter, finite check), each one pass over the selected rows where the torch ops take three
+ * (index_select, mul_, copy_; copy_, index_copy_, sum).  The same roundings as those ops: the product
+ * x * scale rounded to fp32, then to fp16 (round to nearest even, as c10::Half); fp16 -> fp32 is exact. */
+
+/* out[j*chunk + i] = half(src[idx[j]*chunk + i] * scale) for the m selected rows (idx ascending or not). */
+void gf_pack_rows_f16(const float *src, int64_t chunk, const int64_t *idx, int64_t m, float scale, _Float16 *out) {
+    for (int64_t j = 0; j < m; j++) {
+        const float *row = src + idx[j] * chunk;
+        _Float16 *o = out + j * chunk;
+        for (int64_t i = 0; i < chunk; i++) {
+            const float x = row[i] * scale;
+            o[i] = (_Float16)x;
+        }
+    }
+}
+
+/* dst[idx[j]*chunk + i] = float(wire[j*chunk + i]); returns 1 if any value is inf or NaN (an fp16 sum
+ * that overflowed), else 0. */
+int gf_unpack_rows_f16(float *dst, int64_t chunk, const int64_t *idx, int64_t m, const _Float16 *wire) {
+    int bad = 0;
+    for (int64_t j = 0; j < m; j++) {
+        float *row = dst + idx[j] * chunk;
+        const _Float16 *w = wire + j * chunk;
+        for (int64_t i = 0; i < chunk; i++) {
+            const float x = (float)w[i];
+            row[i] = x;
+            bad |= !(fabsf(x) <= 65504.0f); /* inf, or NaN (every comparison with it is false) */
+        }
+    }
+    return bad;
+}
