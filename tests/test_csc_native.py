@@ -64,28 +64,34 @@ def _rows_with_specials(n: int, chunk: int, seed: int) -> torch.Tensor:
     return rows
 
 
+# Chunks of 48: 8-wide vectors only; 45: vectors and a scalar tail of 5 (both code paths of the kernel).
+@pytest.mark.parametrize("chunk", [48, 45])
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1.0 / 3])
-def test_pack_rows_gives_the_bits_of_index_select_mul_and_cast(scale: float) -> None:
-    rows = _rows_with_specials(9, 48, 1)
+def test_pack_rows_gives_the_bits_of_index_select_mul_and_cast(scale: float, chunk: int) -> None:
+    rows = _rows_with_specials(9, chunk, 1)
+    rows[3, -5:] = torch.tensor([65519.0, -65520.0, 3e-8, -0.0, 1.5e4])  # specials in the tail too
     idx = torch.tensor([0, 2, 3, 8])
-    wire = torch.empty(4 * 48, dtype=torch.float16)
+    wire = torch.empty(4 * chunk, dtype=torch.float16)
     csc_native.pack_rows(rows, idx, scale, wire)
     expect = torch.index_select(rows, 0, idx).mul_(scale).to(torch.float16)  # CSC's torch path
-    assert torch.equal(wire.view(4, 48).view(torch.int16), expect.view(torch.int16))  # every bit, -0 included
+    assert torch.equal(wire.view(4, chunk).view(torch.int16), expect.view(torch.int16))  # every bit, -0 included
 
 
-def test_unpack_rows_writes_the_floats_of_the_wire_and_flags_an_overflow() -> None:
-    dst = torch.zeros(6, 16)
+@pytest.mark.parametrize("chunk", [16, 13])
+def test_unpack_rows_writes_the_floats_of_the_wire_and_flags_an_overflow(chunk: int) -> None:
+    dst = torch.zeros(6, chunk)
     idx = torch.tensor([1, 4])
-    wire = torch.randn(32, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    wire = torch.randn(2 * chunk, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    wire[3] = 65504.0  # the largest finite fp16 is not an overflow
     assert csc_native.unpack_rows(dst, idx, wire)  # all finite
-    expect = torch.zeros(6, 16)
-    expect.index_copy_(0, idx, wire.view(2, 16).float())
+    expect = torch.zeros(6, chunk)
+    expect.index_copy_(0, idx, wire.view(2, chunk).float())
     assert torch.equal(dst, expect)
-    for bad in (float("inf"), float("-inf"), float("nan")):
-        w = wire.clone()
-        w[17] = bad
-        assert not csc_native.unpack_rows(dst, idx, w)
+    for at in (2, chunk + 1, 2 * chunk - 1):  # in a vector, in the second row, in the last (tail) element
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            w = wire.clone()
+            w[at] = bad
+            assert not csc_native.unpack_rows(dst, idx, w), (at, bad)
 
 
 def test_pack_and_unpack_refuse_rows_they_would_read_past() -> None:
