@@ -123,10 +123,11 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
 
     The engine's own functions and ops (precision.py, selection.py, csc.py), timed here: "fp32"
     pre-divide in place; "fp16" pre-divide, cast into the wire buffer, copy back; "csc" (the
-    default recipe: no momentum correction) the per-chunk L1 score of the whole pool;
-    "csc_accumulate" autograd's addition of a fresh gradient into the residual (the same
-    ``add_``, pool-sized here); "csc_chunks" what CSC does to the *selected* chunks only (clear
-    last step's in the pool, pack, write back, mask in the residual), timed here on every chunk:
+    default recipe: no momentum correction) the per-chunk L1 score of the whole pool (nothing
+    where CSC's C kernel sums it during the accumulation); "csc_accumulate" the addition of a
+    fresh gradient into the residual (pool-sized here; with the kernel, scoring as it adds);
+    "csc_chunks" what CSC does to the *selected* chunks only (clear last step's in the pool, pack
+    onto the fp16 wire, write back, mask in the residual), timed here on every chunk:
     the cost model scales it by the fraction of chunks selected; "quantized" the quantised recipe's
     codec (:mod:`gradientflow.comm.quantize`, 3 bits, 128-element blocks; on CPU its C kernel) as
     one rank of a 2-rank ring runs it: the contribution ``g + e``, one quantisation of every element
@@ -135,6 +136,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     """
     from gradientflow.comm.precision import from_wire, to_wire  # noqa: PLC0415
     from gradientflow.comm.quantize import dequantize, quantize, wire_bytes  # noqa: PLC0415
+    from gradientflow.strategies import csc_native  # noqa: PLC0415
     from gradientflow.strategies.selection import chunk_scores  # noqa: PLC0415
 
     g = torch.randn(numel)
@@ -146,12 +148,25 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     qwire = torch.empty(wire_bytes(numel, 3, 128), dtype=torch.uint8)
     err = torch.empty(numel)
     x = g.clone()  # quantised in place, as the ring does
+    scores = torch.zeros(-(-numel // 32768))
+    native = csc_native.available()  # CPU fp32 with a C compiler: the engine's kernels, timed as it runs them
+    rows_wire = wire[: rows.numel()]
     ops: dict[str, list[Callable[[], object]]] = {
         "fp32": [lambda: to_wire(g, None, 2)],
         "fp16": [lambda: to_wire(g, torch.float16, 2, out=wire), lambda: from_wire(g, wire)],
-        "csc": [lambda: chunk_scores(rows)],
-        "csc_accumulate": [lambda: residual.add_(g)],
+        # with the kernel the score is summed while the gradient is added (csc_accumulate): no pass
+        "csc": [] if native else [lambda: chunk_scores(rows)],
+        "csc_accumulate": [lambda: csc_native.add_l1(residual, g, 0, 32768, scores)]
+        if native
+        else [lambda: residual.add_(g)],
         "csc_chunks": [
+            lambda: rows.index_fill_(0, every, 0.0),
+            lambda: csc_native.pack_rows(rows, every, 0.5, rows_wire),
+            lambda: csc_native.unpack_rows(rows, every, rows_wire),
+            lambda: rows.index_fill_(0, every, 0.0),
+        ]
+        if native
+        else [
             lambda: rows.index_fill_(0, every, 0.0),
             lambda: torch.index_select(rows, 0, every, out=packed),
             lambda: rows.index_copy_(0, every, packed),
