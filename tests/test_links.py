@@ -59,7 +59,7 @@ c.sendall(b"ping"); sys.stdout.write(c.recv(100).decode())
 
 def test_matrix_has_the_profiles_of_the_issue():
     names = [p.name for p in parse_links("all")]
-    assert names == ["1g-burst", "1g-small", "1g-htb", "10g", "100m", "1g-bridge4"]
+    assert names == ["1g-burst", "1g-small", "1g-small-warm", "1g-htb", "10g", "100m", "1g-bridge4"]
     rates = {p.name: p.rate_bps for p in PROFILES.values()}
     assert rates["10g"] == 10 * rates["1g-burst"] == 100 * rates["100m"] == 10**10
     assert PROFILES["1g-small"].bucket_bytes() == SMALL_BURST_BYTES <= 64 * 1024
@@ -140,6 +140,30 @@ def test_bridge_and_htb_profile_is_built_as_said_and_leaves_nothing():
         port = server.stdout.readline().strip()
         client = c.popen(2, [sys.executable, "-c", ECHO_CLIENT, c.addresses[0], port], stdout=subprocess.PIPE)
         assert client.communicate(timeout=20)[0] == b"ping" and server.wait(timeout=20) == 0
+    assert leftovers(prefix) == []
+
+
+def test_warm_profile_is_the_small_burst_link_with_tcp_slow_start_after_idle_off():
+    small, warm = PROFILES["1g-small"], PROFILES["1g-small-warm"]
+    assert warm.shape_commands("ns", "eth") == small.shape_commands("ns", "eth")  # the same shaper
+    assert small.node_sysctls() == [] and warm.node_sysctls() == ["net.ipv4.tcp_slow_start_after_idle=0"]
+    assert warm.describe().endswith("TCP without slow start after idle")
+
+
+@needs_netns
+def test_a_profiles_tcp_setting_is_set_in_its_nodes_only():
+    prefix = PREFIX + "w"
+    host = subprocess.run(["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"], capture_output=True, text=True)
+    with EmulatedCluster(nodes=2, prefix=prefix, profile=PROFILES["1g-small-warm"]) as c:
+        for ns in c.namespaces:
+            got = subprocess.run(
+                ["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"],
+                capture_output=True,
+                text=True,
+            )
+            assert got.stdout.strip() == "0", (ns, got)
+    again = subprocess.run(["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"], capture_output=True, text=True)
+    assert again.stdout == host.stdout  # the host's own setting is untouched
     assert leftovers(prefix) == []
 
 

@@ -219,6 +219,8 @@ class EmulatedCluster:
             node_if, sw_if = self.ifnames[i], self.switch_ifnames[i]
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            for setting in self.profile.node_sysctls():  # the namespace's own: the host's stay as they are
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", setting])
             # created directly in both namespaces, so the pair never appears in the root one
             _run(["ip", "link", "add", sw_if, "netns", sw, "type", "veth", "peer", "name", node_if, "netns", ns])
             if bridge:

@@ -9,6 +9,8 @@ holds on one shaper setting is not a result, so the matrix takes one of each:
 ==============  =====================================================================================
 ``1g-burst``    tbf at 1 Gbit/s, bucket rate/HZ (>= one 64 KB GSO packet), 20 ms queue: today's bench
 ``1g-small``    tbf at 1 Gbit/s, 32 KB bucket, 400 ms queue: a shaper that lets no burst through
+``1g-small-warm`` the same, with TCP's slow start after idle off on every node (a host setting:
+                ``sysctl net.ipv4.tcp_slow_start_after_idle=0``), to show what that restart costs
 ``1g-htb``      HTB class at 1 Gbit/s with an fq_codel child (pfifo where the kernel has no fq_codel)
 ``10g``         tbf at 10 Gbit/s (bucket rate/HZ)
 ``100m``        tbf at 100 Mbit/s (bucket one GSO packet)
@@ -44,6 +46,9 @@ class LinkProfile:
     batch_size: int | None = None
     leaf: str = "fq_codel"
     """HTB's leaf qdisc; where this kernel lacks it the cluster falls back to ``pfifo`` and says so."""
+    slow_start_after_idle: bool = True
+    """Linux's default: a TCP connection idle for longer than its retransmission timeout starts again
+    from a small congestion window.  False sets ``net.ipv4.tcp_slow_start_after_idle=0`` in every node."""
     about: str = ""
 
     def __post_init__(self) -> None:
@@ -90,6 +95,10 @@ class LinkProfile:
             [*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", leaf or self.leaf],
         ]
 
+    def node_sysctls(self) -> list[str]:
+        """``key=value`` settings for every node's namespace (each namespace has its own TCP settings)."""
+        return [] if self.slow_start_after_idle else ["net.ipv4.tcp_slow_start_after_idle=0"]
+
     def describe(self, leaf: str | None = None) -> str:
         """One line for tables: shaper, rate, bucket, topology (``leaf``: the HTB leaf actually used)."""
         if self.shaper == "tbf":
@@ -98,7 +107,8 @@ class LinkProfile:
             used = leaf or self.leaf
             shaper = f"htb {self.rate} + {used}" + ("" if used == self.leaf else f" (no {self.leaf} in this kernel)")
         where = f"{self.nodes} nodes on one bridge" if self.topology == "bridge" else "routed star"
-        return f"{shaper}, {where}"
+        tcp = "" if self.slow_start_after_idle else ", TCP without slow start after idle"
+        return f"{shaper}, {where}{tcp}"
 
 
 PROFILES: dict[str, LinkProfile] = {
@@ -106,6 +116,14 @@ PROFILES: dict[str, LinkProfile] = {
     for p in (
         LinkProfile("1g-burst", "1gbit", about="today's bench: tbf bucket rate/HZ"),
         LinkProfile("1g-small", "1gbit", burst=SMALL_BURST_BYTES, latency="400ms", about="tbf with a 32 KB bucket"),
+        LinkProfile(
+            "1g-small-warm",
+            "1gbit",
+            burst=SMALL_BURST_BYTES,
+            latency="400ms",
+            slow_start_after_idle=False,
+            about="1g-small, TCP's slow start after idle off (net.ipv4.tcp_slow_start_after_idle=0)",
+        ),
         LinkProfile("1g-htb", "1gbit", shaper="htb", about="HTB with an fq_codel child"),
         LinkProfile("10g", "10gbit", about="tbf at 10 Gbit/s"),
         LinkProfile("100m", "100mbit", about="tbf at 100 Mbit/s"),
