@@ -69,8 +69,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PROFILES",
         help="the link-profile matrix instead of one --bandwidth: 'all' or a comma-separated list of "
-        "1g-burst, 1g-small, 1g-small-warm, 1g-htb, 10g, 100m, 1g-bridge4 (see docs/networks.md); per profile the link is "
-        "measured first, then every mode; writes OUT/<profile>/ and OUT/matrix.{md,json,png} (needs root)",
+        "1g-burst, 1g-small, 1g-small-warm, 1g-htb, 10g, 100m, 1g-bridge4 (see docs/networks.md); per profile "
+        "the link is measured first, then every mode; writes OUT/<profile>/ and OUT/matrix.{md,json,png} (needs root)",
     )
     b.add_argument(
         "--batch-size",
