@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,6 +66,14 @@ def add_l1(v: torch.Tensor, g: torch.Tensor, offset: int, chunk: int, scores: to
     if scores.numel() <= last or scores.dtype != torch.float32 or not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous fp32 with at least {last + 1} chunks, got {scores.numel()}")
     lib.gf_add_l1(v.data_ptr(), g.data_ptr(), v.numel(), offset, chunk, scores.data_ptr())
+
+
+def add_l1_unchecked() -> Any:
+    """``gf_add_l1`` itself, called with ``(v_ptr, g_ptr, n, offset, chunk, scores_ptr)``: for a caller
+    that has checked its tensors once for many calls (the engine's per-parameter hook, where
+    :func:`add_l1`'s checks cost more than the kernel on small parameters).  None without a compiler."""
+    lib = _lib()
+    return None if lib is None else lib.gf_add_l1
 
 
 def _check(rows: torch.Tensor, idx: torch.Tensor, wire: torch.Tensor) -> None:

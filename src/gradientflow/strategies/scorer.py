@@ -19,6 +19,8 @@ because they allreduce them, so the order of summation within a rank does not ma
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..engine.pool import Bucket, GradPool
@@ -34,6 +36,7 @@ class ChunkScorer:
         self.sampled = sampled
         self._scratch: torch.Tensor | None = None
         self.scores = torch.zeros(0)
+        self._add: Any = None  # csc_native's gf_add_l1 where the layout has a fusable buffer
 
     def set_pool(self, pool: GradPool, n_chunks: list[int], offsets: list[int], direct: list[bool]) -> None:
         """Follow a (new) pool layout; ``direct[k]``: buffer ``k``'s gradients are added straight into v."""
@@ -45,6 +48,13 @@ class ChunkScorer:
         # The fused sum is the exact L1: a sampled score (chunk_score="sampled_l1") keeps its own pass.
         on = any(fusable) and not self.sampled and csc_native.available()
         self.fusable = fusable if on else [False] * len(fusable)
+        # The kernel's arguments per parameter, fixed for this layout: the hook runs once per parameter
+        # per step, and add_l1's checks cost more than the kernel itself on a small parameter.
+        self._add = csc_native.add_l1_unchecked() if on else None
+        self._args = [
+            (s.numel, s.offset, self.chunk_size, self._per_pool[s.pool].data_ptr()) if fusable[s.pool] else None
+            for s in pool.layout.slots
+        ]
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -56,9 +66,11 @@ class ChunkScorer:
 
     def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
         """``target += grad`` (``target``: parameter ``index``'s view of v), scoring as it goes where it can."""
-        slot = self.pool.layout.slots[index]
-        if self.fusable[slot.pool] and csc_native.applies(target, grad):
-            csc_native.add_l1(target, grad, slot.offset, self.chunk_size, self._per_pool[slot.pool])
+        args = self._args[index] if self._add is not None else None
+        # target: the parameter's view of a fusable v (fp32, contiguous, its numel); grad: autograd's own
+        # tensor of the parameter's shape and device, which may still be another dtype or strided
+        if args is not None and grad.dtype is torch.float32 and grad.is_contiguous() and target.is_contiguous():
+            self._add(target.data_ptr(), grad.data_ptr(), *args)
             self._fused[index] = 1
         else:
             target.add_(grad)
