@@ -6,10 +6,9 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
   1. Accumulate.  Without momentum correction the gradient goes straight into the residual v
      (:meth:`SparseSync.begin_backward` names v's views as the targets), no pass of ours touches
      the pool: after ``zero_grad()`` (``.grad`` None) the engine adds each fresh gradient into v
-     at its hook and keeps autograd's tensor until the next forward, as torch DDP keeps ``.grad``
-     (freed mid-backward, glibc trimmed and re-faulted ~70 MB per ResNet-50 step); an
-     accumulated ``.grad`` (``no_sync``) is added into v and ``.grad`` bound to v, so
-     ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit pool, whose v is
+     at its hook (:meth:`SparseSync.add_fresh`) and keeps autograd's tensor until the next forward,
+     as torch DDP keeps ``.grad``; an accumulated ``.grad`` (``no_sync``) is added into v and
+     ``.grad`` bound to v, so ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit pool, whose v is
      fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in bucket by
      bucket: ``u = m*u + g; v += u`` (or ``v += g``).
   2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`).  On
@@ -43,11 +42,10 @@ gradient on any rank: the allreduced scores are non-finite everywhere; or an fp1
 overflowed: the reduced chunks are) makes every rank fill the pool with NaN, so
 ``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is masked, so the
 chunks are sent again later.  Entries of v and u that became non-finite are reset to 0; the
-finite part of that step's local gradient stays in the residual (it was computed at the current
-weights and is not lost, only delayed).
+finite part of that step's local gradient stays in the residual (delayed, not lost).
 
-Momentum correction (``momentum > 0``): momentum is applied here, on the residual, so the
-user's optimizer must NOT apply momentum again (:meth:`SparseSync.check_optimizer` warns).
+Momentum correction (``momentum > 0``) is applied here, on the residual: the user's optimizer must
+NOT apply momentum again (:meth:`SparseSync.check_optimizer` warns).
 
 Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): the accumulation into v
 (scores folded in on CPU from ``None`` gradients, else a score pass after it); packing, the casts,
@@ -78,7 +76,7 @@ from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
 from .scorer import ChunkScorer
 from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
-from .slices import Slice, SliceQueue
+from .slices import Slice, SliceQueue, pack
 from .writeback import PoolWriter, untouched_params
 
 
@@ -142,7 +140,7 @@ class SparseSync(SyncStrategy):
         # (momentum) must happen between the gradient and v.
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
         self.scorer.set_pool(pool, self.n_chunks, self.offsets, self._direct)
-        # fp32 pools (and so fp32 residual rows) on CPU onto an fp16 wire: csc_native's one-pass pack and unpack
+        # fp32 pools (and residual rows) on CPU onto an fp16 wire: csc_native's one-pass pack and unpack
         fast = self.dense.wire_dtype == torch.float16 and csc_native.available()
         self._fast_wire = [fast and b.device.type == "cpu" and b.dtype == torch.float32 for b in pool.buffers]
         self.scores = self.scorer.scores
@@ -157,7 +155,7 @@ class SparseSync(SyncStrategy):
         if self.res is not None:
             self.res = self.res.moved_to(new_pool.layout)
 
-    def has_state(self) -> bool:
+    def has_state(self) -> bool:  # residuals exist from the first sparse step on
         return self.res is not None
 
     @property
@@ -170,9 +168,10 @@ class SparseSync(SyncStrategy):
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters none of whose chunks was sent this step (a sent chunk may carry residual)."""
         if self._last_dense:
-            return list(params)
-        sent = set(self.last_selected.tolist())  # a host read, only when some parameter is unused everywhere
-        return untouched_params(params, sent, self.pool.layout, self.offsets, self.chunk_size)
+            return list(params)  # below: a host read, only when some parameter is unused everywhere
+        return untouched_params(
+            params, set(self.last_selected.tolist()), self.pool.layout, self.offsets, self.chunk_size
+        )
 
     # ---- user hooks -----------------------------------------------------------------------
     def register_grad_scaler(self, scaler: Any) -> None:
@@ -287,9 +286,8 @@ class SparseSync(SyncStrategy):
 
     def _open_slice(self, k: int, lo: int, hi: int, stats: StepStats) -> None:
         """Start the exchange of the scores of chunks [lo, hi) of pool k."""
-        self._queue.open(
-            k, lo, hi, self.scores[self.offsets[k] + lo : self.offsets[k] + hi], stats, self.dense.watchdog
-        )
+        o = self.offsets[k]
+        self._queue.open(k, lo, hi, self.scores[o + lo : o + hi], stats, self.dense.watchdog)
 
     def _send_slice(self, sl: Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
@@ -304,20 +302,14 @@ class SparseSync(SyncStrategy):
         m = forced + n_selected(self.density_now(), sl.hi - sl.lo - forced)
         sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
-        # Whole rows, the pad of a short last chunk included (zeros): no host read of the indices.
         rows = self.res.rows(sl.pool)
-        if self._fast_wire[sl.pool]:  # gather, divide, cast in one pass, straight onto the wire
-            sl.wire = self.dense.scratch_for(rows.device).take(m * self.chunk_size, torch.float16)
-            csc_native.pack_rows(rows, sl.idx, 1.0 / self.dense.world_size, sl.wire)
-            stats.phase("pack", t0)
-            phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
-            self.dense.start(sl.wire, None, "chunks", stats)
-            return
-        sl.packed = self.dense.scratch_for(rows.device).take(m * self.chunk_size, rows.dtype).view(m, -1)
-        torch.index_select(rows, 0, sl.idx, out=sl.packed)
+        pack(sl, rows, self.dense.scratch_for(rows.device), self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
-        self.dense.launch(None, sl.packed.view(-1), stats)
+        if sl.wire is not None:  # already divided and cast: only the allreduce is left
+            self.dense.start(sl.wire, None, "chunks", stats)
+        else:
+            self.dense.launch(None, sl.packed.view(-1), stats)
 
     def finish(self, stats: StepStats) -> None:
         """Steps 3-5 after backward: the last slices, one finite check, write-back."""
