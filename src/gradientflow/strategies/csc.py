@@ -35,9 +35,8 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      and any step whose chunks and scores would be no fewer bytes than a dense step
      (:func:`~gradientflow.strategies.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
 
-Loss scaling: v and u are kept in units of the current loss scale
-(:class:`~gradientflow.strategies.residual.Residuals`); ``model.register_grad_scaler(scaler)`` lets CSC
-follow the scale (without it the scale is taken as 1).  A non-finite value anywhere (a local
+Loss scaling: v and u are in units of the current loss scale (:class:`~.residual.Residuals`);
+``model.register_grad_scaler(scaler)`` lets CSC follow the scale (without it the scale is 1).  A non-finite value anywhere (a local
 gradient on any rank: the allreduced scores are non-finite everywhere; or an fp16 wire that
 overflowed: the reduced chunks are) makes every rank fill the pool with NaN, so
 ``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is masked, so the
