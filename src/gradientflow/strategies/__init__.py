@@ -38,7 +38,7 @@ def build_strategy(
                 bits=config.quant_bits,
                 block=config.quant_block,
                 clip=config.quant_clip,
-                uniform=config.quant_uniform,
+                levels=config.quant_levels,
                 shapes=shapes,
                 watchdog=watchdog,
             )

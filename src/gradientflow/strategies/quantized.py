@@ -67,10 +67,10 @@ class QuantizedSync(SyncStrategy):
         shapes: Sequence[torch.Size],
         watchdog: Watchdog | None = None,
         clip: float = 0.0,
-        uniform: bool = False,
+        levels: str = "fitted",
     ) -> None:
         self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
-        self.uniform = uniform
+        self.levels = levels
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
@@ -141,7 +141,7 @@ class QuantizedSync(SyncStrategy):
             block=self.block,
             timeout=timeout,
             clip=self.clip,
-            uniform=self.uniform,
+            levels=self.levels,
             carry=True,  # x + e: the ring adds e (two ranks: inside the quantisation's pass)
         )
         p.started_at = time.perf_counter()
