@@ -39,6 +39,8 @@ def build_strategy(
                 block=config.quant_block,
                 clip=config.quant_clip,
                 levels=config.quant_levels,
+                precondition=config.quant_precondition,
+                warmup=config.quant_warmup,
                 shapes=shapes,
                 watchdog=watchdog,
             )
