@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from .comm.quantize import LEVELS, ZEROLESS
-
 ALGORITHMS = ("native", "ring")
 """``algorithm``: the backend's allreduce, or gradientflow's ring (:mod:`gradientflow.comm.ring`)."""
 CHUNK_SCORES = ("l1", "sampled_l1")
@@ -55,6 +53,11 @@ CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
+QUANT_LEVELS = ("fitted", "uniform", "zeroless")
+"""The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or
+``comm.quantize.ZEROLESS``."""
+ZEROLESS_BITS = (2,)
+"""The widths with a ``comm.quantize.ZEROLESS`` table (``"q2n"``)."""
 DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 QUANT_THETA_MB = 8.0
@@ -85,12 +88,12 @@ def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, i
         bits, block = int(m[1]), int(m[2]) if m[2] else block
         clip = float(m[6]) if m[6] else 0.0
         levels = {"u": "uniform", "n": "zeroless", None: "fitted"}[m[3]]
-        if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS):
+        if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS_BITS):
             return "quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0)
     raise ValueError(
         f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
         f"'q<bits>b<block>' (block a multiple of 16), either followed by 'u' (uniform levels) or 'n' (levels "
-        f"without a zero, bits in {list(ZEROLESS)}), then optionally 'p' (preconditioned), 'w<steps>' (the "
+        f"without a zero, bits in {list(ZEROLESS_BITS)}), then optionally 'p' (preconditioned), 'w<steps>' (the "
         f"first steps at 3 bits) and 'c<k>' (scale clipped at k x RMS), in that order, e.g. 'q2npw20'; got "
         f"{value!r}"
     )
@@ -247,10 +250,12 @@ class GradientFlowConfig:
                 f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got "
                 f"{self.quant_bits!r}, {self.quant_block!r}"
             )
-        if self.quant_levels not in LEVELS or (self.quant_levels == "zeroless" and self.quant_bits not in ZEROLESS):
+        if self.quant_levels not in QUANT_LEVELS or (
+            self.quant_levels == "zeroless" and self.quant_bits not in ZEROLESS_BITS
+        ):
             raise ValueError(
-                f"quant_levels must be one of {list(LEVELS)} ('zeroless' with quant_bits in {list(ZEROLESS)}), got "
-                f"{self.quant_levels!r} at quant_bits={self.quant_bits!r}"
+                f"quant_levels must be one of {list(QUANT_LEVELS)} ('zeroless' with quant_bits in "
+                f"{list(ZEROLESS_BITS)}), got {self.quant_levels!r} at quant_bits={self.quant_bits!r}"
             )
         w = self.quant_warmup
         if not isinstance(self.quant_precondition, bool) or isinstance(w, bool) or not isinstance(w, int) or w < 0:

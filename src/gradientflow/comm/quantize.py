@@ -23,8 +23,8 @@ Wire format of a segment (:func:`wire_bytes`): the codes of 8 elements packed li
 lets the ring and the error feedback around it be checked against a dense allreduce.
 
 Everything is tensor ops on the segment's device: no host read, CUDA tensors work unchanged.  On
-contiguous CPU tensors the :data:`CODEBOOKS` levels run :mod:`.codec_native`'s fused C kernel instead: the
-same bits, one pass per block instead of ~40 passes per segment.
+contiguous CPU tensors the tabled levels (:data:`CODEBOOKS`, :data:`ZEROLESS`) run :mod:`.codec_native`'s fused
+C kernel instead: the same bits, one pass per block instead of ~40 passes per segment.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from ..config import QUANT_LEVELS
 from . import codec_native
 
 SCALE_DTYPE = torch.bfloat16
@@ -59,7 +60,7 @@ bit ``-l_k``), fitted as :data:`CODEBOOKS` (``experiments/fit_levels.py``).  At 
 has three levels (``0, ±l_1``: the code "-0" is unused); these four carry less error energy at the same
 bytes (``docs/adamw.md``, "Below 0.07 of the bytes")."""
 
-LEVELS = ("fitted", "uniform", "zeroless")
+LEVELS = QUANT_LEVELS
 """``levels``: :data:`CODEBOOKS` (with a zero), ``k / L`` of the scale, or :data:`ZEROLESS`."""
 
 
@@ -77,6 +78,11 @@ def _tabled(bits: int, levels: str) -> bool:
             f"{bits} bits"
         )
     return (levels == "fitted" and bits in CODEBOOKS) or levels == "zeroless"
+
+
+def _kernel_levels(bits: int, levels: str) -> bool:
+    """The levels :mod:`.codec_native`'s kernel has: the tables of 2 and 3 bits (with a zero or not)."""
+    return bits in (2, 3) and levels in ("fitted", "zeroless") and _tabled(bits, levels)
 
 
 @functools.cache
@@ -173,9 +179,9 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def _native(
     x: torch.Tensor, out: torch.Tensor, err: torch.Tensor | None, bits: int, block: int, clip: float, levels: str
 ) -> bool:
-    """Whether :mod:`.codec_native`'s kernel encodes this call: the :data:`CODEBOOKS` levels (the kernel has
-    no other table), no clipping, contiguous CPU tensors."""
-    if levels != "fitted" or bits not in CODEBOOKS or clip != 0 or block > 1024 or out.dtype != torch.uint8:
+    """Whether :mod:`.codec_native`'s kernel encodes this call: tabled levels (not uniform steps), no clipping,
+    contiguous CPU tensors."""
+    if not _kernel_levels(bits, levels) or clip != 0 or block > 1024 or out.dtype != torch.uint8:
         return False
     if x.dtype != torch.float32 or (err is not None and err.dtype != torch.float32):
         return False
@@ -204,8 +210,8 @@ def quantize(
     clamped (their excess goes to ``err``): finer steps for the bulk of a block.
     ``levels``: one of :data:`LEVELS` ("fitted": :data:`CODEBOOKS`; "uniform": steps ``k / L`` of the scale
     even where a table exists; "zeroless": :data:`ZEROLESS`).
-    On contiguous CPU tensors the :data:`CODEBOOKS` levels without ``clip`` run :mod:`.codec_native`'s fused
-    kernel (the same bits).
+    On contiguous CPU tensors the tabled levels without ``clip`` run :mod:`.codec_native`'s fused kernel (the
+    same bits).
     """
     m = x.numel()
     if carry and (err is None or not inplace):
@@ -226,7 +232,9 @@ def quantize(
     if native:
         decoded = x if inplace else torch.empty_like(x)
         scales = out[cb:].view(SCALE_DTYPE)
-        codec_native.quantize(x, out, scales, bits, block, _mids(bits), _poly(bits), decoded, err, carry)
+        first = _table(bits, levels)[0]
+        mids, poly = _mids(bits, levels), _poly(bits, levels)
+        codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first)
         return decoded
     if m % block:
         padded = x.new_zeros(nb * block)
@@ -293,7 +301,7 @@ def _dequantize(
         return wire.view(torch.float32)
     nb = n_blocks(m, block)
     cb = code_bytes(m, bits, block)
-    kernel = levels == "fitted" and bits in CODEBOOKS and block <= 1024 and wire.dtype == torch.uint8
+    kernel = _kernel_levels(bits, levels) and block <= 1024 and wire.dtype == torch.uint8
     if (
         kernel
         and (out is None or out.dtype == torch.float32)
@@ -301,7 +309,10 @@ def _dequantize(
     ):
         target = out if out is not None else torch.empty(m, dtype=torch.float32)
         scales = wire[cb:].view(SCALE_DTYPE)
-        codec_native.dequantize(wire, scales, m, bits, block, _poly(bits), target, add and out is not None)
+        first = _table(bits, levels)[0]
+        codec_native.dequantize(
+            wire, scales, m, bits, block, _poly(bits, levels), target, add and out is not None, first
+        )
         return target
     scale = wire[cb:].view(SCALE_DTYPE).float()
     codes = _unpack(wire[:cb], bits).view(nb, block)
