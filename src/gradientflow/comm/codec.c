@@ -13,7 +13,8 @@
  *
  * Only the tabled levels (2, 3 bits: L = 1, 3 magnitudes above the first), no clipping; quantize.py keeps
  * the rest.  `first` is the first level (0 for the fitted tables with a zero, l_0 for the zeroless one):
- * added after Horner only where it is not 0, as quantize._level_of does.
+ * added after Horner only where it is not 0, as quantize._level_of does (a literal `zeroless` at the call
+ * sites, so the tables with a zero compile to the loop they had).
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,8 +56,8 @@ static inline void pack_block(const uint8_t *codes, int n, int bits, uint8_t *ou
  * inner loop left and vectorises. */
 static inline __attribute__((always_inline)) void encode_block(const float *x, int n, int block, int bits,
                                                                 const int L, const float *mids,
-                                                                const float *poly, const float first,
-                                                                uint8_t *codes_out,
+                                                                const float *poly, const int zeroless,
+                                                                const float first, uint8_t *codes_out,
                                                                 uint16_t *scale_out, float *decoded,
                                                                 float *err, int carry) {
     float v[1024], dec[1024];
@@ -89,7 +90,7 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
         int k = a > mids[0];
         if (L > 1) k += (a > mids[1]) + (a > mids[2]);
         float mag = level_of((float)k, L, poly);
-        if (first != 0.0f) mag = mag + first;
+        if (zeroless) mag = mag + first;
         dec[i] = copysignf(mag, u) * step;
         codes[i] = (uint8_t)k | (signbit(u) ? sign_code : 0);
     }
@@ -112,10 +113,14 @@ void gf_quantize(const float *x, int64_t m, int bits, int block, const float *mi
         const int n = (int)(m - a0 < block ? m - a0 : block);
         uint8_t *c = codes_out + a0 / 8 * bits;
         float *e = err ? err + a0 : NULL;
-        if (bits == 3)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, first, c, scales_out + b, decoded + a0, e, carry);
+        if (bits == 3 && first == 0.0f)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+        else if (bits == 3)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+        else if (first == 0.0f)
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
         else
-            encode_block(x + a0, n, block, 2, 1, mids, poly, first, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
     }
 }
 
