@@ -3,6 +3,9 @@ launch per (model, lr, beta2, seed), then one table of the means.
 
     python experiments/adamw_matrix.py --out benchmarks/adamw_matrix            # run what is missing, tabulate
     python experiments/adamw_matrix.py --out benchmarks/adamw_matrix --table    # tabulate only
+    python experiments/adamw_matrix.py --recipe gf-auto:compression=q2npw20 --out benchmarks/adamw_matrix_q2npw20
+
+``--recipe``: the gradientflow recipe (or variant) trained beside ``ddp`` (default ``gf-auto``).
 
 Each launch trains ``ddp`` and ``gf-auto`` side by side from the same seed and batches (the quality
 bench's transformer: 400 steps, 5% warm-up then cosine to 10%, AdamW weight decay 0.1, 2 ranks) and
@@ -27,14 +30,14 @@ SETTINGS = {  # model -> (lr, beta2) pairs: the AdamW settings users run (CSC's 
     "192x3": [(3e-3, 0.95), (1e-3, 0.999)],
 }
 SEEDS = (0, 1, 2)
-RECIPES = ("ddp", "gf-auto")
+DEFAULT_RECIPE = "gf-auto"
 
 
 def launch_dir(out: Path, model: str, lr: float, beta2: float, seed: int) -> Path:
     return out / f"{model}-lr{lr:g}-b{beta2:g}-s{seed}"
 
 
-def run_missing(out: Path, models: list[str]) -> None:
+def run_missing(out: Path, models: list[str], recipe: str) -> None:
     for model in models:
         for lr, beta2 in SETTINGS[model]:
             for seed in SEEDS:
@@ -43,7 +46,7 @@ def run_missing(out: Path, models: list[str]) -> None:
                     continue
                 cmd = [
                     *("gradientflow", "bench", "--quality", "--workload", "tiny_transformer"),
-                    *("--recipes", *RECIPES, "--steps", "400", "--bandwidth", "none"),
+                    *("--recipes", "ddp", recipe, "--steps", "400", "--bandwidth", "none"),
                     *("--transformer-size", model, "--adamw-lr", f"{lr:g}", "--adamw-beta2", f"{beta2:g}"),
                     *("--seed", str(seed), "--out", str(d)),
                 ]
@@ -51,9 +54,10 @@ def run_missing(out: Path, models: list[str]) -> None:
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def tabulate(out: Path) -> str:
+def tabulate(out: Path, recipe: str = DEFAULT_RECIPE) -> str:
     lines = [
-        "| model | AdamW lr | beta2 | seeds | gf-auto final val loss / DDP's, per seed | mean | bytes / DDP's (mean) |",
+        f"| model | AdamW lr | beta2 | seeds | {recipe} final val loss / DDP's, per seed | mean "
+        "| bytes / DDP's (mean) |",
         "|---|---|---|---|---|---|---|",
     ]
     dates: set[str] = set()
@@ -67,8 +71,8 @@ def tabulate(out: Path) -> str:
                 res = json.loads(f.read_text())
                 dates.add(res["date"])
                 rows = {r["recipe"]: r for r in res["workloads"]["transformer"]["rows"]}
-                ratios.append(rows["gf-auto"]["ratio_to_ddp"])
-                fracs.append(rows["gf-auto"]["bytes_per_step"] / rows["ddp"]["bytes_per_step"])
+                ratios.append(rows[recipe]["ratio_to_ddp"])
+                fracs.append(rows[recipe]["bytes_per_step"] / rows["ddp"]["bytes_per_step"])
                 seeds.append(seed)
             if not ratios:
                 continue
@@ -78,8 +82,9 @@ def tabulate(out: Path) -> str:
                 f"**{statistics.mean(ratios):.4f}** | {statistics.mean(fracs):.4f} |"
             )
     head = (
-        f"`python experiments/adamw_matrix.py --out {out}` (launches dated {', '.join(sorted(dates))}); "
-        "each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp gf-auto --steps 400 "
+        f"`python experiments/adamw_matrix.py{'' if recipe == DEFAULT_RECIPE else ' --recipe ' + recipe} --out {out}` "
+        f"(launches dated {', '.join(sorted(dates))}); "
+        f"each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp {recipe} --steps 400 "
         "--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED --out DIR` "
         "with the model, lr, beta2 and seed of each row\n\n"
     )
@@ -91,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/adamw_matrix"))
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--table", action="store_true", help="only tabulate what exists")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the gradientflow recipe beside ddp (default gf-auto)")
     args = p.parse_args(argv)
     if not args.table:
-        run_missing(args.out, args.models)
-    table = tabulate(args.out)
+        run_missing(args.out, args.models, args.recipe)
+    table = tabulate(args.out, args.recipe)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
     print(table)

@@ -11,9 +11,21 @@ import pytest
 import torch
 
 from gradientflow.comm import codec_native
-from gradientflow.comm.quantize import CODEBOOKS, SCALE_DTYPE, _mids, code_bytes, dequantize, quantize, wire_bytes
+from gradientflow.comm.quantize import (
+    CODEBOOKS,
+    SCALE_DTYPE,
+    ZEROLESS,
+    _mids,
+    code_bytes,
+    dequantize,
+    quantize,
+    wire_bytes,
+)
 
 pytestmark = pytest.mark.skipif(codec_native.library() is None, reason="no C compiler here")
+
+TABLES = [(bits, "fitted") for bits in sorted(CODEBOOKS)] + [(bits, "zeroless") for bits in sorted(ZEROLESS)]
+"""Every table the kernel has: with a zero level (``CODEBOOKS``) and without (``ZEROLESS``, ``"q2n"``)."""
 
 
 def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -35,7 +47,7 @@ def _inputs() -> list[torch.Tensor]:
     edges[:128] = torch.randn(128, generator=g) * 1e-41  # subnormal: a tiny scale
     edges[128] = -0.0
     # block 2: values exactly on each midpoint of a block whose max is 1 (a tie goes toward 0)
-    mids = torch.tensor([m for bits in CODEBOOKS for m in _mids(bits)])
+    mids = torch.tensor([m for bits, levels in TABLES for m in _mids(bits, levels)])
     edges[256 : 256 + len(mids)] = mids
     edges[256 + len(mids) : 256 + 2 * len(mids)] = -mids
     edges[300] = 1.0
@@ -44,21 +56,23 @@ def _inputs() -> list[torch.Tensor]:
     return [heavy, heavy[:1001], edges, nonfinite, torch.randn(7, generator=g), torch.zeros(0)]
 
 
-@pytest.mark.parametrize("bits", sorted(CODEBOOKS))
+@pytest.mark.parametrize(("bits", "levels"), TABLES)
 @pytest.mark.parametrize("block", [16, 128, 1024])
-def test_kernel_matches_torch_ops_bit_for_bit(bits: int, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_matches_torch_ops_bit_for_bit(
+    bits: int, levels: str, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for x in _inputs():
         m = x.numel()
         wire_k, err_k = torch.empty(wire_bytes(m, bits, block), dtype=torch.uint8), torch.empty(m)
-        dec_k = quantize(x, wire_k, bits, block, err=err_k)
-        back_k = dequantize(wire_k, m, bits, block)
-        acc_k = dequantize(wire_k, m, bits, block, out=x.clone(), add=True)
+        dec_k = quantize(x, wire_k, bits, block, err=err_k, levels=levels)
+        back_k = dequantize(wire_k, m, bits, block, levels=levels)
+        acc_k = dequantize(wire_k, m, bits, block, levels=levels, out=x.clone(), add=True)
         with monkeypatch.context() as mp:
             _torch_path(mp)
             wire_t, err_t = torch.empty_like(wire_k), torch.empty(m)
-            dec_t = quantize(x, wire_t, bits, block, err=err_t)
-            back_t = dequantize(wire_t, m, bits, block)
-            acc_t = dequantize(wire_t, m, bits, block, out=x.clone(), add=True)
+            dec_t = quantize(x, wire_t, bits, block, err=err_t, levels=levels)
+            back_t = dequantize(wire_t, m, bits, block, levels=levels)
+            acc_t = dequantize(wire_t, m, bits, block, levels=levels, out=x.clone(), add=True)
         cb = code_bytes(m, bits, block)
         assert torch.equal(wire_k[:cb], wire_t[:cb]), (bits, block, m)  # every code
         scale_k, scale_t = wire_k[cb:].view(SCALE_DTYPE).float(), wire_t[cb:].view(SCALE_DTYPE).float()
@@ -67,8 +81,10 @@ def test_kernel_matches_torch_ops_bit_for_bit(bits: int, block: int, monkeypatch
             assert _same_floats(k, t), (bits, block, m)
 
 
-@pytest.mark.parametrize("bits", sorted(CODEBOOKS))
-def test_carry_encodes_x_plus_the_last_error_as_adding_it_first(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("bits", "levels"), TABLES)
+def test_carry_encodes_x_plus_the_last_error_as_adding_it_first(
+    bits: int, levels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Error feedback fused into the encode: ``quantize(x, err=e, carry=True)`` is ``x += e`` then
     ``quantize(x, err=e)``, on both paths, to the bit."""
     g = torch.Generator().manual_seed(2)
@@ -77,13 +93,13 @@ def test_carry_encodes_x_plus_the_last_error_as_adding_it_first(bits: int, monke
     ref_x, ref_e, ref_wire = x + e, torch.empty(1000), torch.empty_like(wire)
     with monkeypatch.context() as mp:
         _torch_path(mp)
-        quantize(ref_x, ref_wire, bits, 128, err=ref_e, inplace=True)
+        quantize(ref_x, ref_wire, bits, 128, err=ref_e, inplace=True, levels=levels)
     for path in ("kernel", "torch"):
         xs, es = x.clone(), e.clone()
         with monkeypatch.context() as mp:
             if path == "torch":
                 _torch_path(mp)
-            assert quantize(xs, wire, bits, 128, err=es, inplace=True, carry=True) is xs
+            assert quantize(xs, wire, bits, 128, err=es, inplace=True, carry=True, levels=levels) is xs
         assert torch.equal(wire, ref_wire) and torch.equal(xs, ref_x) and torch.equal(es, ref_e), path
     with pytest.raises(ValueError, match="inplace=True"):
         quantize(x, wire, bits, 128, err=e, carry=True)

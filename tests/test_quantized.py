@@ -108,8 +108,8 @@ def test_quantiser_matches_numpy_and_counts_bytes():
         np.testing.assert_allclose(decoded.numpy(), np_quantize(x.numpy()), rtol=1e-6, atol=0)
         assert torch.equal(err, x - decoded)
         # uniform levels ("q3u"): the first version of the recipe
-        decoded = quantize(x, out, BITS, BLOCK, err=err, uniform=True)
-        assert torch.equal(dequantize(out, m, BITS, BLOCK, uniform=True), decoded)
+        decoded = quantize(x, out, BITS, BLOCK, err=err, levels="uniform")
+        assert torch.equal(dequantize(out, m, BITS, BLOCK, levels="uniform"), decoded)
         np.testing.assert_allclose(decoded.numpy(), np_quantize(x.numpy(), uniform=True), rtol=1e-6, atol=0)
     # By hand, 3-bit codebook levels 0, ±0.2, ±0.43, ±0.75 of the block max (midpoints 0.1, 0.315, 0.59):
     x = torch.zeros(128)
@@ -353,9 +353,9 @@ def test_named_recipes_set_todays_keywords():
     assert GradientFlowConfig().compression == "none" and not GradientFlowConfig().quantized
     # "quantized" = "q3": non-uniform levels; a "u" asks for uniform ones (the first version of the recipe)
     d, u = GradientFlowConfig(compression="quantized"), GradientFlowConfig(compression="q3u")
-    assert (d.quant_bits, d.quant_block, d.quant_uniform) == (3, 128, False)
-    assert (u.compression, u.quant_bits, u.quant_block, u.quant_uniform) == ("quantized", 3, 128, True)
-    assert GradientFlowConfig(compression="q2b64uc2").quant_uniform
+    assert (d.quant_bits, d.quant_block, d.quant_levels) == (3, 128, "fitted")
+    assert (u.compression, u.quant_bits, u.quant_block, u.quant_levels) == ("quantized", 3, 128, "uniform")
+    assert GradientFlowConfig(compression="q2b64uc2").quant_levels == "uniform"
 
 
 def _theta_worker(rank: int, world: int) -> dict:

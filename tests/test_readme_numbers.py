@@ -94,7 +94,15 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
     sig = inspect.signature(gf.DistributedDataParallel.__init__).parameters
     # broadcast_buffers is torch DDP's argument; the quantiser's fields are set from `compression`
     # ("q<bits>b<block>c<k>"), not keywords of their own.
-    derived = {"broadcast_buffers", "quant_bits", "quant_block", "quant_clip", "quant_uniform"}
+    derived = {
+        "broadcast_buffers",
+        "quant_bits",
+        "quant_block",
+        "quant_clip",
+        "quant_levels",
+        "quant_precondition",
+        "quant_warmup",
+    }
     own = [f.name for f in dataclasses.fields(GradientFlowConfig) if f.name not in derived]
     for name in own:
         assert name in rows, f"README options table lacks `{name}`"

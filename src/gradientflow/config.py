@@ -53,6 +53,11 @@ CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
+QUANT_LEVELS = ("fitted", "uniform", "zeroless")
+"""The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or
+``comm.quantize.ZEROLESS``."""
+ZEROLESS_BITS = (2,)
+"""The widths with a ``comm.quantize.ZEROLESS`` table (``"q2n"``)."""
 DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 QUANT_THETA_MB = 8.0
@@ -62,29 +67,35 @@ gradients) one message after backward; 8 MB buckets (0.8 MB on the wire) overlap
 5.0 ms, step 55.3 -> 50.3 ms at 1 Gbit/s, experiments/quantized_theta.py, docs/adamw.md)."""
 
 
-def parse_compression(value: object) -> tuple[str, int, int, float, bool]:
-    """``(recipe, bits, block, clip, uniform)`` for a ``compression`` value; ``ValueError`` saying what is
-    accepted.
+def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, int]:
+    """``(recipe, bits, block, clip, levels, precondition, warmup)`` for a ``compression`` value; ``ValueError``
+    saying what is accepted.
 
     ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales and the non-uniform levels
     of ``comm.quantize.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
     ``"q<bits>b<block>"`` also another block (a multiple of 16); a ``"u"`` after them: uniform levels
-    (``"q3u"``: the first version of the recipe); a trailing ``"c<k>"`` clips each block's scale at k x its
-    RMS (an experiment; 0 = max-abs).
+    (``"q3u"``: the first version of the recipe); an ``"n"``: levels with no zero (``comm.quantize.ZEROLESS``,
+    2 bits: ``"q2n"``); a ``"p"``: preconditioned (each coordinate quantised in units of its own RMS, see
+    ``strategies.quantized``); ``"w<steps>"``: the first steps at the default quantiser (3 bits); a trailing
+    ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
     """
     bits, block = DEFAULT_QUANT
     if value in COMPRESSIONS:
-        return str(value), bits, block, 0.0, False
-    m = re.fullmatch(r"q(\d+)(?:b(\d+))?(u)?(?:c(\d+(?:\.\d+)?))?", value) if isinstance(value, str) else None
+        return str(value), bits, block, 0.0, "fitted", False, 0
+    pattern = r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?"
+    m = re.fullmatch(pattern, value) if isinstance(value, str) else None
     if m is not None:
         bits, block = int(m[1]), int(m[2]) if m[2] else block
-        clip = float(m[4]) if m[4] else 0.0
-        if bits in QUANT_BITS and block >= 16 and block % 16 == 0:
-            return "quantized", bits, block, clip, m[3] is not None
+        clip = float(m[6]) if m[6] else 0.0
+        levels = {"u": "uniform", "n": "zeroless", None: "fitted"}[m[3]]
+        if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS_BITS):
+            return "quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0)
     raise ValueError(
         f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
-        f"'q<bits>b<block>' (block a multiple of 16), either followed by 'u' (uniform levels) and/or 'c<k>' "
-        f"(scale clipped at k x RMS), got {value!r}"
+        f"'q<bits>b<block>' (block a multiple of 16), either followed by 'u' (uniform levels) or 'n' (levels "
+        f"without a zero, bits in {list(ZEROLESS_BITS)}), then optionally 'p' (preconditioned), 'w<steps>' (the "
+        f"first steps at 3 bits) and 'c<k>' (scale clipped at k x RMS), in that order, e.g. 'q2npw20'; got "
+        f"{value!r}"
     )
 
 
@@ -145,7 +156,8 @@ class GradientFlowConfig:
         "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
         ring; "q<bits>", "q<bits>b<block>" for others), "auto" (dense until the first optimizer step,
         then "csc" for SGD, "quantized" for Adam, AdamW and other optimizers).
-    quant_bits, quant_block, quant_clip, quant_uniform: the quantiser of "quantized" (set from ``compression``).
+    quant_bits, quant_block, quant_clip, quant_levels, quant_precondition, quant_warmup: the quantiser of
+        "quantized" (set from ``compression``; quant_levels one of ``comm.quantize.LEVELS``).
     """
 
     fusion_threshold_mb: float = 25.0
@@ -169,7 +181,9 @@ class GradientFlowConfig:
     quant_bits: int = DEFAULT_QUANT[0]
     quant_block: int = DEFAULT_QUANT[1]
     quant_clip: float = 0.0
-    quant_uniform: bool = False
+    quant_levels: str = "fitted"
+    quant_precondition: bool = False
+    quant_warmup: int = 0
 
     def __post_init__(self) -> None:
         theta = self.fusion_threshold_mb
@@ -211,12 +225,14 @@ class GradientFlowConfig:
 
         Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
         """
-        recipe, bits, block, clip, uniform = parse_compression(self.compression)
+        recipe, bits, block, clip, levels, precondition, warmup = parse_compression(self.compression)
         if self.compression != "quantized" and recipe == "quantized":
             object.__setattr__(self, "quant_bits", bits)
             object.__setattr__(self, "quant_block", block)
             object.__setattr__(self, "quant_clip", clip)
-            object.__setattr__(self, "quant_uniform", uniform)
+            object.__setattr__(self, "quant_levels", levels)
+            object.__setattr__(self, "quant_precondition", precondition)
+            object.__setattr__(self, "quant_warmup", warmup)
         object.__setattr__(self, "compression", recipe)
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):
@@ -233,6 +249,19 @@ class GradientFlowConfig:
             raise ValueError(
                 f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got "
                 f"{self.quant_bits!r}, {self.quant_block!r}"
+            )
+        if self.quant_levels not in QUANT_LEVELS or (
+            self.quant_levels == "zeroless" and self.quant_bits not in ZEROLESS_BITS
+        ):
+            raise ValueError(
+                f"quant_levels must be one of {list(QUANT_LEVELS)} ('zeroless' with quant_bits in "
+                f"{list(ZEROLESS_BITS)}), got {self.quant_levels!r} at quant_bits={self.quant_bits!r}"
+            )
+        w = self.quant_warmup
+        if not isinstance(self.quant_precondition, bool) or isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(
+                f"quant_precondition must be True or False and quant_warmup an int >= 0 (steps at 3 bits), got "
+                f"{self.quant_precondition!r}, {w!r}"
             )
 
     def _validate_fault_options(self) -> None:

@@ -11,7 +11,10 @@
  * multiply), compiled with -ffp-contract=off so no multiply-add is fused.  tests/test_codec.py checks
  * both paths against each other byte for byte.
  *
- * Only the codebook widths (2, 3 bits: L = 1, 3 levels), no clipping; quantize.py keeps the rest.
+ * Only the tabled levels (2, 3 bits: L = 1, 3 magnitudes above the first), no clipping; quantize.py keeps
+ * the rest.  `first` is the first level (0 for the fitted tables with a zero, l_0 for the zeroless one):
+ * added after Horner only where it is not 0, as quantize._level_of does (a literal `zeroless` at the call
+ * sites, so the tables with a zero compile to the loop they had).
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,7 +56,8 @@ static inline void pack_block(const uint8_t *codes, int n, int bits, uint8_t *ou
  * inner loop left and vectorises. */
 static inline __attribute__((always_inline)) void encode_block(const float *x, int n, int block, int bits,
                                                                 const int L, const float *mids,
-                                                                const float *poly, uint8_t *codes_out,
+                                                                const float *poly, const int zeroless,
+                                                                const float first, uint8_t *codes_out,
                                                                 uint16_t *scale_out, float *decoded,
                                                                 float *err, int carry) {
     float v[1024], dec[1024];
@@ -85,7 +89,9 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
         const float a = fabsf(u);
         int k = a > mids[0];
         if (L > 1) k += (a > mids[1]) + (a > mids[2]);
-        dec[i] = copysignf(level_of((float)k, L, poly), u) * step;
+        float mag = level_of((float)k, L, poly);
+        if (zeroless) mag = mag + first;
+        dec[i] = copysignf(mag, u) * step;
         codes[i] = (uint8_t)k | (signbit(u) ? sign_code : 0);
     }
     pack_block(codes, block, bits, codes_out);
@@ -100,31 +106,36 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
  * instead (error feedback: err holds the last error on entry), one pass fewer than adding it first.
  * block: a multiple of 16, <= 1024. */
 void gf_quantize(const float *x, int64_t m, int bits, int block, const float *mids, const float *poly,
-                 uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry) {
+                 float first, uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry) {
     const int64_t nb = (m + block - 1) / block;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t a0 = b * block;
         const int n = (int)(m - a0 < block ? m - a0 : block);
         uint8_t *c = codes_out + a0 / 8 * bits;
         float *e = err ? err + a0 : NULL;
-        if (bits == 3)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, c, scales_out + b, decoded + a0, e, carry);
+        if (bits == 3 && first == 0.0f)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+        else if (bits == 3)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+        else if (first == 0.0f)
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
         else
-            encode_block(x + a0, n, block, 2, 1, mids, poly, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
     }
 }
 
 /* Decode m elements (as quantize.dequantize) into out; accumulate != 0: out += decoded (out + d, the
  * fp32 add torch's add_ does). */
 void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, int bits, int block,
-                   const float *poly, float *out, int accumulate) {
+                   const float *poly, float first, float *out, int accumulate) {
     const int L = (1 << (bits - 1)) - 1;
     const int half = 1 << (bits - 1);
     const int64_t nb = (m + block - 1) / block;
     float lv[8];
     for (int c = 0; c < 2 * half; c++) {
         /* the sign from 1 - 2*sign, exact, as the torch path: -0.0 levels keep their sign */
-        const float mag = level_of((float)(c & (half - 1)), L, poly);
+        float mag = level_of((float)(c & (half - 1)), L, poly);
+        if (first != 0.0f) mag = mag + first;
         lv[c] = copysignf(mag, 1.0f - 2.0f * (float)(c >> (bits - 1)));
     }
     for (int64_t b = 0; b < nb; b++) {

@@ -25,9 +25,10 @@ SOURCE = Path(__file__).with_name("codec.c")
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, p, p, p, p, i32]
+    f32 = ctypes.c_float
+    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, f32, p, p, p, p, i32]
     lib.gf_quantize.restype = None
-    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, p, i32]
+    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32]
     lib.gf_dequantize.restype = None
 
 
@@ -57,9 +58,10 @@ def quantize(
     decoded: torch.Tensor,
     err: torch.Tensor | None,
     carry: bool = False,
+    first: float = 0.0,
 ) -> None:
     """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``) and the error;
-    ``carry``: ``x + err`` is encoded."""
+    ``carry``: ``x + err`` is encoded; ``first``: the first level (0 but for levels without a zero)."""
     lib = library()
     assert lib is not None, "callers check applies() first"
     lib.gf_quantize(
@@ -69,6 +71,7 @@ def quantize(
         block,
         _floats(mids),
         _floats(poly),
+        first,
         codes.data_ptr(),
         scales.data_ptr(),
         decoded.data_ptr(),
@@ -86,10 +89,12 @@ def dequantize(
     poly: tuple[float, ...],
     out: torch.Tensor,
     accumulate: bool,
+    first: float = 0.0,
 ) -> None:
-    """``codec.c``'s ``gf_dequantize``: ``m`` decoded values into ``out`` (added to it if ``accumulate``)."""
+    """``codec.c``'s ``gf_dequantize``: ``m`` decoded values into ``out`` (added to it if ``accumulate``);
+    ``first``: the first level (0 but for levels without a zero)."""
     lib = library()
     assert lib is not None, "callers check applies() first"
     lib.gf_dequantize(
-        codes.data_ptr(), scales.data_ptr(), m, bits, block, _floats(poly), out.data_ptr(), int(accumulate)
+        codes.data_ptr(), scales.data_ptr(), m, bits, block, _floats(poly), first, out.data_ptr(), int(accumulate)
     )

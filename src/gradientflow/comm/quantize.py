@@ -4,11 +4,14 @@ A segment of ``m`` elements is cut into blocks of ``block`` elements (the last o
 zeros).  Each block travels as its scale ``s = max |x|`` (bf16: fp32's range, so a large scaled
 gradient never overflows the scale) and one code per element, ``L = 2**(bits-1) - 1``:
 
-- widths with a :data:`CODEBOOKS` table (2 and 3 bits, the default): the level nearest to ``x / s``
-  among ``0, ±l_1 .. ±l_L`` (a tie goes toward 0), stored sign-magnitude (``k | sign << (bits-1)``);
-  decoded ``±l_k * s``;
-- the others, and ``uniform=True``: ``q = clamp(round(x * L / s), -L, L)`` (round to nearest, ties
-  to even), stored as ``q + L``; decoded ``q * s / L``.
+- ``levels="fitted"`` (the default) at widths with a :data:`CODEBOOKS` table (2 and 3 bits): the level
+  nearest to ``x / s`` among ``0, ±l_1 .. ±l_L`` (a tie goes toward 0), stored sign-magnitude
+  (``k | sign << (bits-1)``); decoded ``±l_k * s``;
+- ``levels="zeroless"`` at widths with a :data:`ZEROLESS` table (2 bits): the nearest of ``±l_0 .. ±l_{K-1}``,
+  ``K = 2**(bits-1)``, no zero level, so every code is used (sign-magnitude leaves "-0" unused); stored
+  and decoded as above with ``k`` from 0;
+- the other widths, and ``levels="uniform"``: ``q = clamp(round(x * L / s), -L, L)`` (round to nearest,
+  ties to even), stored as ``q + L``; decoded ``q * s / L``.
 
 Decoding uses the *transmitted* (bf16) scale, so a sender, its receiver and every rank of an
 allgather decode the same bytes to the same floats.
@@ -20,8 +23,8 @@ Wire format of a segment (:func:`wire_bytes`): the codes of 8 elements packed li
 lets the ring and the error feedback around it be checked against a dense allreduce.
 
 Everything is tensor ops on the segment's device: no host read, CUDA tensors work unchanged.  On
-contiguous CPU tensors the codebook widths run :mod:`.codec_native`'s fused C kernel instead: the same
-bits, one pass per block instead of ~40 passes per segment.
+contiguous CPU tensors the tabled levels (:data:`CODEBOOKS`, :data:`ZEROLESS`) run :mod:`.codec_native`'s fused
+C kernel instead: the same bits, one pass per block instead of ~40 passes per segment.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import math
 
 import torch
 
+from ..config import QUANT_LEVELS
 from . import codec_native
 
 SCALE_DTYPE = torch.bfloat16
 
 
-def levels(bits: int) -> int:
-    """``L``: codes are the integers -L..L."""
+def max_code(bits: int) -> int:
+    """``L``: uniform codes are the integers -L..L."""
     return 2 ** (bits - 1) - 1
 
 
@@ -50,22 +54,53 @@ bytes (measured on its gradients at steps 5, 60 and 119), and took the transform
 1.024x DDP's to 1.012x (3 bits, seed 0)."""
 
 
+ZEROLESS: dict[int, tuple[float, ...]] = {2: (0.15, 0.54)}
+"""Levels without a zero, ``l_0 < .. < l_{K-1}`` (``K = 2**(bits-1)``; code ``k`` is ``+l_k``, with the sign
+bit ``-l_k``), fitted as :data:`CODEBOOKS` (``experiments/fit_levels.py``).  At 2 bits the fitted table
+has three levels (``0, ±l_1``: the code "-0" is unused); these four carry less error energy at the same
+bytes (``docs/adamw.md``, "Below 0.07 of the bytes")."""
+
+LEVELS = QUANT_LEVELS
+"""``levels``: :data:`CODEBOOKS` (with a zero), ``k / L`` of the scale, or :data:`ZEROLESS`."""
+
+
+def _table(bits: int, levels: str) -> tuple[float, ...]:
+    """The level magnitudes by code magnitude ``k``: ``0, l_1 .. l_L`` or ``l_0 .. l_{K-1}``."""
+    return ZEROLESS[bits] if levels == "zeroless" else (0.0, *CODEBOOKS[bits])
+
+
+def _tabled(bits: int, levels: str) -> bool:
+    """Whether ``levels`` at ``bits`` is a table (else uniform steps); ``ValueError`` for levels that do not
+    exist (a zeroless width without a table would silently be uniform)."""
+    if levels not in LEVELS or (levels == "zeroless" and bits not in ZEROLESS):
+        raise ValueError(
+            f"levels must be one of {list(LEVELS)} ('zeroless' at bits in {list(ZEROLESS)}), got {levels!r} at "
+            f"{bits} bits"
+        )
+    return (levels == "fitted" and bits in CODEBOOKS) or levels == "zeroless"
+
+
+def _kernel_levels(bits: int, levels: str) -> bool:
+    """The levels :mod:`.codec_native`'s kernel has: the tables of 2 and 3 bits (with a zero or not)."""
+    return bits in (2, 3) and levels in ("fitted", "zeroless") and _tabled(bits, levels)
+
+
 @functools.cache
-def _mids(bits: int) -> tuple[float, ...]:
-    """The midpoints between consecutive levels ``0, l_1, .., l_L``: a magnitude above ``mids[j]`` is
-    at least level j+1."""
-    lv = (0.0, *CODEBOOKS[bits])
+def _mids(bits: int, levels: str = "fitted") -> tuple[float, ...]:
+    """The midpoints between consecutive levels of :func:`_table`: a magnitude above ``mids[j]`` is at
+    least code magnitude j+1."""
+    lv = _table(bits, levels)
     return tuple((a + b) / 2 for a, b in zip(lv, lv[1:]))
 
 
 @functools.cache
-def _poly(bits: int) -> tuple[float, ...]:
-    """``c_1 .. c_L`` with ``sum_i c_i j**i == l_j`` for ``j = 0..L``: the levels as a polynomial in the
-    magnitude ``k`` (exact interpolation through the L+1 points, solved in float64)."""
-    lv = CODEBOOKS[bits]
-    n = len(lv)
+def _poly(bits: int, levels: str = "fitted") -> tuple[float, ...]:
+    """``c_1 .. c_n`` with ``sum_i c_i j**i == l_j - l_0`` for every code magnitude ``j``: the levels, less the
+    first (0 for :data:`CODEBOOKS`), as a polynomial in ``k`` (exact interpolation, solved in float64)."""
+    lv = _table(bits, levels)
+    n = len(lv) - 1
     a = [[float(j**i) for i in range(1, n + 1)] for j in range(1, n + 1)]
-    b = list(lv)
+    b = [v - lv[0] for v in lv[1:]]
     for c in range(n):  # Gauss-Jordan on an n x n Vandermonde (n <= 3)
         piv = a[c][c]
         a[c] = [v / piv for v in a[c]]
@@ -78,16 +113,18 @@ def _poly(bits: int) -> tuple[float, ...]:
     return tuple(b)
 
 
-def _level_of(k: torch.Tensor, bits: int) -> torch.Tensor:
-    """``l_k`` (up to fp32 rounding) for magnitudes ``k`` (0..L) as fp32, by Horner on the polynomial of
-    :func:`_poly`: five elementwise ops, where a table lookup or a bool x float product is 3-5x slower on
-    CPU.  Sender and receivers run this same function on the same codes, so they decode the same floats."""
-    c = _poly(bits)
+def _level_of(k: torch.Tensor, bits: int, levels: str = "fitted") -> torch.Tensor:
+    """``l_k`` (up to fp32 rounding) for code magnitudes ``k`` as fp32, by Horner on the polynomial of
+    :func:`_poly` (then ``+ l_0`` where it is not 0): five elementwise ops, where a table lookup or a bool x
+    float product is 3-5x slower on CPU.  Sender and receivers run this same function on the same codes,
+    so they decode the same floats."""
+    c = _poly(bits, levels)
     kf = k.to(torch.float32)
     out = kf * c[-1]
     for ci in reversed(c[:-1]):
         out.add_(ci).mul_(kf)
-    return out
+    first = _table(bits, levels)[0]
+    return out.add_(first) if first else out
 
 
 def n_blocks(m: int, block: int) -> int:
@@ -140,11 +177,11 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _native(
-    x: torch.Tensor, out: torch.Tensor, err: torch.Tensor | None, bits: int, block: int, clip: float, uniform: bool
+    x: torch.Tensor, out: torch.Tensor, err: torch.Tensor | None, bits: int, block: int, clip: float, levels: str
 ) -> bool:
-    """Whether :mod:`.codec_native`'s kernel encodes this call: the codebook widths, no clipping, contiguous
-    CPU tensors."""
-    if uniform or bits not in CODEBOOKS or clip != 0 or block > 1024 or out.dtype != torch.uint8:
+    """Whether :mod:`.codec_native`'s kernel encodes this call: tabled levels (not uniform steps), no clipping,
+    contiguous CPU tensors."""
+    if not _kernel_levels(bits, levels) or clip != 0 or block > 1024 or out.dtype != torch.uint8:
         return False
     if x.dtype != torch.float32 or (err is not None and err.dtype != torch.float32):
         return False
@@ -158,7 +195,7 @@ def quantize(
     block: int,
     err: torch.Tensor | None = None,
     clip: float = 0.0,
-    uniform: bool = False,
+    levels: str = "fitted",
     inplace: bool = False,
     carry: bool = False,
 ) -> torch.Tensor:
@@ -171,14 +208,16 @@ def quantize(
     A non-finite element makes its block's scale non-finite, so it decodes to NaN everywhere.
     ``clip`` > 0: the scale is ``min(max |x|, clip x RMS of the block)`` and larger elements are
     clamped (their excess goes to ``err``): finer steps for the bulk of a block.
-    ``uniform``: levels ``k / L`` of the scale even where :data:`CODEBOOKS` has a table.
-    On contiguous CPU tensors the codebook widths without ``clip`` run :mod:`.codec_native`'s fused
-    kernel (the same bits).
+    ``levels``: one of :data:`LEVELS` ("fitted": :data:`CODEBOOKS`; "uniform": steps ``k / L`` of the scale
+    even where a table exists; "zeroless": :data:`ZEROLESS`).
+    On contiguous CPU tensors the tabled levels without ``clip`` run :mod:`.codec_native`'s fused kernel (the
+    same bits).
     """
     m = x.numel()
     if carry and (err is None or not inplace):
         raise ValueError("quantize(carry=True) adds err to x in place: pass err and inplace=True")
-    native = _native(x, out, err, bits, block, clip, uniform)
+    codebook = bits != FULL_PRECISION and _tabled(bits, levels)
+    native = _native(x, out, err, bits, block, clip, levels)
     if carry and not native:
         x.add_(err)  # type: ignore[arg-type]  # checked above
         carry = False
@@ -188,13 +227,14 @@ def quantize(
             err.zero_()
         return x
     nb = n_blocks(m, block)
-    L = levels(bits)
+    L = max_code(bits)
     cb = code_bytes(m, bits, block)
-    codebook = not uniform and bits in CODEBOOKS
     if native:
         decoded = x if inplace else torch.empty_like(x)
         scales = out[cb:].view(SCALE_DTYPE)
-        codec_native.quantize(x, out, scales, bits, block, _mids(bits), _poly(bits), decoded, err, carry)
+        first = _table(bits, levels)[0]
+        mids, poly = _mids(bits, levels), _poly(bits, levels)
+        codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first)
         return decoded
     if m % block:
         padded = x.new_zeros(nb * block)
@@ -217,11 +257,11 @@ def quantize(
     u = rows / safe[:, None]
     if codebook:
         a = u.abs()
-        mids = _mids(bits)
+        mids = _mids(bits, levels)
         k = torch.gt(a, mids[0]).to(torch.uint8)  # the level's index: how many midpoints |u| is above
         for mid in mids[1:]:
             k.add_(torch.gt(a, mid))
-        decoded = _level_of(k, bits).copysign_(u).mul_(step[:, None]).view(-1)[:m]
+        decoded = _level_of(k, bits, levels).copysign_(u).mul_(step[:, None]).view(-1)[:m]
         codes = k.add_(torch.signbit(u), alpha=1 << (bits - 1))  # sign-magnitude
     else:
         q = torch.round(u).clamp_(-L, L)
@@ -238,7 +278,7 @@ def dequantize(
     m: int,
     bits: int,
     block: int,
-    uniform: bool = False,
+    levels: str = "fitted",
     out: torch.Tensor | None = None,
     add: bool = False,
 ) -> torch.Tensor:
@@ -247,21 +287,21 @@ def dequantize(
     ``out`` (``m`` fp32): written there and returned; with ``add``, added to it (``out + decoded``, the
     same float adds on either path).
     """
-    decoded = _dequantize(wire, m, bits, block, uniform, out, add)
+    decoded = _dequantize(wire, m, bits, block, levels, out, add)
     if out is None or decoded is out:
         return decoded
     return out.add_(decoded) if add else out.copy_(decoded)
 
 
 def _dequantize(
-    wire: torch.Tensor, m: int, bits: int, block: int, uniform: bool, out: torch.Tensor | None, add: bool
+    wire: torch.Tensor, m: int, bits: int, block: int, levels: str, out: torch.Tensor | None, add: bool
 ) -> torch.Tensor:
     """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there."""
     if bits == FULL_PRECISION:
         return wire.view(torch.float32)
     nb = n_blocks(m, block)
     cb = code_bytes(m, bits, block)
-    kernel = not uniform and bits in CODEBOOKS and block <= 1024 and wire.dtype == torch.uint8
+    kernel = _kernel_levels(bits, levels) and block <= 1024 and wire.dtype == torch.uint8
     if (
         kernel
         and (out is None or out.dtype == torch.float32)
@@ -269,15 +309,19 @@ def _dequantize(
     ):
         target = out if out is not None else torch.empty(m, dtype=torch.float32)
         scales = wire[cb:].view(SCALE_DTYPE)
-        codec_native.dequantize(wire, scales, m, bits, block, _poly(bits), target, add and out is not None)
+        first = _table(bits, levels)[0]
+        codec_native.dequantize(
+            wire, scales, m, bits, block, _poly(bits, levels), target, add and out is not None, first
+        )
         return target
     scale = wire[cb:].view(SCALE_DTYPE).float()
     codes = _unpack(wire[:cb], bits).view(nb, block)
-    if not uniform and bits in CODEBOOKS:
+    if _tabled(bits, levels):
         half = 1 << (bits - 1)
-        mag = _level_of(codes.bitwise_and(half - 1).to(torch.uint8), bits)
+        mag = _level_of(codes.bitwise_and(half - 1).to(torch.uint8), bits, levels)
         # the sign bit: copysign from (1 - 2 sign), exact, so -0.0 where the sender had it
         sign = codes.bitwise_right_shift(bits - 1).to(torch.float32).mul_(-2).add_(1)
         return mag.copysign_(sign).mul_(scale[:, None]).view(-1)[:m]
-    q = codes.to(torch.float32) - levels(bits)
-    return (q * (scale / levels(bits))[:, None]).view(-1)[:m]
+    L = max_code(bits)
+    q = codes.to(torch.float32) - L
+    return (q * (scale / L)[:, None]).view(-1)[:m]

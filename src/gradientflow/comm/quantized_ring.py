@@ -72,10 +72,10 @@ class QuantizedRing:
         block: int,
         timeout: timedelta | None = None,
         clip: float = 0.0,
-        uniform: bool = False,
+        levels: str = "fitted",
         carry: bool = False,
     ) -> None:
-        self.x, self.err, self.group, self.clip, self.uniform = x, err, group, clip, uniform
+        self.x, self.err, self.group, self.clip, self.levels = x, err, group, clip, levels
         self.bits, self.block, self.timeout = bits, block, timeout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.others = [q for q in range(self.world) if q != self.rank]  # the peers, in rank order
@@ -147,7 +147,7 @@ class QuantizedRing:
                 self.block,
                 err=self.err[a:b],
                 clip=self.clip,
-                uniform=self.uniform,
+                levels=self.levels,
                 inplace=inplace,
                 carry=carry,
             )
@@ -156,7 +156,7 @@ class QuantizedRing:
         """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded)."""
         a, b = self.segments[s]
         wire = wire.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
-        dequantize(wire, b - a, self.bits, self.block, self.uniform, out=self.x[a:b], add=add)
+        dequantize(wire, b - a, self.bits, self.block, self.levels, out=self.x[a:b], add=add)
 
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on

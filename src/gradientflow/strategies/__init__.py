@@ -38,7 +38,9 @@ def build_strategy(
                 bits=config.quant_bits,
                 block=config.quant_block,
                 clip=config.quant_clip,
-                uniform=config.quant_uniform,
+                levels=config.quant_levels,
+                precondition=config.quant_precondition,
+                warmup=config.quant_warmup,
                 shapes=shapes,
                 watchdog=watchdog,
             )

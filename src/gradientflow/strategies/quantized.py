@@ -22,6 +22,17 @@ over time.  Per synchronised step and bucket (launched as buckets become ready, 
 
 Bytes per step: ``bits/8 + 2/block`` per gradient (3 bits, 128-element blocks: 0.0977 of fp32),
 ``2 (N-1)/N`` times of it per rank, as a dense ring.  No host read on the step's path.
+
+Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07 of the bytes"):
+
+- ``warmup``: the first ``warmup`` quantised steps run the default quantiser (3 bits, fitted levels): at 2 bits
+  the early steps, while the loss falls fastest, cost most of the quality, and 3 bits there cost little of
+  the run's bytes;
+- ``precondition``: each coordinate is divided by ``r = sqrt(q)`` before the ring and its result and error
+  multiplied back after, ``q`` an EMA (:data:`PRECONDITION_BETA`) of the squared synchronised gradient.
+  Adam divides each coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative
+  to that RMS, where a max-abs block leaves its small coordinates the noise of its largest.  ``q`` is
+  computed from the ring's result, bit-identical on every rank, so ranks agree on ``r`` without a byte.
 """
 
 from __future__ import annotations
@@ -36,11 +47,28 @@ import torch.distributed as dist
 
 from ..comm.precision import divide, loss_scale
 from ..comm.quantized_ring import QuantizedRing
+from ..config import DEFAULT_QUANT
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
 from .residual import Residuals, residual_state, validate_residual_state
+
+PRECONDITION_BETA = 0.9
+"""EMA of the squared result behind ``precondition``'s ``r``: 0.9 ended closer to DDP's loss than 0.99 (which
+lags the gradient's scale) and than 0.7 or 0.5 (r as noisy as one step's gradient), on the bench's
+transformer with 2 bits (experiments/quant_sim.py, docs/adamw.md)."""
+PRECONDITION_FLOOR = 1e-6
+"""``q`` is clamped at this fraction of its bucket's mean before the root: a coordinate that never had a
+gradient (q = 0) would otherwise divide by 0."""
+
+
+def precondition_root(q: torch.Tensor) -> torch.Tensor:
+    """``r = sqrt(max(q, floor x mean q))``; 1 everywhere while ``q`` is all zero (no history yet).  Tensor ops,
+    no host read; the same floats on every rank for the same ``q``."""
+    mean = q.mean()
+    r = torch.maximum(q, mean * PRECONDITION_FLOOR).sqrt_()
+    return torch.where(mean > 0, r, torch.ones_like(r))
 
 
 class _Pending:
@@ -49,6 +77,7 @@ class _Pending:
     def __init__(self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool) -> None:
         self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
         self.x: torch.Tensor | None = None
+        self.r: torch.Tensor | None = None  # precondition's divisor, for this step and bucket
         self.ring: QuantizedRing | None = None
         self.started_at = 0.0
 
@@ -67,10 +96,13 @@ class QuantizedSync(SyncStrategy):
         shapes: Sequence[torch.Size],
         watchdog: Watchdog | None = None,
         clip: float = 0.0,
-        uniform: bool = False,
+        levels: str = "fitted",
+        precondition: bool = False,
+        warmup: int = 0,
     ) -> None:
         self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
-        self.uniform = uniform
+        self.levels, self.precondition, self.warmup = levels, precondition, warmup
+        self.sq: Residuals | None = None  # precondition's EMA of the squared result, in units of the scale²
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
@@ -85,6 +117,8 @@ class QuantizedSync(SyncStrategy):
         self.pool = new_pool
         if self.res is not None:
             self.res = self.res.moved_to(new_pool.layout)
+        if self.sq is not None:
+            self.sq = self.sq.moved_to(new_pool.layout)
 
     def has_state(self) -> bool:
         return self.res is not None
@@ -102,9 +136,16 @@ class QuantizedSync(SyncStrategy):
     def _begin_step(self) -> None:
         if self.res is None:
             self.res = Residuals(self.pool.layout, 1, False, self._shapes)
-        self.res.rescale(loss_scale(self._scaler))
+        scale = loss_scale(self._scaler)
+        self.res.rescale(scale)
+        if self.precondition:
+            if self.sq is None:
+                self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
+            self.sq.rescale(scale * scale)
         if self._scaler is not None:
             self.res.clean()  # an overflowed step left NaN in the blocks it touched
+            if self.sq is not None:
+                self.sq.clean()
         self._in_step = True
 
     def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
@@ -133,23 +174,42 @@ class QuantizedSync(SyncStrategy):
         if not p.divided:
             divide(p.x, self.world_size, None)
         timeout = self.watchdog.timeout if self.watchdog is not None else None
+        bits, levels = self._quantizer()
+        carry = True  # x + e: the ring adds e (two ranks: inside the quantisation's pass)
+        if self.precondition and self.step >= self.warmup:
+            assert self.sq is not None  # allocated by _begin_step
+            b = p.bucket
+            p.r = precondition_root(self.sq.v[b.pool][b.start : b.end])
+            p.x.add_(p.err).div_(p.r)  # the ring sees x / r; its error comes back in those units
+            carry = False
         p.ring = QuantizedRing(
             p.x,
             p.err,
             self.group,
-            bits=self.bits,
+            bits=bits,
             block=self.block,
             timeout=timeout,
             clip=self.clip,
-            uniform=self.uniform,
-            carry=True,  # x + e: the ring adds e (two ranks: inside the quantisation's pass)
+            levels=levels,
+            carry=carry,
         )
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)
 
+    def _quantizer(self) -> tuple[int, str]:
+        """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
+        return (DEFAULT_QUANT[0], "fitted") if self.step < self.warmup else (self.bits, self.levels)
+
     def _complete(self, p: _Pending, stats: StepStats) -> None:
         stats.record_done(time.perf_counter())
-        if p.x is not None and p.x is not p.flat:
+        assert p.x is not None  # started by _start
+        if p.r is not None:  # back from x / r: the result and the error (kept in the gradient's units)
+            p.x.mul_(p.r)
+            p.err.mul_(p.r)
+        if self.sq is not None:
+            b = p.bucket
+            self.sq.v[b.pool][b.start : b.end].mul_(PRECONDITION_BETA).addcmul_(p.x, p.x, value=1 - PRECONDITION_BETA)
+        if p.x is not p.flat:
             p.flat.copy_(p.x)
 
     def progress(self, stats: StepStats) -> None:
@@ -192,8 +252,8 @@ class QuantizedSync(SyncStrategy):
             self._queue.popleft()
             self._complete(p, stats)
         self._in_step = False
+        stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
         self.step += 1
-        stats.extra.update(quant_bits=self.bits, quant_block=self.block)
 
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters whose delivered average is exactly 0 (a residual may deliver something).
@@ -207,7 +267,8 @@ class QuantizedSync(SyncStrategy):
     def state_dict(self) -> dict[str, Any]:
         """The residual (unpadded, unscaled, in the current pool layout), the quantiser and the step."""
         sizes = [b.numel() for b in self.pool.buffers]
-        return {"step": self.step, "quantizer": [self.bits, self.block], **residual_state(self.res, 1, sizes)}
+        sq = self.sq.unscaled("v") if self.sq is not None else None
+        return {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, **residual_state(self.res, 1, sizes)}
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"step", "quantizer"} - set(state)
@@ -218,7 +279,19 @@ class QuantizedSync(SyncStrategy):
                 f"gradientflow quantised: the checkpoint was saved with bits, block = {list(state['quantizer'])}, "
                 f"this model has {[self.bits, self.block]}. Resume with the same compression."
             )
-        validate_residual_state(state, 1, [b.numel() for b in self.pool.buffers], False)
+        sizes = [b.numel() for b in self.pool.buffers]
+        validate_residual_state(state, 1, sizes, False)
+        sq = state.get("sq")
+        if (
+            self.precondition
+            and state["v"] is not None
+            and (sq is None or len(sq) != len(sizes) or any(t.numel() != n for t, n in zip(sq, sizes)))
+        ):
+            raise ValueError(
+                "gradientflow quantised: this model preconditions (compression='q...p') but the checkpoint has no "
+                "matching preconditioner state (saved without 'p', or from another model). Resume with the same "
+                "compression."
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.validate_state_dict(state)
@@ -226,4 +299,8 @@ class QuantizedSync(SyncStrategy):
         if state["v"] is not None:
             self.res = Residuals(self.pool.layout, 1, False, self._shapes)
             self.res.load(state)
+        self.sq = None
+        if self.precondition and state["v"] is not None:
+            self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
+            self.sq.load({"v": state["sq"]})
         self.step = int(state["step"])

@@ -1,0 +1,201 @@
+"""Screen quantiser variants below 0.07 of the bytes without the ring: the 2-rank quantised exchange
+emulated in one process on the quality bench's transformer.
+
+    python experiments/quant_sim.py --variants dense q2n q3 pre-q2n --seed 0 --out benchmarks/quant_sim
+
+Per step each of the two ranks' batches (the bench's, same seed) gives a gradient ``g_r``; the rank's
+contribution ``x_r = g_r / 2 + e_r`` is quantised with error feedback and the optimizer (the bench's AdamW
+and schedule) gets the sum of the two decoded contributions, as the library's two-rank exchange does; step
+0 is dense (``compression="auto"``).  Final validation loss over the ``dense`` variant's (the same job
+trained dense fp32: torch DDP's arithmetic up to fp32 rounding).  Not the library: a screen, whose winner
+is then built in ``comm/`` and measured by ``gradientflow bench --quality``.
+
+Variants (:data:`VARIANTS`): ``q<bits>[n][b<block>]`` the library's levels (``n``: without a zero);
+``pre-...`` the same in *preconditioned* units: every coordinate divided by ``r = sqrt(v) + eps`` before
+the block quantiser and multiplied back after, ``v`` an EMA (``--pre-beta``) of the squared synchronised
+gradient, which every rank holds bit-identical (so ranks agree on ``r`` without a byte): AdamW divides each
+coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative to that RMS, where
+a max-abs block quantiser leaves the small coordinates of a block with noise of the block's scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
+from gradientflow.bench.quality_worker import _Data
+from gradientflow.comm.quantize import CODEBOOKS, ZEROLESS
+
+SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?q(\d)(n)?(?:b(\d+))?")
+
+
+def table(bits: int, zeroless: bool) -> torch.Tensor:
+    return torch.tensor(ZEROLESS[bits] if zeroless else (0.0, *CODEBOOKS[bits]))
+
+
+def block_quantize(x: torch.Tensor, lv: torch.Tensor, block: int) -> torch.Tensor:
+    """Decoded values: per block of ``block`` a bf16 max-abs scale, each element the nearest of ``±lv``
+    (a tie toward the smaller level), as comm/quantize.py."""
+    n = x.numel()
+    rows = F.pad(x, (0, (-n) % block)).view(-1, block)
+    s = rows.abs().amax(1, keepdim=True).bfloat16().float()
+    u = rows / torch.where(s > 0, s, torch.ones_like(s))
+    mids = (lv[1:] + lv[:-1]) / 2
+    k = torch.bucketize(u.abs(), mids)  # right=False: a value equal to a midpoint takes the lower level
+    return (lv[k].copysign(u) * s).reshape(-1)[:n]
+
+
+class Quant:
+    """One quantiser: ``q32`` (exact) or ``[pre<beta>-]q<bits>[n][b<block>]``."""
+
+    def __init__(self, spec: str, pre_beta: float) -> None:
+        m = SPEC.fullmatch(spec)
+        self.exact = spec == "q32"
+        if not self.exact:
+            assert m is not None, f"unknown quantiser {spec!r}"
+            self.pre = m[1] is not None
+            self.beta = float(m[1][3:-1]) if self.pre and len(m[1]) > 4 else pre_beta
+            self.lv = table(int(m[2]), m[3] is not None)
+            self.block = int(m[4]) if m[4] else 128
+            self.bits = int(m[2]) + 16 / self.block
+
+    def __call__(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        if self.exact:
+            return x.clone()
+        if not self.pre:
+            return block_quantize(x, self.lv, self.block)
+        return (
+            block_quantize(x / r, self.lv, self.block) * r if r is not None else block_quantize(x, self.lv, self.block)
+        )
+
+
+class Variant:
+    """``PHASE[>PHASE@step ...]``, a phase ``QUANT[~REGEX=QUANT ...]``: per step range, a quantiser per group of
+    parameters (names matching REGEX; the rest get the first), each group blocked on its own."""
+
+    def __init__(self, name: str, pre_beta: float, names: list[str], sizes: list[int]) -> None:
+        self.name, self.dense = name, name == "dense"
+        n = sum(sizes)
+        self.phases: list[tuple[int, list[tuple[torch.Tensor, Quant]]]] = []
+        for k, phase in enumerate([] if self.dense else name.split(">")):
+            start = 0
+            if k:
+                phase, at = phase.rsplit("@", 1)
+                start = int(at)
+            first, *rest = phase.split("~")
+            owner = torch.zeros(n, dtype=torch.long)
+            quants = [Quant(first, pre_beta)]
+            for j, item in enumerate(rest, 1):
+                regex, spec = item.rsplit("=", 1)
+                quants.append(Quant(spec, pre_beta))
+                off = 0
+                for nm, sz in zip(names, sizes):
+                    if re.search(regex, nm):
+                        owner[off : off + sz] = j
+                    off += sz
+            self.phases.append((start, [(torch.nonzero(owner == j)[:, 0], q) for j, q in enumerate(quants)]))
+        self.err = [torch.zeros(n) for _ in range(2)]
+        self.v: torch.Tensor | None = None
+        self.beta = pre_beta
+        self.bits_sent = 0.0
+
+    def sync(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
+        n = grads[0].numel()
+        if self.dense or step == 0:
+            total = (grads[0] + grads[1]) / 2
+            self.bits_sent += 32 * n
+        else:
+            groups = [g for start, g in self.phases if start <= step][-1]
+            total = torch.zeros_like(grads[0])
+            for i, g in enumerate(grads):
+                x = g / 2 + self.err[i]
+                dec = torch.empty_like(x)
+                r = self.v.sqrt() + 1e-12 if self.v is not None else None
+                for idx, q in groups:
+                    dec[idx] = q(x[idx], None if r is None else r[idx])
+                    if i == 0:
+                        self.bits_sent += (32 if q.exact else q.bits) * idx.numel()
+                self.err[i] = x - dec
+                total += dec
+        if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
+            sq = total.square()
+            self.v = sq if self.v is None else self.v.mul_(self.beta).add_(sq, alpha=1 - self.beta)
+        return total
+
+
+def train(variant: str, args: argparse.Namespace) -> tuple[float, float]:
+    opts = QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none", adamw_lr=args.lr)
+    opts.adamw_beta2 = args.beta2
+    if args.size:
+        opts.transformer_size = tuple(int(v) for v in args.size.split("x"))  # type: ignore[assignment]
+    job = plan_jobs(opts)[0][0]
+    ranks = [_Data(job, args.seed, r, 2) for r in range(2)]
+    model = ranks[0].build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)
+    sched = lr_schedule(opt, job)
+    batches = [d.batches() for d in ranks]
+    names = [nm for nm, p in model.named_parameters() if p.requires_grad]
+    v = Variant(variant, args.pre_beta, names, [p.numel() for p in params])
+    for step in range(job.steps):
+        grads = []
+        for it in batches:
+            x, y = next(it)
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in params]))  # type: ignore[union-attr]
+        total, off = v.sync(grads, step), 0
+        for p in params:
+            p.grad = total[off : off + p.numel()].view_as(p).clone()
+            off += p.numel()
+        opt.step()
+        sched.step()
+    model.eval()
+    vx, vy = ranks[0].val_x, ranks[0].val_y
+    loss = 0.0
+    with torch.no_grad():
+        for i in range(0, len(vx), 64):
+            out = model(vx[i : i + 64])
+            loss += float(F.cross_entropy(out.reshape(-1, out.shape[-1]), vy[i : i + 64].reshape(-1), reduction="sum"))
+    return loss / vy.numel(), v.bits_sent / (32 * job.steps * sum(p.numel() for p in params))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["dense", "q2n", "pre-q2n"])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=None, help="AdamW peak LR (default: the bench's)")
+    ap.add_argument("--beta2", type=float, default=0.95)
+    ap.add_argument("--size", default=None, help="transformer DxL (default the bench's 128x2)")
+    ap.add_argument("--pre-beta", type=float, default=0.99, help="EMA of the squared synchronised gradient")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, tuple[float, float]] = {}
+    for name in dict.fromkeys(["dense", *args.variants]):
+        t0 = time.time()
+        results[name] = train(name, args)
+        loss, nbytes = results[name]
+        ratio = loss / results["dense"][0]
+        print(
+            f"{name}: val loss {loss:.4f}, ratio {ratio:.4f}, bytes {nbytes:.4f} ({time.time() - t0:.0f} s)", flush=True
+        )
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        tag = f"seed{args.seed}_lr{args.lr}_b2{args.beta2}_{args.size or '128x2'}"
+        (Path(args.out) / f"{tag}_{int(time.time())}.json").write_text(
+            json.dumps({"args": vars(args), "loss": results}, indent=1) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
