@@ -6,11 +6,11 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
   1. Accumulate.  Without momentum correction the gradient goes straight into the residual v
      (:meth:`SparseSync.begin_backward` names v's views as the targets), no pass of ours touches
      the pool: after ``zero_grad()`` (``.grad`` None) the engine adds each fresh gradient into v
-     at its hook (:meth:`SparseSync.add_fresh`) and keeps autograd's tensor until the next forward,
-     as torch DDP keeps ``.grad``; an accumulated ``.grad`` (``no_sync``) is added into v and
-     ``.grad`` bound to v, so ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit pool, whose v is
-     fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in bucket by
-     bucket: ``u = m*u + g; v += u`` (or ``v += g``).
+     at its hook (:meth:`SparseSync.add_fresh`) and keeps autograd's tensor until the next forward, as
+     torch DDP keeps ``.grad``; an accumulated ``.grad`` (``no_sync``) is added into v and ``.grad``
+     bound to v, so ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit
+     pool, whose v is fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in
+     bucket by bucket: ``u = m*u + g; v += u`` (or ``v += g``).
   2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`).  On
      CPU fp32 pools filled from ``None`` gradients it is summed while step 1 writes v (no pass of its
      own, :class:`~gradientflow.strategies.scorer.ChunkScorer`); elsewhere a score pass runs in the
@@ -36,11 +36,11 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      (:func:`~gradientflow.strategies.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
 
 Loss scaling: v and u are in units of the current loss scale (:class:`~.residual.Residuals`);
-``model.register_grad_scaler(scaler)`` lets CSC follow the scale (without it the scale is 1).  A non-finite value anywhere (a local
-gradient on any rank: the allreduced scores are non-finite everywhere; or an fp16 wire that
-overflowed: the reduced chunks are) makes every rank fill the pool with NaN, so
-``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is masked, so the
-chunks are sent again later.  Entries of v and u that became non-finite are reset to 0; the
+``model.register_grad_scaler(scaler)`` lets CSC follow the scale (without it the scale is 1).  A
+non-finite value anywhere (a local gradient on any rank: the allreduced scores are non-finite
+everywhere; or an fp16 wire that overflowed: the reduced chunks are) makes every rank fill the pool
+with NaN, so ``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is
+masked, so the chunks are sent again later.  Entries of v and u that became non-finite are reset to 0; the
 finite part of that step's local gradient stays in the residual (delayed, not lost).
 
 Momentum correction (``momentum > 0``) is applied here, on the residual: the user's optimizer must
