@@ -17,6 +17,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from _quant_training import batches, small_net
 
 from gradientflow.config import GradientFlowConfig
 
@@ -172,16 +173,7 @@ def test_ring_matches_numpy_reference_and_conserves_error_mass(world):
 
 
 # ---- training, as a user writes it ------------------------------------------------------------
-def _net():
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
-
-
-def _batches(rank: int, steps: int):
-    g = torch.Generator().manual_seed(rank)
-    return [(torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(steps)]
+_net, _batches = small_net, batches  # shared with the other quantised-recipe tests (tests/_quant_training.py)
 
 
 def _train(model, opt, batches, after_step=None):
