@@ -159,17 +159,20 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
         "csc_accumulate": [lambda: csc_native.add_l1(residual, g, 0, 32768, scores)]
         if native
         else [lambda: residual.add_(g)],
+        # clear last step's chunks in the pool, pack, write back, mask in the residual
         "csc_chunks": [
             lambda: rows.index_fill_(0, every, 0.0),
-            lambda: csc_native.pack_rows(rows, every, 0.5, rows_wire),
-            lambda: csc_native.unpack_rows(rows, every, rows_wire),
-            lambda: rows.index_fill_(0, every, 0.0),
-        ]
-        if native
-        else [
-            lambda: rows.index_fill_(0, every, 0.0),
-            lambda: torch.index_select(rows, 0, every, out=packed),
-            lambda: rows.index_copy_(0, every, packed),
+            *(
+                (
+                    lambda: csc_native.pack_rows(rows, every, 0.5, rows_wire),
+                    lambda: csc_native.unpack_rows(rows, every, rows_wire),
+                )
+                if native
+                else (
+                    lambda: torch.index_select(rows, 0, every, out=packed),
+                    lambda: rows.index_copy_(0, every, packed),
+                )
+            ),
             lambda: rows.index_fill_(0, every, 0.0),
         ],
         "quantized": [

@@ -43,23 +43,11 @@ def available() -> bool:
     return _lib() is not None
 
 
-def applies(v: torch.Tensor, g: torch.Tensor) -> bool:
-    """:func:`add_l1`'s case: contiguous fp32 CPU tensors of the same size."""
-    return (
-        v.device.type == "cpu"
-        and g.device.type == "cpu"
-        and v.dtype == torch.float32
-        and g.dtype == torch.float32
-        and v.is_contiguous()
-        and g.is_contiguous()
-        and v.numel() == g.numel()
-    )
-
-
 def add_l1(v: torch.Tensor, g: torch.Tensor, offset: int, chunk: int, scores: torch.Tensor) -> None:
     """``v += g`` and ``scores[c] += |v|`` summed over chunk ``c``'s elements of ``v``, where ``v``
     starts at element ``offset`` of a pool cut into ``chunk``-element chunks and ``scores[0]`` is
-    the pool's first chunk's score.  Callers check :func:`applies` and :func:`available` first."""
+    the pool's first chunk's score: contiguous fp32 CPU tensors, ``v`` and ``g`` of one size.  Callers
+    check :func:`available` first."""
     lib = _lib()
     assert lib is not None, "callers check available() first"
     last = (offset + max(v.numel(), 1) - 1) // chunk

@@ -9,8 +9,7 @@ Two ways to the same L1 norms (:func:`~.selection.chunk_scores` is the paper's s
 - **A score pass** over v's rows, for every chunk that holds an element not added that way (a
   parameter without a gradient this step keeps its residual; an accumulated ``.grad`` under
   ``no_sync`` was added by autograd; a GPU or fp64 pool; ``chunk_score="sampled_l1"``; no C
-  compiler): it overwrites whatever
-  partial sum the fused adds left there.
+  compiler): it overwrites whatever partial sum the fused adds left there.
 
 The choice is per bucket: a bucket launched with a parameter that was not fused makes every chunk
 it touches take the score pass.  Both give each rank's local L1 norms; ranks agree on the scores
@@ -44,15 +43,16 @@ class ChunkScorer:
         device = pool.buffers[0].device if pool.buffers else torch.device("cpu")
         self.scores = torch.zeros(sum(n_chunks), dtype=torch.float32, device=device)
         self._per_pool = [self.scores[o : o + n] for o, n in zip(offsets, n_chunks)]
-        fusable = [d and b.device.type == "cpu" and b.dtype == torch.float32 for d, b in zip(direct, pool.buffers)]
         # The fused sum is the exact L1: a sampled score (chunk_score="sampled_l1") keeps its own pass.
-        on = any(fusable) and not self.sampled and csc_native.available()
-        self.fusable = fusable if on else [False] * len(fusable)
+        on = not self.sampled and csc_native.available()
+        self.fusable = [
+            on and d and b.device.type == "cpu" and b.dtype == torch.float32 for d, b in zip(direct, pool.buffers)
+        ]
         # The kernel's arguments per parameter, fixed for this layout: the hook runs once per parameter
         # per step, and add_l1's checks cost more than the kernel itself on a small parameter.
-        self._add = csc_native.add_l1_unchecked() if on else None
+        self._add = csc_native.add_l1_unchecked() if any(self.fusable) else None
         self._args = [
-            (s.numel, s.offset, self.chunk_size, self._per_pool[s.pool].data_ptr()) if fusable[s.pool] else None
+            (s.numel, s.offset, self.chunk_size, self._per_pool[s.pool].data_ptr()) if self.fusable[s.pool] else None
             for s in pool.layout.slots
         ]
         self.begin_step()
@@ -66,10 +66,10 @@ class ChunkScorer:
 
     def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
         """``target += grad`` (``target``: parameter ``index``'s view of v), scoring as it goes where it can."""
-        args = self._args[index] if self._add is not None else None
-        # target: the parameter's view of a fusable v (fp32, contiguous, its numel); grad: autograd's own
-        # tensor of the parameter's shape and device, which may still be another dtype or strided
-        if args is not None and grad.dtype is torch.float32 and grad.is_contiguous() and target.is_contiguous():
+        args = self._args[index]
+        # target: the parameter's view of a fusable v (a slice of a flat fp32 buffer: contiguous, its numel);
+        # grad: autograd's own tensor of the parameter's shape and device, maybe another dtype or strided
+        if args is not None and grad.dtype is torch.float32 and grad.is_contiguous():
             self._add(target.data_ptr(), grad.data_ptr(), *args)
             self._fused[index] = 1
         else:
