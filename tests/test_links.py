@@ -59,7 +59,7 @@ c.sendall(b"ping"); sys.stdout.write(c.recv(100).decode())
 
 def test_matrix_has_the_profiles_of_the_issue():
     names = [p.name for p in parse_links("all")]
-    assert names == ["1g-burst", "1g-small", "1g-small-warm", "1g-htb", "10g", "100m", "1g-bridge4"]
+    assert names == ["1g-burst", "1g-small", "1g-small-warm", "1g-small-jumbo", "1g-htb", "10g", "100m", "1g-bridge4"]
     rates = {p.name: p.rate_bps for p in PROFILES.values()}
     assert rates["10g"] == 10 * rates["1g-burst"] == 100 * rates["100m"] == 10**10
     assert PROFILES["1g-small"].bucket_bytes() == SMALL_BURST_BYTES <= 64 * 1024
@@ -148,6 +148,31 @@ def test_warm_profile_is_the_small_burst_link_with_tcp_slow_start_after_idle_off
     assert warm.shape_commands("ns", "eth") == small.shape_commands("ns", "eth")  # the same shaper
     assert small.node_sysctls() == [] and warm.node_sysctls() == ["net.ipv4.tcp_slow_start_after_idle=0"]
     assert warm.describe().endswith("TCP without slow start after idle")
+
+
+def test_jumbo_profile_is_the_small_burst_shaper_with_9000_byte_frames():
+    small, jumbo = PROFILES["1g-small"], PROFILES["1g-small-jumbo"]
+    assert jumbo.shape_commands("ns", "eth") == small.shape_commands("ns", "eth")  # the same shaper
+    assert small.mtu is None and jumbo.mtu == 9000
+    assert jumbo.bucket_bytes() / jumbo.mtu < 4  # still a bucket of a few frames: a small burst
+    assert "MTU 9000" in jumbo.describe() and "MTU" not in small.describe()
+
+
+def test_a_frame_larger_than_the_bucket_is_refused():
+    with pytest.raises(ValueError, match="raise burst"):
+        LinkProfile("x", "1gbit", burst=8192, mtu=9000)
+    with pytest.raises(ValueError, match="68..65535"):
+        LinkProfile("x", "1gbit", mtu=10)
+
+
+@needs_netns
+def test_a_profiles_mtu_is_set_on_both_ends_of_every_veth():
+    prefix = PREFIX + "j"
+    with EmulatedCluster(nodes=2, prefix=prefix, profile=PROFILES["1g-small-jumbo"]) as c:
+        for ns, dev in [*zip(c.namespaces, c.ifnames), *((c.switch, d) for d in c.switch_ifnames)]:
+            got = subprocess.run(["ip", "-n", ns, "-o", "link", "show", dev], capture_output=True, text=True)
+            assert " mtu 9000 " in got.stdout, (ns, dev, got)
+    assert leftovers(prefix) == []
 
 
 @needs_netns
@@ -269,7 +294,9 @@ def test_matrix_tables_render(tmp_path):
          "target": 0.85, "profiles": [ok, {"profile": {"name": "10g"}, "error": "boom"}]}  # fmt: skip
     md = links_report.markdown(m)
     assert "| gf-fp16-csc-slice | **0.90 (1.80x)** | failed |" in md
-    assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | 0.10 | — |" in md
+    assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | — | 0.10 | — |" in md  # no busy probe in this link.json
+    ok["link"]["busy_bulk_Bps"] = 6e7  # the probe's rate while every rank computes: half, in Gbit/s
+    assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | 0.480 | 0.10 | — |" in links_report.markdown(m)
     links_report.plot(m, tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0
     json.dumps(m)

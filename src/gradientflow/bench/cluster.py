@@ -229,6 +229,9 @@ class EmulatedCluster:
             else:
                 _run(["ip", "-n", sw, "addr", "add", f"{self.gateways[i]}/30", "dev", sw_if])
                 _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/30", "dev", node_if])
+            if self.profile.mtu is not None:  # both ends: a frame is as large as the smaller one allows
+                _run(["ip", "-n", sw, "link", "set", sw_if, "mtu", str(self.profile.mtu)])
+                _run(["ip", "-n", ns, "link", "set", node_if, "mtu", str(self.profile.mtu)])
             _run(["ip", "-n", sw, "link", "set", sw_if, "up"])
             _run(["ip", "-n", ns, "link", "set", node_if, "up"])
             if not bridge:

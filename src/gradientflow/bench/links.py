@@ -11,6 +11,9 @@ holds on one shaper setting is not a result, so the matrix takes one of each:
 ``1g-small``    tbf at 1 Gbit/s, 32 KB bucket, 400 ms queue: a shaper that lets no burst through
 ``1g-small-warm`` the same, with TCP's slow start after idle off on every node (a host setting:
                 ``sysctl net.ipv4.tcp_slow_start_after_idle=0``), to show what that restart costs
+``1g-small-jumbo`` the same shaper with 9000-byte frames on every veth: the bucket still holds under four
+                frames, but tbf cuts each 64 KB GSO packet into 8 frames instead of 45, so the
+                emulated network takes far less of the CPUs the ranks train on (docs/networks.md)
 ``1g-htb``      HTB class at 1 Gbit/s with an fq_codel child (pfifo where the kernel has no fq_codel)
 ``10g``         tbf at 10 Gbit/s (bucket rate/HZ)
 ``100m``        tbf at 100 Mbit/s (bucket one GSO packet)
@@ -49,6 +52,11 @@ class LinkProfile:
     slow_start_after_idle: bool = True
     """Linux's default: a TCP connection idle for longer than its retransmission timeout starts again
     from a small congestion window.  False sets ``net.ipv4.tcp_slow_start_after_idle=0`` in every node."""
+    mtu: int | None = None
+    """Frame size on every veth of the cluster (None: the kernel's 1500).  With a bucket smaller than a
+    64 KB GSO packet tbf segments every packet into frames, and each frame then costs the emulated
+    network's CPU (veth, forwarding, the receiver's TCP): on this machine's two cores that CPU is the
+    training ranks'.  Larger frames are fewer frames for the same shaper."""
     about: str = ""
 
     def __post_init__(self) -> None:
@@ -60,6 +68,12 @@ class LinkProfile:
             raise ValueError(f"a link profile needs a rate, got {self.rate!r}")
         if self.burst is not None and self.burst <= 0:
             raise ValueError(f"burst must be a positive number of bytes, got {self.burst}")
+        if self.mtu is not None and not 68 <= self.mtu <= 65535:
+            raise ValueError(f"mtu must be a frame size in 68..65535 bytes, got {self.mtu}")
+        if self.mtu is not None and self.shaper == "tbf" and self.bucket_bytes() < self.mtu:
+            raise ValueError(
+                f"a tbf bucket of {self.bucket_bytes()} bytes cannot pass a {self.mtu}-byte frame: raise burst"
+            )
 
     @property
     def rate_bps(self) -> int:
@@ -108,7 +122,8 @@ class LinkProfile:
             shaper = f"htb {self.rate} + {used}" + ("" if used == self.leaf else f" (no {self.leaf} in this kernel)")
         where = f"{self.nodes} nodes on one bridge" if self.topology == "bridge" else "routed star"
         tcp = "" if self.slow_start_after_idle else ", TCP without slow start after idle"
-        return f"{shaper}, {where}{tcp}"
+        mtu = "" if self.mtu is None else f", MTU {self.mtu}"
+        return f"{shaper}, {where}{mtu}{tcp}"
 
 
 PROFILES: dict[str, LinkProfile] = {
@@ -123,6 +138,14 @@ PROFILES: dict[str, LinkProfile] = {
             latency="400ms",
             slow_start_after_idle=False,
             about="1g-small, TCP's slow start after idle off (net.ipv4.tcp_slow_start_after_idle=0)",
+        ),
+        LinkProfile(
+            "1g-small-jumbo",
+            "1gbit",
+            burst=SMALL_BURST_BYTES,
+            latency="400ms",
+            mtu=9000,
+            about="1g-small with 9000-byte frames: the same bucket, a sixth of the frames to emulate",
         ),
         LinkProfile("1g-htb", "1gbit", shaper="htb", about="HTB with an fq_codel child"),
         LinkProfile("10g", "10gbit", about="tbf at 10 Gbit/s"),

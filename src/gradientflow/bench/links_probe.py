@@ -13,6 +13,11 @@ when every rank is).  Rank 0 writes the medians and every sample to ``out_path``
 * ``loaded_small_s`` = the same one-element allreduce on a second group while a ``bulk_mb / 4`` MB
   allreduce is in flight: the per-message cost behind the shaper's queue (CSC's score exchanges
   run on a group of their own while chunks are on the wire).
+* ``busy_bulk_Bps`` = the bulk allreduce again while a thread in every rank keeps one core busy with
+  matrix products (as a training step does): an emulated network runs on the CPUs the ranks train
+  on, so where its per-frame work is large (a small tbf bucket segments every GSO packet) the link
+  is slower while the model computes than idle.  Reported beside ``bulk_Bps``; the bound keeps
+  ``bulk_Bps``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +58,27 @@ def _timed_on(fn: Any, dist: Any, group: Any) -> float:
     return float(t.item())
 
 
+def _while_busy(measure: Any, repeats: int) -> list[float]:
+    """``repeats`` samples of ``measure()`` while a thread keeps this rank's core busy with matmuls."""
+    import torch
+
+    stop = threading.Event()
+
+    def burn() -> None:
+        a = torch.randn(256, 256)
+        while not stop.is_set():  # ~1 ms a product, outside the GIL: the probe's own thread still runs
+            torch.mm(a, a)
+
+    worker = threading.Thread(target=burn, name="busy-core", daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.2)
+        return [measure() for _ in range(repeats)]
+    finally:
+        stop.set()
+        worker.join()
+
+
 def probe_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -77,6 +104,7 @@ def probe_main(spec_path: str) -> None:
         time.sleep(0.002)  # let the bulk fill the queue first
         loaded_s.append(_timed_on(lambda: dist.all_reduce(small, group=control), dist, control))
         work.wait()
+    busy_s = _while_busy(lambda: _timed(lambda: dist.all_reduce(bulk), dist), int(spec.get("busy_repeats", 3)))
     if dist.get_rank() == 0:
         out = {
             "world_size": dist.get_world_size(),
@@ -87,8 +115,11 @@ def probe_main(spec_path: str) -> None:
             "small_samples_s": small_s,
             "loaded_small_s": statistics.median(loaded_s),
             "loaded_small_samples_s": loaded_s,
+            "busy_bulk_s": statistics.median(busy_s),
+            "busy_bulk_samples_s": busy_s,
         }
         out["bulk_Bps"] = out["bulk_bytes"] / out["bulk_s"]
+        out["busy_bulk_Bps"] = out["bulk_bytes"] / out["busy_bulk_s"]
         Path(spec["out_path"]).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()

@@ -121,6 +121,10 @@ def _ms1(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.1f}"
 
 
+def _gbit(bps: float | None) -> str:
+    return "—" if bps is None else f"{8 * bps / 1e9:.3f}"
+
+
 def _own(r: dict[str, Any]) -> str:
     return _ms(r["own_cpu_s"]) + (" p" if r.get("own_cpu_source") == "phases" else "")
 
@@ -155,17 +159,19 @@ def markdown(m: dict[str, Any]) -> str:
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| profile | network | model, ranks | bulk Gbit/s | small collective ms | behind a bulk one ms |",
-        "|---|---|---|---|---|---|",
+        "| profile | network | model, ranks | bulk Gbit/s | bulk while computing Gbit/s "
+        "| small collective ms | behind a bulk one ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in m["profiles"]:
         if p["error"]:
-            lines.append(f"| {p['profile']['name']} | failed: {p['error'][:200]} | | | | |")
+            lines.append(f"| {p['profile']['name']} | failed: {p['error'][:200]} | | | | | |")
             continue
         link = p["link"]
         lines.append(
             f"| {p['profile']['name']} | {p['network']} | {p['workload']} b{p['batch_size']}, {p['nproc']} "
-            f"| {8 * link['bulk_Bps'] / 1e9:.3f} | {1e3 * link['small_s']:.2f} | {_ms1(link.get('loaded_small_s'))} |"
+            f"| {8 * link['bulk_Bps'] / 1e9:.3f} | {_gbit(link.get('busy_bulk_Bps'))} "
+            f"| {1e3 * link['small_s']:.2f} | {_ms1(link.get('loaded_small_s'))} |"
         )
     for p in ok:
         lines += [
