@@ -100,3 +100,16 @@ def test_pack_and_unpack_refuse_rows_they_would_read_past() -> None:
         csc_native.pack_rows(rows, torch.tensor([1, 4]), 1.0, wire)
     with pytest.raises(ValueError, match="len\\(idx\\) rows"):
         csc_native.unpack_rows(rows, torch.tensor([1]), wire)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_zero_rows_clears_exactly_the_indexed_rows(chunk: int) -> None:
+    rows = torch.randn(9, chunk)
+    rows[4, 0] = float("nan")  # a non-finite value in a cleared row becomes +0.0 too
+    expect = rows.clone().index_fill_(0, torch.tensor([0, 4, 8]), 0.0)
+    csc_native.zero_rows(rows, torch.tensor([8, 0, 4]))  # any order
+    assert torch.equal(rows, expect) and not torch.signbit(rows[[0, 4, 8]]).any()
+    with pytest.raises(IndexError):
+        csc_native.zero_rows(rows, torch.tensor([9]))
+    with pytest.raises(TypeError):
+        csc_native.zero_rows(rows.double(), torch.tensor([0]))

@@ -6,6 +6,7 @@
   gives; the scores are the L1 norms summed in another order.
 - :func:`pack_rows` / :func:`unpack_rows`: the selected chunks onto an fp16 wire (gather, pre-divide,
   cast) and back into the pool (cast, scatter, finite check), bit for bit what the torch ops give.
+- :func:`zero_rows`: ``rows[idx] = 0``, a memset per row (the pool's clear, the residual's masking).
 
 Built and loaded by :mod:`gradientflow.comm.native` (no compiler: :func:`available` is False and CSC
 keeps its torch ops).
@@ -32,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gf_pack_rows_f16.restype = None
     lib.gf_unpack_rows_f16.argtypes = [p, i64, p, i64, p]
     lib.gf_unpack_rows_f16.restype = ctypes.c_int
+    lib.gf_zero_rows.argtypes = [p, i64, p, i64]
+    lib.gf_zero_rows.restype = None
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -64,23 +67,26 @@ def add_l1_unchecked() -> Any:
     return None if lib is None else lib.gf_add_l1
 
 
-def _check(rows: torch.Tensor, idx: torch.Tensor, wire: torch.Tensor) -> None:
-    """The pack/unpack kernels' case (fp32 CPU rows, int64 indices, an fp16 wire, all contiguous),
-    and no row outside ``rows``: a raw pointer would read or write past it."""
-    if not (
-        rows.device.type == "cpu"
-        and rows.dtype == torch.float32
-        and idx.dtype == torch.int64
-        and wire.dtype == torch.float16
-        and rows.is_contiguous()
-        and idx.is_contiguous()
-        and wire.is_contiguous()
-    ):
-        raise TypeError("csc_native: contiguous CPU fp32 rows, int64 indices and an fp16 wire only")
-    if rows.dim() != 2 or wire.numel() != idx.numel() * rows.shape[1]:
-        raise ValueError(f"wire must hold len(idx) rows of {rows.shape[-1]}, got {wire.numel()} for {idx.numel()}")
+def rows_fit(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` is the kernels' case: a contiguous 2-D fp32 CPU tensor."""
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.is_contiguous()
+
+
+def _check_idx(rows: torch.Tensor, idx: torch.Tensor) -> None:
+    """Contiguous int64 indices, none outside ``rows``: a raw pointer would read or write past it."""
+    if not (rows_fit(rows) and idx.dtype == torch.int64 and idx.is_contiguous()):
+        raise TypeError("csc_native: contiguous 2-D CPU fp32 rows and int64 indices only")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows.shape[0]):
         raise IndexError(f"row index out of range for {rows.shape[0]} rows")
+
+
+def _check(rows: torch.Tensor, idx: torch.Tensor, wire: torch.Tensor) -> None:
+    """The pack/unpack kernels' case: :func:`_check_idx`'s, and a contiguous fp16 wire of len(idx) rows."""
+    _check_idx(rows, idx)
+    if wire.dtype != torch.float16 or not wire.is_contiguous():
+        raise TypeError("csc_native: an fp16 contiguous wire only")
+    if wire.numel() != idx.numel() * rows.shape[1]:
+        raise ValueError(f"wire must hold len(idx) rows of {rows.shape[-1]}, got {wire.numel()} for {idx.numel()}")
 
 
 def pack_rows(rows: torch.Tensor, idx: torch.Tensor, scale: float, wire: torch.Tensor) -> None:
@@ -99,3 +105,12 @@ def unpack_rows(rows: torch.Tensor, idx: torch.Tensor, wire: torch.Tensor) -> bo
     lib = _lib()
     assert lib is not None, "callers check available() first"
     return not lib.gf_unpack_rows_f16(rows.data_ptr(), rows.shape[1], idx.data_ptr(), idx.numel(), wire.data_ptr())
+
+
+def zero_rows(rows: torch.Tensor, idx: torch.Tensor) -> None:
+    """``rows[idx] = 0`` (``rows.index_fill_(0, idx, 0.0)``), one memset per row; like
+    :func:`unpack_rows`, a raw write that does not bump ``rows``' version counter."""
+    _check_idx(rows, idx)
+    lib = _lib()
+    assert lib is not None, "callers check available() first"
+    lib.gf_zero_rows(rows.data_ptr(), rows.shape[1], idx.data_ptr(), idx.numel())

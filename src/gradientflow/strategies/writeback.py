@@ -66,9 +66,9 @@ class PoolWriter:
             phase_end(watchdog, "csc.write-back", t_trace)
             return False
         for sl in slices:
-            res.rows(sl.pool).index_fill_(0, sl.idx, 0.0)
+            zero_rows(res.rows(sl.pool), sl.idx)
             if res.u is not None:
-                res.rows(sl.pool, "u").index_fill_(0, sl.idx, 0.0)
+                zero_rows(res.rows(sl.pool, "u"), sl.idx)
         self.sent = [(sl.pool, sl.idx) for sl in slices]
         self.clean_versions = [b._version for b in pool.padded]
         stats.phase("zero", t0)
@@ -87,10 +87,18 @@ class PoolWriter:
         self.clean_versions = None
         if versions is not None and versions == [b._version for b in pool.padded]:
             for k, idx in self.sent:
-                rows[k].index_fill_(0, idx, 0.0)
+                zero_rows(rows[k], idx)
             return
         for buf in pool.padded:
             buf.zero_()
+
+
+def zero_rows(rows: torch.Tensor, idx: torch.Tensor) -> None:
+    """``rows[idx] = 0``: a memset per row for CPU fp32 rows (:func:`~.csc_native.zero_rows`), else ``index_fill_``."""
+    if csc_native.rows_fit(rows) and csc_native.available():
+        csc_native.zero_rows(rows, idx)
+    else:
+        rows.index_fill_(0, idx, 0.0)
 
 
 def untouched_params(
