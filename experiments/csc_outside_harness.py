@@ -47,7 +47,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker(mode: str, steps: int, warmup: int, out: str) -> None:
+def worker(mode: str, steps: int, warmup: int, out: str, device: str = "cpu") -> None:
     """One rank (RANK, WORLD_SIZE, MASTER_* in the environment)."""
     from datetime import timedelta
 
@@ -61,14 +61,16 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = build_model("resnet50")
+    dev = torch.device(device)
+    model = build_model("resnet50").to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if mode.startswith("gf"):
         import gradientflow as gf
 
         model = gf.DistributedDataParallel(model, compression="csc", warmup_steps=0)
     elif mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    x, y = synthetic_batch("resnet50", 8, seed=rank)
+    x, y = (t.to(dev) for t in synthetic_batch("resnet50", 8, seed=rank))
     params = list(model.parameters())
     rows = []
     for step in range(warmup + steps):
@@ -76,6 +78,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
             p.grad = None
         ru0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
         F.cross_entropy(model(x), y).backward()
+        sync()  # a GPU step ends when its kernels have
         t1, c1, ru1 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_SELF)
         if step >= warmup:
             rows.append(
@@ -87,12 +90,15 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _launch(mode: str, src: Path, steps: int, warmup: int, tmp: Path, timeout: float) -> list[dict[str, float]]:
+def _launch(
+    mode: str, src: Path, steps: int, warmup: int, tmp: Path, timeout: float, device: str
+) -> list[dict[str, float]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's defaults
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", PYTHONPATH=str(src))
     env.update(OMP_NUM_THREADS="1")
     out = tmp / f"{mode}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup)]
+    cmd += ["--device", device]
     procs = [subprocess.Popen([*cmd, "--result", str(out)], env={**env, "RANK": str(r)}) for r in range(2)]
     try:
         for p in procs:
@@ -121,9 +127,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/csc_outside_harness"))
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both ranks on GPU 0, Gloo through the host")
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.result)
+        worker(args.worker, args.steps, args.warmup, args.result, args.device)
         return
     modes = [m for m in args.modes if m != "gf@base" or args.baseline]
     with tempfile.TemporaryDirectory() as d:
@@ -141,7 +148,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for rep in range(args.repeats):
             for m in modes:
-                rows = _launch(m, srcs[m], args.steps, args.warmup, tmp, args.timeout)
+                rows = _launch(m, srcs[m], args.steps, args.warmup, tmp, args.timeout, args.device)
                 summary = {k: _median(rows, k) for k in ("wall_ms", "cpu_ms", "minflt")}
                 runs[m].append({**summary, "load1": os.getloadavg()[0], "steps": rows})  # type: ignore[dict-item]
                 print(f"repeat {rep} {m:8s} " + " ".join(f"{k} {v:.1f}" for k, v in summary.items()), flush=True)
@@ -152,6 +159,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "commit": head.stdout.strip(),
         "baseline": args.baseline,
+        "device": args.device,
         "load1_start_end": load,
         "runs": runs,
     }
@@ -160,7 +168,9 @@ def main() -> None:
     comp = statistics.median(r["wall_ms"] for r in runs["compute"]) if "compute" in runs else None
     lines = [
         f"`{result['command']}` ({result['started']}, commit {result['commit']}, 1-min load average "
-        f"{load[0]:.2f} -> {load[1]:.2f}); ResNet-50 batch 8 of 32x32, 2 ranks on loopback, fwd+bwd with "
+        f"{load[0]:.2f} -> {load[1]:.2f}); ResNet-50 batch 8 of 32x32, 2 ranks on loopback"
+        + (", both on one GPU (Gloo through the host)" if args.device != "cpu" else "")
+        + ", fwd+bwd with "
         "`.grad = None`, glibc default thresholds. Medians over steps, then over repeats (per repeat in brackets).",
         "",
         "| mode | step ms | over compute ms | thread CPU ms | minor faults / step |",
