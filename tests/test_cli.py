@@ -312,6 +312,8 @@ def test_bench_device_placement(monkeypatch):
     assert rank_device("cuda", 3) == torch.device("cuda", 1)  # local rank mod the GPU count
     assert process_group_backend(torch.device("cuda", 0), 2) == "nccl"  # a GPU per rank
     assert process_group_backend(torch.device("cuda", 0), 4) == "gloo"  # ranks share GPUs: NCCL cannot
+    # an emulated cluster's nodes (one rank each) share this machine: Gloo, whose bytes cross the shaped link
+    assert process_group_backend(torch.device("cuda", 0), 1, emulated=True) == "gloo"
 
 
 def test_bench_device_refusals(capsys):

@@ -107,6 +107,7 @@ def _launch(
         chunk_size=opts.chunk_size,
         input_shape=list(opts.input_shape) if opts.input_shape else None,
         device=opts.device,
+        emulated=cluster is not None,
     )
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))

@@ -76,6 +76,7 @@ class BenchSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] | None = None  # a user's model (workload "module:factory"): one sample's shape
     device: str = "cpu"  # "cuda": every rank on GPU (local rank mod the GPU count)
+    emulated: bool = False  # ranks in network namespaces of this machine: their bytes must cross the shaped link
 
 
 def rank_device(kind: str, local_rank: int) -> torch.device:
@@ -85,9 +86,13 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def process_group_backend(device: torch.device, ranks_per_node: int) -> str:
-    """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors)."""
-    if device.type == "cuda" and torch.cuda.device_count() >= ranks_per_node:
+def process_group_backend(device: torch.device, ranks_per_node: int, emulated: bool = False) -> str:
+    """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors).
+
+    Always Gloo in an emulated cluster: its nodes are namespaces of one machine, each with one rank
+    (so one rank per node is no proof of a GPU each: they share this machine's), and NCCL would find
+    its peers on the same host and move bytes through shared memory, past the shaped link."""
+    if device.type == "cuda" and not emulated and torch.cuda.device_count() >= ranks_per_node:
         return "nccl"
     return "gloo"
 

@@ -231,7 +231,7 @@ def worker_main(spec_path: str) -> None:
     device = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = process_group_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    backend = process_group_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), spec.emulated)
     dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda msg: print(MARK + msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)

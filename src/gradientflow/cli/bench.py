@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from ..bench.links import PROFILES
 from . import quality, types
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PROFILES",
         help="the link-profile matrix instead of one --bandwidth: 'all' or a comma-separated list of "
-        "1g-burst, 1g-small, 1g-small-warm, 1g-htb, 10g, 100m, 1g-bridge4 (see docs/networks.md); per profile "
+        f"{', '.join(PROFILES)} (see docs/networks.md); per profile "
         "the link is measured first, then every mode; writes OUT/<profile>/ and OUT/matrix.{md,json,png} (needs root)",
     )
     b.add_argument(
