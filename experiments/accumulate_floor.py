@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from gradientflow.bench.models import build_model  # noqa: E402
 from gradientflow.strategies import csc_native  # noqa: E402
 
 
-def _time(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _time(fn: Callable[[], None], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -138,6 +138,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     from gradientflow.comm.quantize import dequantize, quantize, wire_bytes  # noqa: PLC0415
     from gradientflow.strategies import csc_native  # noqa: PLC0415
     from gradientflow.strategies.selection import chunk_scores  # noqa: PLC0415
+    from gradientflow.strategies.writeback import zero_rows  # noqa: PLC0415
 
     g = torch.randn(numel)
     residual = torch.randn(numel)
@@ -161,7 +162,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
         else [lambda: residual.add_(g)],
         # clear last step's chunks in the pool, pack, write back, mask in the residual
         "csc_chunks": [
-            lambda: rows.index_fill_(0, every, 0.0),
+            lambda: zero_rows(rows, every),
             *(
                 (
                     lambda: csc_native.pack_rows(rows, every, 0.5, rows_wire),
@@ -173,7 +174,7 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
                     lambda: rows.index_copy_(0, every, packed),
                 )
             ),
-            lambda: rows.index_fill_(0, every, 0.0),
+            lambda: zero_rows(rows, every),
         ],
         "quantized": [
             lambda: residual.add_(g),
