@@ -41,8 +41,8 @@ class GradBinding:
         (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
         A synchronised backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
-        (:meth:`_param_ready`), one pass where zeroing the pool and letting autograd add into it
-        takes two (AlexNet, one thread, measured once: backward 176 ms against 201); the copy also
+        (:meth:`_param_ready`), one pass over memory where zeroing the pool and letting autograd add
+        into it takes two; the copy also
         divides by the world size, which the launch would otherwise spend a pass on.  A gradient
         whose target is the strategy's (CSC's residual) is added into it there instead
         (:attr:`fresh_add`), the same pass autograd's accumulation into a bound ``.grad`` costs, but

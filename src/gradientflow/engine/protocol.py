@@ -54,10 +54,24 @@ class SyncStrategy(ABC):
         target.add_(grad)
 
     @abstractmethod
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         """Start synchronising ``flat`` (a ready slice of the pool), in the caller's thread.
 
-        ``divided``: every gradient in ``flat`` went through :meth:`take_fresh` returning True.
+        Called once per bucket per synchronised backward, in bucket order, on every rank alike: a
+        collective started here is matched across ranks by that order.  Must not block on a peer.
+
+        Args:
+            bucket: which bucket of the pool's layout ``flat`` is (its pool, range and parameters).
+            flat: the bucket's elements, as :meth:`gradient_slice` named them (the pool's slice unless
+                the strategy rebound ``.grad``).
+            stats: this step's counters; record every byte put on the wire
+                (``stats.record_collective``) and the time of each phase (``stats.phase``).
+            divided: every gradient in ``flat`` went through :meth:`take_fresh` returning True (already
+                divided by the world size).
+
+        Raises:
+            RuntimeError: a bucket arrived out of order, or a collective could not start
+                (``CommunicationError`` from the watchdog for a peer that failed).
         """
 
     def progress(self, stats: StepStats) -> None:  # noqa: B027 — nothing pending by default
@@ -66,7 +80,16 @@ class SyncStrategy(ABC):
 
     @abstractmethod
     def finish(self, stats: StepStats) -> None:
-        """End of backward: complete every launched collective; the pool then holds the result."""
+        """End of backward: complete every launched collective; the pool then holds the result.
+
+        Args:
+            stats: this step's counters (as in :meth:`launch`; ``stats.extra`` for a strategy's own keys,
+                which ``comm_stats()`` reports).
+
+        Raises:
+            gradientflow.CommunicationError: a collective did not complete within the watchdog's
+                timeout (a peer died or ranks issued different collectives).
+        """
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:  # noqa: B027 — stateless default
         """Follow the engine to a new pool layout (move any per-element state)."""

@@ -97,7 +97,9 @@ class SparseSync(SyncStrategy):
         # what lets ranks send slices at different moments (see progress).
         self._queue = SliceQueue(control_group)
         self.density = float(config.density)
-        self.chunk_size = config.chunk_size
+        if not isinstance(config.chunk_size, int):  # the wrapper resolves "auto" before building strategies
+            raise TypeError(f"SparseSync needs a resolved config (chunk_size {config.chunk_size!r}): call resolved()")
+        self.chunk_size: int = config.chunk_size
         self.warmup_steps = config.warmup_steps
         self.momentum = float(config.momentum)
         self.per_slice = config.csc_scope == "slice"
@@ -158,6 +160,12 @@ class SparseSync(SyncStrategy):
         return self.res is not None
 
     @property
+    def _res(self) -> Residuals:
+        """The residuals, during a sparse step (allocated by its ``_begin_step``)."""
+        assert self.res is not None, "CSC's residuals are allocated by the first sparse step's _begin_step"
+        return self.res
+
+    @property
     def last_selected(self) -> torch.Tensor:
         """Global indices (ascending per slice) of the chunks the last step sent."""
         if not self._writer.sent:
@@ -187,7 +195,7 @@ class SparseSync(SyncStrategy):
         """The density of the coming synchronised step (the warm-up ramp, then ``density``)."""
         return density_at(self.step, self.density, self.warmup_steps)
 
-    def _warmup(self) -> bool:
+    def _sends_dense(self) -> bool:
         """A step sent dense: density 1, or so close to it that the sparse step would be no fewer bytes.
 
         The ramp only falls, so such steps all come before the first sparse one: v and u are
@@ -206,7 +214,7 @@ class SparseSync(SyncStrategy):
 
     def begin_backward(self) -> list[torch.Tensor] | None:
         """Step 1: during a sparse step, gradients of direct pools accumulate straight into v."""
-        if self._warmup():
+        if self._sends_dense():
             return None
         self._begin_step()
         if not any(self._direct):
@@ -214,13 +222,13 @@ class SparseSync(SyncStrategy):
         pool_views = self.pool.views
         return [
             rv if self._direct[s.pool] else pv
-            for s, rv, pv in zip(self.pool.layout.slots, self.res.param_views, pool_views)
+            for s, rv, pv in zip(self.pool.layout.slots, self._res.param_views, pool_views)
         ]
 
     def gradient_slice(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """v's slice for a direct pool during a sparse step (its gradient plus the finite residual)."""
         if self._in_step and self._direct[bucket.pool]:
-            return self.res.v[bucket.pool][bucket.start : bucket.end]
+            return self._res.v[bucket.pool][bucket.start : bucket.end]
         return flat
 
     def add_fresh(self, index: int, grad: torch.Tensor, target: torch.Tensor) -> None:
@@ -233,7 +241,7 @@ class SparseSync(SyncStrategy):
 
         ``divided`` is always False: CSC's ``take_fresh`` is the plain copy (the residual divides nothing).
         """
-        if self._warmup():
+        if self._sends_dense():
             self.dense.launch(bucket, flat, stats)
             return
         if not self._in_step:
@@ -246,9 +254,10 @@ class SparseSync(SyncStrategy):
             )
         t0 = time.perf_counter()
         if not self._direct[k]:
-            v = self.res.v[k][bucket.start : bucket.end]
-            if self.res.u is not None:
-                u = self.res.u[k][bucket.start : bucket.end]
+            res = self._res
+            v = res.v[k][bucket.start : bucket.end]
+            if res.u is not None:
+                u = res.u[k][bucket.start : bucket.end]
                 torch.add(flat, u, alpha=self.momentum, out=u)  # u = g + m*u in one pass
                 v.add_(u)
             else:
@@ -279,7 +288,7 @@ class SparseSync(SyncStrategy):
         lo = self._scored[k]
         if upto <= lo:
             return None
-        self.scorer.score(k, lo, upto, self.res.rows(k))
+        self.scorer.score(k, lo, upto, self._res.rows(k))
         self._scored[k] = upto
         return lo, upto
 
@@ -301,19 +310,20 @@ class SparseSync(SyncStrategy):
         m = forced + n_selected(self.density_now(), sl.hi - sl.lo - forced)
         sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
-        rows = self.res.rows(sl.pool)
+        rows = self._res.rows(sl.pool)
         pack(sl, rows, self.dense.scratch_for(rows.device), self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
         if sl.wire is not None:  # already divided and cast: only the allreduce is left
             self.dense.start(sl.wire, None, "chunks", stats)
         else:
-            self.dense.launch(None, sl.packed.view(-1), stats)
+            assert sl.packed is not None  # pack() fills wire or packed
+            self.dense.send_chunks(sl.packed.view(-1), stats)
 
     def finish(self, stats: StepStats) -> None:
         """Steps 3-5 after backward: the last slices, one finite check, write-back."""
         stats.extra["warmup_ramp"] = int(self.step < self.warmup_steps)  # density_now() is still ramping down
-        self._last_dense = self._warmup()
+        self._last_dense = self._sends_dense()
         if self._last_dense:
             self.dense.finish(stats)
             stats.extra.update(selected_chunks=self.total_chunks, n_chunks=self.total_chunks, warmup=1, density=1.0)
@@ -351,7 +361,7 @@ class SparseSync(SyncStrategy):
             warmup=0,
             overflow=int(not ok),
             density=self.density_now(),
-            selected_chunks=sum(int(sl.idx.numel()) for sl in slices) if ok else 0,
+            selected_chunks=sum(sl.selected.numel() for sl in slices) if ok else 0,
             slices=len(slices),
             slices_in_backward=sent,
         )

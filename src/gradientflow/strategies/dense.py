@@ -53,16 +53,24 @@ class DenseSync(SyncStrategy):
             divide(grad, self.world_size, self.wire_dtype, out=out)
         return True
 
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         """1. pre-divide (unless ``divided``: :meth:`take_fresh` did) and cast into the wire buffer;
         2. start its allreduce."""
+        self._cast_and_start(flat, f"bucket {bucket.index}", stats, divided)
+
+    def send_chunks(self, packed: torch.Tensor, stats: StepStats) -> None:
+        """:meth:`launch` for a tensor that is no bucket of the pool: CSC's packed chunks (its undivided
+        residual rows), divided, cast and allreduced the same way; read back into ``packed``."""
+        self._cast_and_start(packed, "chunks", stats, divided=False)
+
+    def _cast_and_start(self, flat: torch.Tensor, what: str, stats: StepStats, divided: bool) -> None:
         t0 = time.perf_counter()
         out = None
         if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
             out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
         wire = to_wire(flat, self.wire_dtype, self.world_size, out=out, divided=divided)
         stats.phase("pack", t0)
-        self.start(wire, flat, f"bucket {bucket.index}" if bucket is not None else "chunks", stats)
+        self.start(wire, flat, what, stats)
 
     def start(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
         """2. start ``wire``'s allreduce; :meth:`finish` waits for it and copies it back into ``flat``

@@ -148,9 +148,8 @@ class QuantizedSync(SyncStrategy):
                 self.sq.clean()
         self._in_step = True
 
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         """Queue the bucket's ring; start it at once if no earlier ring of this step is still running."""
-        assert bucket is not None, "the quantised recipe is launched per bucket (shadow steps pass theirs)"
         if not self._in_step:
             self._begin_step()
         assert self.res is not None  # allocated by _begin_step

@@ -39,6 +39,12 @@ class Slice:
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
     wire: torch.Tensor | None = None  # instead of packed (CPU, fp16 wire): the rows packed straight onto it
 
+    @property
+    def selected(self) -> torch.Tensor:
+        """``idx``, once the slice's chunks were selected (every slice past its send has them)."""
+        assert self.idx is not None, "a slice's chunks are selected when it is sent"
+        return self.idx
+
 
 Send = Callable[[Slice, StepStats], None]
 """What sending a slice does: select its top chunks, pack them, start their allreduce."""
@@ -91,11 +97,11 @@ def pack(sl: Slice, rows: torch.Tensor, scratch: Scratch, world_size: int, fast:
     (:func:`~.csc_native.pack_rows`); otherwise copied into ``sl.packed`` for
     :meth:`~.dense.DenseSync.launch` to divide and cast.  The length is ``idx``'s own (metadata, no
     host read): a selection rule may send other than the slice's quota."""
-    assert sl.idx is not None
-    n = sl.idx.numel()
+    idx = sl.selected
+    n = idx.numel()
     if fast:
         sl.wire = scratch.take(n * rows.shape[1], torch.float16)
-        csc_native.pack_rows(rows, sl.idx, 1.0 / world_size, sl.wire)
+        csc_native.pack_rows(rows, idx, 1.0 / world_size, sl.wire)
         return
     sl.packed = scratch.take(n * rows.shape[1], rows.dtype).view(n, -1)
-    torch.index_select(rows, 0, sl.idx, out=sl.packed)
+    torch.index_select(rows, 0, idx, out=sl.packed)

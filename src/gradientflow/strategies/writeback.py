@@ -51,11 +51,12 @@ class PoolWriter:
         t_trace = phase_start(watchdog)
         if ok:
             for sl in slices:
-                r = rows[sl.pool]
+                r, idx = rows[sl.pool], sl.selected
                 if sl.wire is not None:
-                    ok &= csc_native.unpack_rows(r, sl.idx, sl.wire)
+                    ok &= csc_native.unpack_rows(r, idx, sl.wire)
                 else:
-                    r.index_copy_(0, sl.idx, sl.packed.to(r.dtype))
+                    assert sl.packed is not None  # pack() fills wire or packed
+                    r.index_copy_(0, idx, sl.packed.to(r.dtype))
             t0 = stats.phase("unpack", t0)
         if not ok:
             for buf in pool.buffers:
@@ -66,10 +67,10 @@ class PoolWriter:
             phase_end(watchdog, "csc.write-back", t_trace)
             return False
         for sl in slices:
-            zero_rows(res.rows(sl.pool), sl.idx)
+            zero_rows(res.rows(sl.pool), sl.selected)
             if res.u is not None:
-                zero_rows(res.rows(sl.pool, "u"), sl.idx)
-        self.sent = [(sl.pool, sl.idx) for sl in slices]
+                zero_rows(res.rows(sl.pool, "u"), sl.selected)
+        self.sent = [(sl.pool, sl.selected) for sl in slices]
         self.clean_versions = [b._version for b in pool.padded]
         stats.phase("zero", t0)
         phase_end(watchdog, "csc.write-back", t_trace)

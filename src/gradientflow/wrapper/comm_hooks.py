@@ -61,9 +61,9 @@ class HookSync(SyncStrategy):
         self.pool, self.params, self.state, self.hook = pool, params, state, hook
         self._pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
 
-    def launch(self, bucket: Bucket | None, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
+    def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
         # take_fresh is the base class's plain copy, so a bucket reaching a hook is never pre-divided
-        assert bucket is not None and not divided
+        assert not divided
         n = len(self.pool.layout.buckets)
         grads = [self.pool.views[i] for i in bucket.params]
         params = [self.params[i] for i in bucket.params]
