@@ -118,8 +118,8 @@ def probe_main(spec_path: str) -> None:
             "busy_bulk_s": statistics.median(busy_s),
             "busy_bulk_samples_s": busy_s,
         }
-        out["bulk_Bps"] = out["bulk_bytes"] / out["bulk_s"]
-        out["busy_bulk_Bps"] = out["bulk_bytes"] / out["busy_bulk_s"]
+        out["bulk_Bps"] = 4 * n / statistics.median(bulk_s)
+        out["busy_bulk_Bps"] = 4 * n / statistics.median(busy_s)
         Path(spec["out_path"]).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()

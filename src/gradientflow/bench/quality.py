@@ -185,9 +185,10 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
         # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
-        wrapped: nn.Module = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
+        torch_ddp = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
         options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
-        options.update(register_torch_hook(recipe, wrapped))
+        options.update(register_torch_hook(recipe, torch_ddp))
+        wrapped: nn.Module = torch_ddp
     else:
         if recipe == "gf-auto":
             options = {"compression": "auto"}

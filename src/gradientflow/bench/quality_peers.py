@@ -22,7 +22,7 @@ POSTLOCAL_PERIOD = 8
 TORCH_PEER_WARMUP = 10
 
 
-def register_torch_hook(recipe: str, wrapped: nn.Module) -> dict[str, Any]:
+def register_torch_hook(recipe: str, wrapped: nn.parallel.DistributedDataParallel) -> dict[str, Any]:
     """torch DDP's communication hook of a torch peer recipe (none for ``ddp``, ``ddp-sgd``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
@@ -44,10 +44,10 @@ def register_torch_hook(recipe: str, wrapped: nn.Module) -> dict[str, Any]:
 
         # Each rank is one node of the emulated cluster: no intra-node group to average in between.
         alone, _ = dist.new_subgroups(group_size=1)
-        state = post_localSGD_hook.PostLocalSGDState(
+        local_state = post_localSGD_hook.PostLocalSGDState(
             process_group=None, subgroup=alone, start_localSGD_iter=TORCH_PEER_WARMUP
         )
-        wrapped.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        wrapped.register_comm_hook(local_state, post_localSGD_hook.post_localSGD_hook)
         return {"comm_hook": f"post_localSGD_hook + PeriodicModelAverager(period={POSTLOCAL_PERIOD})"}
     return {}
 

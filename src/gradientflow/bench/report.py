@@ -178,7 +178,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "command": " ".join(["gradientflow", *sys.argv[1:]])
         if sys.argv[0].endswith(("gradientflow", "cli.py"))
         else None,
-        "options": asdict(opts) if is_dataclass(opts) else dict(vars(opts)),
+        "options": asdict(opts) if is_dataclass(opts) and not isinstance(opts, type) else dict(vars(opts)),
         "network": f"emulated {opts.bandwidth} per node (tc tbf, network namespaces)" if emulated else "loopback",
         "world_size": world,
         "n_params": main.get("n_params"),

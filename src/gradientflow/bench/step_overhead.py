@@ -69,12 +69,14 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, qu
         for name, widths in [(k, v) for k, v in MODELS.items() if k in args.models]:
             torch.manual_seed(0)
             base = mlp(widths)
-            wrapped = {
+            wrapped: dict[str, torch.nn.Module] = {
                 "torch-ddp": torch.nn.parallel.DistributedDataParallel(mlp(widths)),
                 "gradientflow": GF(mlp(widths)),
             }
             for w in wrapped.values():
-                w.module.load_state_dict(base.state_dict())
+                inner = w.module
+                assert isinstance(inner, torch.nn.Module)
+                inner.load_state_dict(base.state_dict())
             opts = {k: torch.optim.SGD(w.parameters(), lr=0.01, momentum=0.9) for k, w in wrapped.items()}
             g = torch.Generator().manual_seed(rank)
             x, y = torch.randn(BATCH, widths[0], generator=g), torch.randint(0, widths[-1], (BATCH,), generator=g)

@@ -41,14 +41,18 @@ def attributed_to_user(client_packages: tuple[str, ...]) -> Iterator[None]:
     if not caught:
         return
     filename, lineno, module_globals = user_frame(client_packages)
-    registry = module_globals.setdefault("__warningregistry__", {})
+    registry = module_globals.get("__warningregistry__")
+    if not isinstance(registry, dict):
+        registry = module_globals["__warningregistry__"] = {}
     for w in caught:
+        # a recorded warning's message is the Warning instance (the category's, built by warn())
+        message = w.message if isinstance(w.message, Warning) else w.category(w.message)
         warnings.warn_explicit(
-            w.message,
+            message,
             w.category,
             filename,
             lineno,
             module=str(module_globals.get("__name__", "")),
-            registry=registry,  # type: ignore[arg-type]
-            module_globals=module_globals,  # type: ignore[arg-type]
+            registry=registry,
+            module_globals=dict(module_globals),
         )

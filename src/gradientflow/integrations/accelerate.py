@@ -100,7 +100,7 @@ class GradientFlowAccelerator(Accelerator):
             )
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(wrapped)
-        wrapped._is_accelerate_prepared = True
+        wrapped.__dict__["_is_accelerate_prepared"] = True  # a plain attribute, as accelerate sets it on torch DDP
         self._gf_wrapped.append(weakref.ref(wrapped))
         return wrapped
 

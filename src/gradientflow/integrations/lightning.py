@@ -63,13 +63,15 @@ def _is_wrapped(model: Any) -> bool:
 
 
 @cache
-def strategy_class(namespace: str = "pytorch_lightning") -> type:
+def strategy_class(namespace: str = "pytorch_lightning") -> Any:
     """The strategy for Lightning under ``namespace``: ``"pytorch_lightning"`` or ``"lightning.pytorch"``."""
-    ddp_module = importlib.import_module(f"{namespace}.strategies.ddp")
+    # Chosen at run time (either Lightning package): typed as Any, which the checker lets a class extend.
+    ddp_module: Any = importlib.import_module(f"{namespace}.strategies.ddp")
     overrides = importlib.import_module(f"{namespace}.overrides.distributed")
-    base = ddp_module.DDPStrategy
+    base: Any = ddp_module.DDPStrategy
+    redirection_base: Any = ddp_module._DDPForwardRedirection
 
-    class Redirection(ddp_module._DDPForwardRedirection):
+    class Redirection(redirection_base):
         """Lightning's manual-optimization switch of ``require_backward_grad_sync``, for either wrapper."""
 
         def on_after_inner_forward(self, wrapper_module: Any, original_module: Any) -> None:
@@ -89,6 +91,7 @@ def strategy_class(namespace: str = "pytorch_lightning") -> type:
         """
 
         strategy_name = "gradientflow"
+        model: Any  # Lightning's attribute: the wrapped model once configure_ddp ran
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             gf = {k: kwargs.pop(k) for k in list(kwargs) if k in GF_OPTIONS and k != "timeout"}
@@ -250,7 +253,7 @@ def _default_namespace() -> str:
 
 
 NAMESPACE = _default_namespace()
-GradientFlowStrategy = strategy_class(NAMESPACE)
+GradientFlowStrategy: Any = strategy_class(NAMESPACE)
 """The strategy for the installed Lightning (the standalone ``pytorch_lightning`` if both are)."""
 GradientFlowForwardRedirection = GradientFlowStrategy.forward_redirection_class
 GradientFlowStrategy.register_strategies(importlib.import_module(f"{NAMESPACE}.strategies").StrategyRegistry)
