@@ -73,6 +73,17 @@ if dist.get_rank() == 3:
 dist.all_reduce(torch.ones(4))
 """
 
+# Every rank says where torchrun put it: its node (the launcher's), its local world, its global rank.
+WHERE = r"""
+import datetime, json, os, sys, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+got = [None] * dist.get_world_size()
+dist.all_gather_object(got, [os.environ["GF_BENCH_NODE"], os.environ["LOCAL_WORLD_SIZE"], dist.get_rank()])
+if dist.get_rank() == 0:
+    open(os.path.join(sys.argv[1], "where.json"), "w").write(json.dumps(got))
+dist.destroy_process_group()
+"""
+
 
 def _netns_pids(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
@@ -162,6 +173,22 @@ def test_c10d_launch_is_the_users_command_line() -> None:
     assert "--rdzv-endpoint 169.254.77.2:29500 --rdzv-id job --rdzv-conf is_host=0 --local-addr 169.254.77.6" in line
     with pytest.raises(ValueError, match="multiple"):
         launch_workers("x", Path("spec.json"), Path("."), 3, None, 10, 1, nproc_per_node=2)
+
+
+def test_nodes_on_loopback_are_torchruns_joined_by_c10d(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --bandwidth none --nproc 4 --nproc-per-node 2: two torchruns of two ranks, one world of four
+    _with_module(tmp_path, "gf_where", WHERE, monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    reason, log, _ = launch_workers(
+        "lo", out, tmp_path, 4, None, timeout=90, threads=1, module="gf_where", nproc_per_node=2
+    )
+    assert reason is None, log.read_text()[-3000:]
+    got = json.loads((out / "where.json").read_text())
+    assert sorted(rank for _, _, rank in got) == [0, 1, 2, 3]
+    assert all(local == "2" for _, local, _ in got)
+    assert sorted(node for node, _, _ in got) == ["0", "0", "1", "1"]
+    assert got[0][0] == got[1][0] and got[2][0] == got[3][0]  # a node's ranks are next to each other
 
 
 def test_link_counters_and_their_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gradientflow.bench import report
+from gradientflow.bench.bench_memory import timing_allocator
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.bench.runner_launch import error_from_log, free_port, launch_workers, stop, torchrun_argv, wait_all
 from gradientflow.bench.runner_spec import (
@@ -51,7 +52,6 @@ from gradientflow.bench.runner_worker import (
     _step,
     exit_measured,
     powersgd_wire_bytes,
-    timing_allocator,
     worker_main,
 )
 

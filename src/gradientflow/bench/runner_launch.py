@@ -190,8 +190,9 @@ def launch_workers(
     nproc_per_node: int = 1,
 ) -> tuple[str | None, Path, float]:
     """Run ``python -m module SPEC`` on ``nproc`` ranks, ``nproc_per_node`` per node: one torchrun on
-    loopback (``cluster`` None, one node), one torchrun per node of an emulated cluster, or (several
-    nodes, no cluster) one torchrun per node on loopback; every line goes to ``out/launch-{name}.log``.
+    loopback (``cluster`` None and one rank per node: every rank in it, as always), one torchrun per node
+    of an emulated cluster, or (nodes of several ranks, no cluster) one torchrun per node on loopback;
+    every line goes to ``out/launch-{name}.log``.
 
     One rank per node on a cluster keeps its static rendezvous (node i is node rank i); several use
     c10d, as on real machines (:func:`c10d_torchrun_argv`).  Returns (None if every launcher exited 0,
@@ -217,7 +218,7 @@ def launch_workers(
         pumps = []
         try:
             io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-            if cluster is None and nodes == 1:
+            if cluster is None and (nodes == 1 or nproc_per_node == 1):  # loopback: one torchrun, as always
                 argv = torchrun_argv(
                     nnodes=1,
                     node_rank=0,

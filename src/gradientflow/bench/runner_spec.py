@@ -129,9 +129,9 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
 def process_group_backend(device: torch.device, ranks_per_node: int, emulated: bool = False) -> str:
     """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors).
 
-    Always Gloo in an emulated cluster: its nodes are namespaces of one machine, each with one rank
-    (so one rank per node is no proof of a GPU each: they share this machine's), and NCCL would find
-    its peers on the same host and move bytes through shared memory, past the shaped link."""
+    Always Gloo in an emulated cluster: its nodes are namespaces of one machine (so a node's ranks are
+    no proof of a GPU each: every node shares this machine's), and NCCL would find its peers on the same
+    host and move bytes through shared memory, past the shaped link."""
     if device.type == "cuda" and not emulated and torch.cuda.device_count() >= ranks_per_node:
         return "nccl"
     return "gloo"

@@ -15,7 +15,6 @@ import logging
 import os
 import resource
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradientflow.bench.bench_memory import PeakRss, rss_mb, timing_allocator
 from gradientflow.bench.link_bytes import LinkCounter, node_of_rank, per_node
 from gradientflow.bench.runner_spec import (
     CSC_DENSITY,
@@ -46,31 +46,6 @@ from gradientflow.config import auto_chunk_size
 from gradientflow.diagnostics.stats import PHASES
 
 logger = logging.getLogger(__name__)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _PeakRss:
-    """Samples this process's resident set every 2 ms while active; ``peak`` in MB."""
-
-    def __enter__(self) -> _PeakRss:
-        self.peak = _rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_mb())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mb())
 
 
 def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
@@ -211,39 +186,6 @@ def _stats_of(model: nn.Module) -> dict[str, float]:
     return out
 
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-
-
-def timing_allocator() -> bool:
-    """Give malloc back its steady-state behaviour before anything is timed.
-
-    Workers start with ``MALLOC_MMAP_THRESHOLD_=131072`` (see :func:`launch_workers`): every
-    tensor over 128 KB is mmapped and unmapped on free, so the RSS each mode adds while it is
-    built is exact.  Timed like that, every step page-faults its activations (and a fresh
-    ``.grad`` per parameter where ``zero_grad(set_to_none=True)`` dropped them): on ResNet-50,
-    2 ranks, the compute-only step took 339 ms instead of 206, which dilutes every
-    communication overhead.  A long-running process with glibc's default (dynamic) threshold
-    reuses those blocks from its heap; 32 MB (the dynamic threshold's ceiling) and a trim
-    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent;
-    returns whether the thresholds were set.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD) and libc.mallopt(
-            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD
-        )
-    except (OSError, AttributeError):
-        ok = False
-    if not ok:
-        logger.warning("bench: could not set malloc's thresholds; timing with the launcher's")
-    return bool(ok)
-
-
 def worker_main(spec_path: str) -> None:
     """One rank of the bench (run under torchrun): time every variant, rank 0 writes the results."""
     spec = BenchSpec(**json.loads(Path(spec_path).read_text()))
@@ -266,7 +208,7 @@ def worker_main(spec_path: str) -> None:
     # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode
     _loss(probe(x), y).backward()
     del probe
-    base_rss = _rss_mb()
+    base_rss = rss_mb()
     # every rank creates every group (new_group's contract); each keeps the one holding only itself
     alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) else None
     runs: list[dict[str, Any]] = []
@@ -283,13 +225,13 @@ def worker_main(spec_path: str) -> None:
             "mem_added_mb": None,
             "link": [],
         }
-        before = _rss_mb()
+        before = rss_mb()
         if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device) / 2**20
         try:
             # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
-            with _PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
+            with PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
                 model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
                 sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
                 if sched is not None:
