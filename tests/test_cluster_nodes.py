@@ -228,6 +228,29 @@ def test_link_counters_and_their_summary(tmp_path: Path, monkeypatch: pytest.Mon
     assert link_table({"rows": [{"name": "ddp", "mode": "ddp", "status": "ok"}]}) == []  # loopback: no table
 
 
+def test_quality_reports_each_nodes_link_from_its_ranks() -> None:
+    from gradientflow.bench.quality_worker import _merge
+
+    def rank(node: int, link: list[list[int]]) -> dict[str, Any]:
+        run = {"step_s": [0.1, 0.2], "link": link, "evals": []}
+        return {
+            "probe_s": [0.1],
+            "node": node,
+            "runs": [
+                {**run, "recipe": "gf-auto", "stats": [{"payload_bytes": 5.0}] * 2},
+                {**run, "recipe": "ddp-fp16-hook", "stats": [{"payload_bytes": 7.0}] * 2},  # computed, not ours
+            ],
+        }
+
+    merged = _merge([rank(0, [[10, 20], [11, 21]]), rank(0, []), rank(1, [[30, 40], [31, 41]]), rank(1, [])])
+    gf, hook = merged["runs"]
+    assert [n["tx_bytes"] for n in gf["nodes"]] == [[10, 11], [30, 31]] and "link" not in gf
+    assert gf["nodes"][0]["payload_bytes"] == [10.0, 10.0]  # the engine's, summed over the node's two ranks
+    assert hook["nodes"][0]["payload_bytes"] is None and hook["nodes"][1]["rx_bytes"] == [40, 41]
+    on_loopback = _merge([rank(0, []), rank(0, [])])
+    assert "nodes" not in on_loopback["runs"][0]
+
+
 # ---- on an emulated cluster (root) --------------------------------------------------------------------
 @needs_netns
 def test_a_nodes_ranks_talk_over_its_loopback_and_only_between_nodes_over_its_link(

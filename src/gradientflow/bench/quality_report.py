@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.bench.link_bytes import link_summary
+from gradientflow.bench.report_tables import link_table
+
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
     "gf-recommended": "gradientflow fp16 + CSC density 0.1, library defaults otherwise, the user's optimizer",
@@ -124,6 +127,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                 "median_exposed_s": float(np.median(exposed)) if exposed else None,
                 "train_s": float(wall[-1]),
                 "curve": curve,
+                **link_summary(run.get("nodes")),  # the kernel's bytes on each node's link (emulated cluster)
             }
         )
     by = {r["recipe"]: r for r in rows}
@@ -289,7 +293,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
                 f"{r['sparse_share']:.0%} |"
             )
-        lines.append("")
+        lines += [*link_table({"rows": [{**r, "name": r["recipe"]} for r in t["rows"]]}), ""]
     if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]
