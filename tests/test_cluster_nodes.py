@@ -219,6 +219,8 @@ def test_link_counters_and_their_summary(tmp_path: Path, monkeypatch: pytest.Mon
         "inter_node_bytes": None,  # not every rank reports it: the column stays empty
     }
     assert nodes[1]["payload_bytes"] == [400.0, 400.0] and nodes[1]["tx_bytes"] == [50, 70]
+    both = per_node([ranks[3], ranks[3]], [1, 1], 2)  # every rank of the node reports it: summed
+    assert both[0]["inter_node_bytes"] == [10.0, 10.0]
     s = link_summary(nodes)
     assert (s["link_tx_bytes"], s["link_rx_bytes"], s["node_payload_bytes"]) == (60.0, 70.0, 400.0)
     assert s["node_inter_node_bytes"] is None and link_summary(None) == {}
