@@ -301,6 +301,16 @@ class EmulatedCluster:
         self._children = []
 
     # ---- measurement -----------------------------------------------------------------
+    def link_bytes(self, node: int) -> tuple[int, int]:
+        """(tx_bytes, rx_bytes) the kernel has counted on node ``node``'s link interface so far.
+
+        Read inside the node's namespace (``ip netns exec`` mounts its sysfs); the same counters the
+        bench's workers read (:mod:`gradientflow.bench.link_bytes`)."""
+        stats = f"/sys/class/net/{self.ifnames[node]}/statistics"
+        out = _run(["ip", "netns", "exec", self.namespaces[node], "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"])
+        tx, rx = (int(v) for v in out.stdout.split())
+        return tx, rx
+
     def measure_throughput(self, src: int, dst: int, nbytes: int = 20_000_000, timeout: float = 60.0) -> float:
         """Goodput in bits/s of one TCP stream of ``nbytes`` from node ``src`` to node ``dst``.
 

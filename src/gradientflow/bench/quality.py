@@ -31,7 +31,6 @@ import ast
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradientflow.bench.quality_lr import lr_factor, lr_schedule
 from gradientflow.bench.quality_peers import (
     POSTLOCAL_PERIOD,
     TORCH_PEER_WARMUP,
@@ -51,7 +51,7 @@ from gradientflow.bench.quality_peers import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TORCH_PEERS", "torch_peer_bytes"]
+__all__ = ["TORCH_PEERS", "lr_factor", "lr_schedule", "torch_peer_bytes"]
 
 RECIPES = (
     "ddp",
@@ -116,23 +116,6 @@ class QualitySpec:
     pg_timeout_s: float = 120.0
 
 
-def lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
-    """LR multiplier at 0-based ``step``: linear warm-up over ``warmup`` steps (1/w, 2/w, ..., 1),
-    then cosine from 1 down to ``floor`` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    span = max(1, steps - 1 - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def lr_schedule(opt: torch.optim.Optimizer, job: Job) -> torch.optim.lr_scheduler.LambdaLR:
-    """``job``'s schedule on ``opt`` (stepped once per training step): :func:`lr_factor` with a warm-up
-    of ``lr_warmup_frac`` of the steps (at least one)."""
-    warm = max(1, round(job.lr_warmup_frac * job.steps))
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, job.steps, warm))
-
-
 # ==== recipes =================================================================================
 def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     """``"gf-recommended:warmup_steps=300,dense_1d=False"`` -> ``("gf-recommended", {...})``.
@@ -142,7 +125,9 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     Python literals (``300``, ``0.3``, ``False``, ``None``); anything else is taken as a string
     (``csc_scope=global``).  One option is the bench's own: ``steps=F`` trains F times the job's steps
     (F > 0; the LR schedule stretched to them), for time to a loss that a recipe reaches only with more,
-    faster, steps.  Raises ``ValueError`` for an unknown recipe or option or a bad value.
+    faster, steps.  ``topology=flat`` (or ``auto``, ``MxG``) is passed to the wrapper as its keyword (a
+    variant forced flat beside the layout torchrun gives).  Raises ``ValueError`` for an unknown recipe or
+    option or a bad value.
     """
     from gradientflow.config import GradientFlowConfig
 
@@ -153,7 +138,8 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         return base, {}
     if not base.startswith("gf-"):  # torch DDP and its peers
         raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
-    names = {f.name for f in dataclasses.fields(GradientFlowConfig)} | {"steps"}
+    fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
+    names = fields | {"steps", "topology"}  # topology: the wrapper's keyword, checked here until the config has it
     overrides: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, text = (part.strip() for part in item.partition("="))
@@ -167,9 +153,14 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
     try:
-        GradientFlowConfig(**{k: v for k, v in overrides.items() if k != "steps"})  # the wrapper's validation
+        if "topology" in overrides and "topology" not in fields:
+            from gradientflow.bench.runner_spec import check_topology
+
+            check_topology(overrides["topology"])
+        # the wrapper's validation
+        GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
     except ValueError as exc:
-        raise ValueError(f"{recipe!r}: {exc}") from None
+        raise ValueError(f"{recipe!r}: {'topology ' if 'must be flat' in str(exc) else ''}{exc}") from None
     return base, overrides
 
 
@@ -237,7 +228,8 @@ class QualityOptions:
 
     workloads: list[str] = field(default_factory=lambda: ["transformer", "digits"])
     recipes: list[str] | None = None  # None: every recipe that applies to the workload
-    nproc: int = 2
+    nproc: int = 2  # ranks in all
+    nproc_per_node: int = 1  # ranks per node: nproc / nproc_per_node nodes, each one torchrun (c10d across)
     steps: int = 400
     tta_steps: int = 300
     eval_every: int | None = None  # None: steps // 20
@@ -342,6 +334,7 @@ def _launch_jobs(name: str, jobs: list[Job], opts: QualityOptions, out: Path, cl
         opts.timeout_s,
         opts.threads,
         module="gradientflow.bench.quality_worker",
+        nproc_per_node=opts.nproc_per_node,
     )
     if reason is not None or not raw_path.exists():
         detail = error_from_log(log_path)
@@ -367,9 +360,10 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     launches: dict[str, Any] = {}
     if jobs:
         logger.info(
-            "quality: %s, %d ranks on loopback, %d steps, recipes %s",
+            "quality: %s, %d ranks (%d per node) on loopback, %d steps, recipes %s",
             " + ".join(j.name for j in jobs),
             opts.nproc,
+            opts.nproc_per_node,
             opts.steps,
             ", ".join(jobs[0].recipes),
         )
@@ -381,11 +375,14 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
             skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
             print(f"gradientflow bench --quality: {skipped}; no time-to-accuracy run", file=sys.stderr)
         else:
-            with EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix) as cluster:
+            with EmulatedCluster(
+                nodes=opts.nproc // opts.nproc_per_node, rate=opts.bandwidth, prefix=opts.prefix
+            ) as cluster:
                 logger.info(
-                    "quality: time to accuracy (%s), %d nodes at %s, %d steps",
+                    "quality: time to accuracy (%s), %d nodes of %d ranks at %s, %d steps",
                     ", ".join(j.name for j in tta),
-                    opts.nproc,
+                    cluster.nodes,
+                    opts.nproc_per_node,
                     opts.bandwidth,
                     opts.tta_steps,
                 )

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.bench.link_bytes import link_summary
+from gradientflow.bench.report_tables import link_table
+
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
     "gf-recommended": "gradientflow fp16 + CSC density 0.1, library defaults otherwise, the user's optimizer",
@@ -124,6 +127,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                 "median_exposed_s": float(np.median(exposed)) if exposed else None,
                 "train_s": float(wall[-1]),
                 "curve": curve,
+                **link_summary(run.get("nodes")),  # the kernel's bytes on each node's link (emulated cluster)
             }
         )
     by = {r["recipe"]: r for r in rows}
@@ -204,7 +208,7 @@ def _times(x: float | None, k: float) -> float | None:
     return None if x is None else x * k
 
 
-def _describe(w: dict[str, Any], world: int, head: str | None = None) -> str:
+def _describe(w: dict[str, Any], world: int, head: str | None = None, layout: str = "") -> str:
     """One line on what was trained, led by ``head`` (default: the job's name in bold)."""
     j = w["job"]
     if j["workload"] == "transformer":
@@ -219,7 +223,7 @@ def _describe(w: dict[str, Any], world: int, head: str | None = None) -> str:
         )
     head = head or f"**{w['name']}**"
     return (
-        f"{head}: {what}, {world} ranks, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
+        f"{head}: {what}, {world} ranks{layout}, {j['steps']} steps, LR warm-up {j['lr_warmup_frac']:.0%} "
         f"then cosine to 10%, validated every {j['eval_every']} steps"
     )
 
@@ -227,6 +231,8 @@ def _describe(w: dict[str, Any], world: int, head: str | None = None) -> str:
 def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     world = summary["world_size"]
+    k = summary["options"].get("nproc_per_node", 1)
+    layout = f" as {world // k} nodes x {k}" if k > 1 and world else ""  # one torchrun per node (c10d)
     lines = [
         f"`{summary['command']}` ({summary['date']}, {summary['seconds']:.0f} s)"
         if summary["command"]
@@ -236,7 +242,7 @@ def markdown(summary: dict[str, Any]) -> str:
     for w in summary["workloads"].values():
         digits = w["metric"] == "val_acc"
         lines += [
-            _describe(w, world),
+            _describe(w, world, layout=layout),
             "",
             "| recipe | optimizer | "
             + ("final val accuracy | ratio to ddp | final val loss" if digits else "final val loss | ratio to ddp")
@@ -260,7 +266,7 @@ def markdown(summary: dict[str, Any]) -> str:
     for t in summary["tta"]:
         head = f"**time to accuracy ({t['name']})**, emulated {t['bandwidth']} per node"
         lines += [
-            _describe(t, world, head)
+            _describe(t, world, head, layout)
             + f"; target = ddp's final validation loss {t['target_val_loss']:.3f}. Compute alone (ddp's step "
             f"without communication, median of {len(t['probe_s'])} spread over the run): "
             f"{_f(_times(t['compute_step_s'], 1e3), '.0f')} ms, so communication and its overheads are "
@@ -287,7 +293,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
                 f"{r['sparse_share']:.0%} |"
             )
-        lines.append("")
+        lines += [*link_table({"rows": [{**r, "name": r["recipe"]} for r in t["rows"]]}), ""]
     if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, node_of_rank, per_node
 from gradientflow.bench.quality import (
     TORCH_PEERS,
     Job,
@@ -147,6 +148,7 @@ class _Run:
     steps: int
     step_s: list[float] = field(default_factory=list)
     stats: list[dict[str, float]] = field(default_factory=list)
+    link: list[list[int]] = field(default_factory=list)  # per step [tx, rx] of the node's link (its local rank 0)
     evals: list[dict[str, Any]] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
     status: str = "ok"
@@ -189,6 +191,9 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     data = _Data(job, seed, rank, world)
     probe = _Probe(data, job)
     probe_every = max(1, job.steps // max(1, job.probe_steps))
+    # on an emulated cluster (every rank has LINK_ENV): the kernel's count of the node's link, per step
+    counted = LINK_ENV in os.environ
+    link = LinkCounter.from_env() if counted and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     runs: list[_Run] = []
     n_params = 0
     for recipe in job.recipes:
@@ -233,6 +238,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 continue
             x, y = next(run.batches)
             dist.barrier()
+            before = link.read() if link else None
             t0 = time.perf_counter()
             try:
                 run.opt.zero_grad(set_to_none=True)
@@ -247,6 +253,10 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
             run.sched.step()
             run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
+            if counted:  # after every node's step (outside the clock): the link carried all of its bytes
+                dist.barrier()
+                if link and before:
+                    run.link.append([b - a for a, b in zip(before, link.read())])
         if any(due(r, step + 1) for r in runs):
             eval_all(step + 1)
             if rank == 0:
@@ -273,6 +283,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 "step_s": r.step_s,
                 "stats": r.stats,
                 "evals": r.evals,
+                "link": r.link,
             }
             for r in runs
         ],
@@ -287,6 +298,12 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for i, run in enumerate(per_rank[0]["runs"]):
         run = dict(run)
         run["step_s"] = [max(ts) for ts in zip(*(r["runs"][i]["step_s"] for r in per_rank))]
+        if any(r["runs"][i]["link"] for r in per_rank):  # the kernel's bytes per node (emulated cluster)
+            run["nodes"] = per_node([r["runs"][i] for r in per_rank], [r["node"] for r in per_rank], len(run["step_s"]))
+            if not run["recipe"].startswith("gf-"):  # torch's peers' payload is computed, not the engine's
+                for node in run["nodes"]:
+                    node["payload_bytes"] = node["inter_node_bytes"] = None
+        run.pop("link", None)
         runs.append(run)
     out["runs"] = runs
     return out
@@ -303,7 +320,7 @@ def worker_main(spec_path: str) -> None:
     try:
         results = []
         for jd in spec.jobs:
-            mine = run_job(Job(**jd), spec.seed, rank, world)
+            mine = {**run_job(Job(**jd), spec.seed, rank, world), "node": node_of_rank()}
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, mine)
             results.append(_merge(gathered))

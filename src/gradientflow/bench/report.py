@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.bench.link_bytes import link_summary
 from gradientflow.bench.report_tables import markdown, plot, readme_tables, step_table_row
 from gradientflow.diagnostics.stats import PHASES
 
@@ -57,6 +58,15 @@ NOISY_REFERENCE = 1.10
 the machine (another process, a busy core) for much of the run: every speedup divides by it, so an
 inflated reference inflates them all, and the report says so.  The launches behind the README's
 tables stay within 1.08 (each ``results.json`` records its ``reference_warnings``)."""
+LINK_DEF = (
+    "link tx / rx = bytes the node's link interface sent / received per timed step, read from the kernel's "
+    "counters (/sys/class/net/<link>/statistics/{tx,rx}_bytes in the node's namespace) after the barrier "
+    "before the step and after a barrier after it: frames with their headers, TCP's ACKs and that barrier "
+    "included, setup and the other modes' steps not; median over steps. Traffic between the ranks of one node "
+    "stays on the node's loopback and is not in it. engine = comm_stats()['payload_bytes'] summed over the "
+    "node's ranks (and 'inter_node_bytes' where the engine reports it; — where not), medians; torch DDP's "
+    "modes have no engine count."
+)
 EXPOSED_DEF = (
     "exposed = communication time not hidden behind backward (gradientflow: measured, comm_stats()"
     "['exposed_seconds']; others: median step time minus the compute mode's, marked d)."
@@ -86,6 +96,7 @@ def _row(
     row["mem_added_mb"] = v.get("mem_added_mb")
     if v.get("status") != "ok" or not steps:
         return row
+    row.update(link_summary(v.get("nodes")))
     med = _pct(steps, 50)
     row.update(median_s=med, p10_s=_pct(steps, 10), p90_s=_pct(steps, 90), samples_per_s=world * batch / med)
     row["ref_compute_s"] = ref_s
@@ -181,6 +192,8 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "options": asdict(opts) if is_dataclass(opts) and not isinstance(opts, type) else dict(vars(opts)),
         "network": f"emulated {opts.bandwidth} per node (tc tbf, network namespaces)" if emulated else "loopback",
         "world_size": world,
+        "nodes": main.get("nodes", world),
+        "nproc_per_node": world // max(1, main.get("nodes", world)),
         "n_params": main.get("n_params"),
         "chunk_size": main.get("chunk_size"),
         "threads_per_rank": main.get("threads_per_rank"),
@@ -194,6 +207,7 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
             "alone": ALONE_DEF,
             "shares": SHARE_DEF,
             "thread_cpu": CPU_DEF,
+            "link": LINK_DEF,
         },
         "rows": rows,
         "sweep": sweep,

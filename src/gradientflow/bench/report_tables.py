@@ -60,6 +60,45 @@ def _shares(r: dict[str, Any]) -> str:
     return " / ".join("—" if x is None else f"{100 * x:.0f}" for x in parts)
 
 
+def _layout(summary: dict[str, Any]) -> str:
+    """`` as 2 nodes x 2`` where nodes hold several ranks; nothing for one rank per node (or old results)."""
+    k = summary.get("nproc_per_node", 1)
+    return f" as {summary['nodes']} nodes x {k}" if k > 1 and summary.get("nodes", 1) > 1 else ""
+
+
+def _mb(x: float | None) -> str:
+    return "—" if x is None else f"{x / 2**20:.2f}"
+
+
+def _has_link_data(summary: dict[str, Any]) -> bool:
+    return any(r.get("link_tx_bytes") is not None for r in summary["rows"])
+
+
+def link_table(summary: dict[str, Any]) -> list[str]:
+    """Per mode and node, the bytes the kernel counted on the node's link beside the engine's own count
+    (lines to add to the markdown; none off an emulated cluster)."""
+    if not _has_link_data(summary):
+        return []
+    lines = [
+        "",
+        "Bytes on each node's link per step, the kernel's count (tx / rx of the node's link interface) beside "
+        "the engine's (comm_stats(), summed over the node's ranks):",
+        "",
+        "| mode | node | ranks | link tx MB/step | link rx MB/step | engine payload MB/step "
+        "| engine inter-node MB/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        if not step_table_row(r) or r.get("status") != "ok":
+            continue
+        for nd in r.get("link_nodes") or []:
+            lines.append(
+                f"| {r['name']} | {nd['node']} | {nd['ranks']} | {_mb(nd['tx_bytes'])} | {_mb(nd['rx_bytes'])} "
+                f"| {_mb(nd['payload_bytes'])} | {_mb(nd['inter_node_bytes'])} |"
+            )
+    return lines
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     o = summary["options"]
@@ -69,7 +108,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"`{summary['command']}`" if summary["command"] else "",
         "",
         *([*warnings, ""] if warnings else []),
-        f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks"
+        f"{o['workload']} ({summary['n_params']:,} parameters), {n} ranks{_layout(summary)}"
         f"{'' if o.get('device', 'cpu') == 'cpu' else ' on ' + o['device'].upper()}, {summary['network']}, batch "
         f"{o['batch_size']}/rank, {summary['threads_per_rank']} thread(s)/rank; medians of {o['steps']} timed steps "
         f"after {o['warmup']} warm-up steps, all modes interleaved step by step in one launch "
@@ -100,6 +139,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {r['samples_per_s']:.1f} | {speed} | {wire_s} | {exp_s} | {_shares(r)} | {_cpu(r)} "
             f"| {_mem(r)} |"
         )
+    lines += link_table(summary)
     phased = [r for r in summary["rows"] if r.get("phases_ms") and step_table_row(r)]
     if phased:
         lines += [
@@ -142,6 +182,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"- {d['exposed']}",
         f"- {d['shares']}",
         f"- {d['thread_cpu']}",
+        *([f"- {d['link']}"] if "link" in d and _has_link_data(summary) else []),
         f"- {d['memory']} Base RSS of a rank before any model: {summary['base_rss_mb']:.0f} MB.",
     ]
     return "\n".join(lines).strip() + "\n"

@@ -7,7 +7,9 @@ noise on a shared 2-core machine hits all variants alike.  Rank 0 gathers the pe
 (the slowest rank of each step counts) and writes them to the JSON file named in the spec.
 
 Orchestration (:func:`run_bench`): one torchrun on loopback, or one torchrun per node of an
-:class:`~gradientflow.bench.cluster.EmulatedCluster`.  DDP's PowerSGD hook runs with one bucket
+:class:`~gradientflow.bench.cluster.EmulatedCluster` (``nproc_per_node`` ranks each, a c10d rendezvous
+across nodes when more than one; on an emulated cluster every step also reads the kernel's byte
+counters of each node's link, :mod:`gradientflow.bench.link_bytes`).  DDP's PowerSGD hook runs with one bucket
 (see :data:`POWERSGD_BUCKET_MB`) and still gets its own launch, with its own ``compute``
 reference and a short timeout; a failure there is recorded in the JSON and the other modes are kept.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gradientflow.bench import report
+from gradientflow.bench.bench_memory import timing_allocator
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.bench.runner_launch import error_from_log, free_port, launch_workers, stop, torchrun_argv, wait_all
 from gradientflow.bench.runner_spec import (
@@ -49,7 +52,6 @@ from gradientflow.bench.runner_worker import (
     _step,
     exit_measured,
     powersgd_wire_bytes,
-    timing_allocator,
     worker_main,
 )
 
@@ -108,10 +110,13 @@ def _launch(
         input_shape=list(opts.input_shape) if opts.input_shape else None,
         device=opts.device,
         emulated=cluster is not None,
+        optimizer=opts.optimizer,
     )
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
-    reason, log_path, seconds = launch_workers(name, spec_path, out, opts.nproc, cluster, timeout, threads)
+    reason, log_path, seconds = launch_workers(
+        name, spec_path, out, opts.nproc, cluster, timeout, threads, nproc_per_node=opts.nproc_per_node
+    )
     if reason is None and raw_path.exists():
         return json.loads(raw_path.read_text()), None, seconds
     detail = error_from_log(log_path)
@@ -140,7 +145,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         cluster = None
         if emulate:
-            cluster = stack.enter_context(EmulatedCluster(nodes=opts.nproc, rate=opts.bandwidth, prefix=opts.prefix))
+            cluster = stack.enter_context(EmulatedCluster(nodes=opts.nodes, rate=opts.bandwidth, prefix=opts.prefix))
         launches = run_launches(opts, cluster)
     summary = report.summarize(launches, opts, emulated=cluster is not None)
     report.write_all(summary, Path(opts.out))
@@ -160,7 +165,8 @@ def run_launches(opts: BenchOptions, cluster: Any) -> list[dict[str, Any]]:
     # fails) and the alone twins (own launch: twice the models in one process would not fit AlexNet's
     # 2 x ~9 GB in this machine's memory; a twin is compared with the compute mode of its own launch).
     extra = [("isolated", [v for v in variants if v.mode in ISOLATED]), ("alone", [v for v in variants if v.alone])]
-    where = f"{opts.nproc} emulated nodes ({cluster.describe()})" if cluster else f"{opts.nproc} ranks"
+    layout = f"{opts.nodes} x {opts.nproc_per_node} ranks" if opts.nproc_per_node > 1 else f"{opts.nproc} ranks"
+    where = f"{layout} on emulated nodes ({cluster.describe()})" if cluster else layout
     logger.info(
         "bench %s: %s; %d variants, %d warm-up + %d timed steps each",
         opts.workload,

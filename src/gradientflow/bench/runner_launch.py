@@ -1,5 +1,9 @@
-"""Launching the bench's ranks: torchrun argv, one torchrun on loopback or one per emulated node,
-log pumping, waiting with a deadline, and stopping whole process trees."""
+"""Launching the bench's ranks: torchrun argv, one torchrun on loopback or one per (emulated) node,
+log pumping, waiting with a deadline, and stopping whole process trees.
+
+Nodes of several ranks (``nproc_per_node`` > 1) are launched as a user launches several machines: one
+``torchrun --nnodes M --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint ADDR:PORT --rdzv-id ID`` per
+node, the endpoint on node 0 (docs/multi-node.md)."""
 
 from __future__ import annotations
 
@@ -15,9 +19,20 @@ from pathlib import Path
 from typing import IO, Any
 
 from gradientflow.bench.cluster_net import stop
+from gradientflow.bench.link_bytes import LINK_ENV, NODE_ENV
 from gradientflow.bench.runner_spec import MARK
 
-__all__ = ["error_from_log", "free_port", "launch_workers", "stop", "torchrun_argv", "wait_all"]
+__all__ = [
+    "NODE_ENV",
+    "LINK_ENV",
+    "c10d_torchrun_argv",
+    "error_from_log",
+    "free_port",
+    "launch_workers",
+    "stop",
+    "torchrun_argv",
+    "wait_all",
+]
 
 _CLUSTER_PORTS = itertools.count(29500)
 """Rendezvous ports on an emulated cluster: the node namespaces are ours alone, and each launch takes
@@ -56,6 +71,50 @@ def torchrun_argv(
         master_addr,
         "--master-port",
         str(master_port),
+        "--max-restarts",
+        "0",
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def c10d_torchrun_argv(
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    endpoint: str,
+    rdzv_id: str,
+    local_addr: str,
+    hosts_store: bool,
+    args: list[str],
+    module: str = "gradientflow.bench.runner",
+) -> list[str]:
+    """One node's ``torchrun`` with a c10d rendezvous at ``endpoint`` (``HOST:PORT``), as on a real machine.
+
+    Two flags a user on real machines usually does without: ``--local-addr`` (the node's address on
+    the link: every namespace shares this machine's hostname, which resolves to none of them, and
+    torchrun would hand that name to the others as the address of rank 0's store) and ``--rdzv-conf
+    is_host=...`` (torchrun decides who hosts the rendezvous store by matching the endpoint against the
+    machine's hostname and addresses, which the namespaces' addresses are not among)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"is_host={int(hosts_store)}",
+        "--local-addr",
+        local_addr,
         "--max-restarts",
         "0",
         "-m",
@@ -128,13 +187,25 @@ def launch_workers(
     timeout: float,
     threads: int,
     module: str = "gradientflow.bench.runner",
+    nproc_per_node: int = 1,
 ) -> tuple[str | None, Path, float]:
-    """Run ``python -m module SPEC`` on ``nproc`` ranks: one torchrun on loopback (``cluster`` None) or one
-    torchrun per node of an emulated cluster; every line goes to ``out/launch-{name}.log``.
+    """Run ``python -m module SPEC`` on ``nproc`` ranks, ``nproc_per_node`` per node: one torchrun on
+    loopback (``cluster`` None and one rank per node: every rank in it, as always), one torchrun per node
+    of an emulated cluster, or (nodes of several ranks, no cluster) one torchrun per node on loopback;
+    every line goes to ``out/launch-{name}.log``.
 
-    Returns (None if every launcher exited 0, else a one-line reason; the log's path; seconds).
-    Everything started is stopped before returning, also on timeout.
+    One rank per node on a cluster keeps its static rendezvous (node i is node rank i); several use
+    c10d, as on real machines (:func:`c10d_torchrun_argv`).  Returns (None if every launcher exited 0,
+    else a one-line reason; the log's path; seconds).  Everything started is stopped before returning,
+    also on timeout or when a rank fails.
     """
+    if nproc_per_node < 1 or nproc % nproc_per_node:
+        raise ValueError(f"{nproc} ranks cannot be split into nodes of {nproc_per_node}: pass a multiple")
+    nodes = nproc // nproc_per_node
+    if cluster is not None and cluster.nodes != nodes:
+        raise ValueError(
+            f"{nproc} ranks at {nproc_per_node} per node need {nodes} nodes; the cluster has {cluster.nodes}"
+        )
     # fixed mmap threshold: big tensors are mmapped and returned on free, so RSS deltas per mode are
     # exact; workers switch to malloc's steady state before timing (timing_allocator)
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
@@ -147,7 +218,7 @@ def launch_workers(
         pumps = []
         try:
             io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-            if cluster is None:
+            if cluster is None and (nodes == 1 or nproc_per_node == 1):  # loopback: one torchrun, as always
                 argv = torchrun_argv(
                     nnodes=1,
                     node_rank=0,
@@ -158,7 +229,7 @@ def launch_workers(
                     module=module,
                 )
                 procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, **io))
-            else:
+            elif nproc_per_node == 1:
                 port = next(_CLUSTER_PORTS)
                 for i in range(nproc):
                     argv = torchrun_argv(
@@ -170,7 +241,29 @@ def launch_workers(
                         args=args,
                         module=module,
                     )
-                    procs.append(cluster.popen(i, argv, env=env, **io))
+                    procs.append(cluster.popen(i, argv, env={**env, **_node_env(cluster, i)}, **io))
+            else:
+                addrs = cluster.addresses if cluster is not None else ["127.0.0.1"] * nodes
+                port = next(_CLUSTER_PORTS) if cluster is not None else free_port()
+                rdzv_id = f"gf-{name}-{os.getpid()}-{port}"
+                for i in range(nodes):
+                    argv = c10d_torchrun_argv(
+                        nnodes=nodes,
+                        nproc_per_node=nproc_per_node,
+                        endpoint=f"{addrs[0]}:{port}",
+                        rdzv_id=rdzv_id,
+                        local_addr=addrs[i],
+                        hosts_store=i == 0,
+                        args=args,
+                        module=module,
+                    )
+                    node_env = {**env, **_node_env(cluster, i)}
+                    if cluster is not None:
+                        procs.append(cluster.popen(i, argv, env=node_env, **io))
+                    else:
+                        procs.append(
+                            subprocess.Popen(argv, env={**os.environ, **node_env}, start_new_session=True, **io)
+                        )
             pumps = [_pump(p.stdout, log, lock) for p in procs]
             reason = wait_all(procs, timeout)
         finally:
@@ -179,3 +272,12 @@ def launch_workers(
             for t in pumps:
                 t.join(timeout=5)
     return reason, log_path, time.monotonic() - t0
+
+
+def _node_env(cluster: Any, node: int) -> dict[str, str]:
+    """What a node's torchrun passes to its ranks: which node they are on and, on an emulated cluster,
+    the link whose counters they read (``GLOO_SOCKET_IFNAME`` is set by ``cluster.popen``)."""
+    env = {NODE_ENV: str(node)}
+    if cluster is not None:
+        env[LINK_ENV] = cluster.ifnames[node]
+    return env

@@ -6,6 +6,7 @@ Shared by the launcher (:mod:`gradientflow.bench.runner`) and the worker
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,14 @@ MODES = (
     "ddp-powersgd",
     "compute",
 )
+EXTRA_MODES = ("gf-auto",)
+"""Modes run only when named (``--modes``): ``gf-auto`` is ``compression="auto"``, the recipe of the
+bench's optimizer (SGD: CSC; ``--optimizer adamw``: the quantised ring)."""
+TOPOLOGY_SUFFIX = "@"
+"""``gf-fp16@flat``: a gradientflow mode with the engine's ``topology`` option (``flat``, ``auto`` or
+``MxG``), so one table holds a mode forced flat beside the same mode on the node layout torchrun gives."""
+_TOPOLOGY = re.compile(r"flat|auto|[1-9]\d*x[1-9]\d*")
+OPTIMIZERS = ("sgd", "adamw")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
 must not take the other modes with it."""
@@ -42,6 +51,36 @@ them in different orders, and Gloo aborts ("Received data size doesn't match exp
 also sets DDP's first bucket to it, so there is exactly one bucket: no overlap, PowerSGD's
 compression runs after backward."""
 MARK = "[gf] "  # workers prefix lines meant for the user's terminal with this
+
+
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """``"gf-fp16@flat"`` -> ``("gf-fp16", "flat")``; ``"ddp"`` -> ``("ddp", None)``.  ``ValueError`` saying
+    what to pass for an unknown mode, a topology on a mode that is not gradientflow's, or a bad topology."""
+    base, at, topology = mode.partition(TOPOLOGY_SUFFIX)
+    if base not in MODES + EXTRA_MODES:
+        raise ValueError(f"unknown mode {base!r}: choose from {' '.join(MODES + EXTRA_MODES)}")
+    if not at:
+        return base, None
+    if not base.startswith("gf-"):
+        raise ValueError(f"mode {mode!r}: only gradientflow modes (gf-*) take @TOPOLOGY; {base} is not one")
+    try:
+        return base, check_topology(topology)
+    except ValueError as exc:
+        raise ValueError(f"mode {mode!r}: the topology after @ {exc}") from None
+
+
+def check_topology(value: object) -> str:
+    """``value`` if it is a layout the engine's ``topology`` option takes (``flat``, ``auto``, ``MxG``)."""
+    if not isinstance(value, str) or not _TOPOLOGY.fullmatch(value):
+        raise ValueError(f"must be flat, auto or MxG (M nodes x G ranks, e.g. 2x4), got {value!r}")
+    return value
+
+
+def topology_kwargs(mode: str) -> dict[str, str]:
+    """The keyword a mode passes to ``gradientflow.DistributedDataParallel`` for its layout: none for a plain
+    mode (the engine's default), ``{"topology": T}`` for ``mode@T``."""
+    topology = split_mode(mode)[1]
+    return {} if topology is None else {"topology": topology}
 
 
 @dataclass(frozen=True)
@@ -77,6 +116,7 @@ class BenchSpec:
     input_shape: list[int] | None = None  # a user's model (workload "module:factory"): one sample's shape
     device: str = "cpu"  # "cuda": every rank on GPU (local rank mod the GPU count)
     emulated: bool = False  # ranks in network namespaces of this machine: their bytes must cross the shaped link
+    optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw" (what compression="auto" turns into the quantised ring)
 
 
 def rank_device(kind: str, local_rank: int) -> torch.device:
@@ -89,9 +129,9 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
 def process_group_backend(device: torch.device, ranks_per_node: int, emulated: bool = False) -> str:
     """NCCL when every rank of a node has a GPU of its own, else Gloo (which also carries CUDA tensors).
 
-    Always Gloo in an emulated cluster: its nodes are namespaces of one machine, each with one rank
-    (so one rank per node is no proof of a GPU each: they share this machine's), and NCCL would find
-    its peers on the same host and move bytes through shared memory, past the shaped link."""
+    Always Gloo in an emulated cluster: its nodes are namespaces of one machine (so a node's ranks are
+    no proof of a GPU each: every node shares this machine's), and NCCL would find its peers on the same
+    host and move bytes through shared memory, past the shaped link."""
     if device.type == "cuda" and not emulated and torch.cuda.device_count() >= ranks_per_node:
         return "nccl"
     return "gloo"
@@ -129,7 +169,8 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], 
     for m in modes:
         if m == "compute":
             continue
-        theta = fusion_mb if m.startswith("gf-") and not m.endswith("-auto") else None  # auto: its own θ
+        base = split_mode(m)[0]
+        theta = fusion_mb if base.startswith("gf-") and not base.endswith("-csc-auto") else None  # auto: its own θ
         out.append(Variant(m, m, theta))
     if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
         out += [
@@ -149,7 +190,8 @@ class BenchOptions:
 
     workload: str = "resnet50"  # a built-in model, or "package.module:factory" with input_shape
     input_shape: tuple[int, ...] | None = None
-    nproc: int = 2
+    nproc: int = 2  # ranks in all
+    nproc_per_node: int = 1  # ranks per (emulated) node: nproc / nproc_per_node nodes
     steps: int = 20
     warmup: int = 3
     modes: list[str] = field(default_factory=lambda: list(MODES))
@@ -166,3 +208,9 @@ class BenchOptions:
     out: str = "benchmarks/results"
     device: str = "cpu"
     links: list[str] = field(default_factory=list)  # link profiles (bench.links.PROFILES): the matrix instead
+    optimizer: str = "sgd"
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the run (``nproc / nproc_per_node``; the CLI checks that it divides)."""
+        return self.nproc // self.nproc_per_node

@@ -15,7 +15,6 @@ import logging
 import os
 import resource
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradientflow.bench.bench_memory import PeakRss, rss_mb, timing_allocator
+from gradientflow.bench.link_bytes import LinkCounter, node_of_rank, per_node
 from gradientflow.bench.runner_spec import (
     CSC_DENSITY,
     DDP_DEFAULT_BUCKET_MB,
@@ -38,36 +39,13 @@ from gradientflow.bench.runner_spec import (
     make_model,
     process_group_backend,
     rank_device,
+    split_mode,
+    topology_kwargs,
 )
 from gradientflow.config import auto_chunk_size
 from gradientflow.diagnostics.stats import PHASES
 
 logger = logging.getLogger(__name__)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _PeakRss:
-    """Samples this process's resident set every 2 ms while active; ``peak`` in MB."""
-
-    def __enter__(self) -> _PeakRss:
-        self.peak = _rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_mb())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mb())
 
 
 def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
@@ -101,37 +79,48 @@ def _build(
     n = sum(p.numel() for p in params)
     momentum = 0.9
     wire: int | None = None
-    if v.mode == "compute":
+    mode = split_mode(v.mode)[0]
+    if mode == "compute":
         wrapped: nn.Module = model
         wire = 0
-    elif v.mode.startswith("gf-"):
-        csc = "-csc" in v.mode
+    elif mode == "gf-auto":  # the optimizer's recipe, from its first step (the warm-up steps cover it)
         wrapped = gf.DistributedDataParallel(
             model,
             device_ids=ids,
             process_group=group,
             fusion_threshold_mb=v.theta_mb,
-            comm_dtype="fp32" if v.mode == "gf-fp32" else "bf16" if v.mode.startswith("gf-bf16") else "fp16",
+            compression="auto",
+            **topology_kwargs(v.mode),
+        )
+    elif mode.startswith("gf-"):
+        csc = "-csc" in mode
+        wrapped = gf.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            process_group=group,
+            fusion_threshold_mb=v.theta_mb,
+            comm_dtype="fp32" if mode == "gf-fp32" else "bf16" if mode.startswith("gf-bf16") else "fp16",
             algorithm=spec.algorithm,
             density=CSC_DENSITY if csc else None,
             chunk_size=chunk_size,
             warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
-            csc_scope="slice" if v.mode.endswith("-slice") else "global",
-            schedule="auto" if v.mode.endswith("-auto") else "fixed",  # auto: θ and scope from the link
+            csc_scope="slice" if mode.endswith("-slice") else "global",
+            schedule="auto" if mode.endswith("-auto") else "fixed",  # auto: θ and scope from the link
+            **topology_kwargs(v.mode),  # mode@flat: the engine's layout forced (a TypeError before it has one)
         )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
-        if v.mode == "ddp-powersgd":
+        if mode == "ddp-powersgd":
             cap = POWERSGD_BUCKET_MB
         wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap, process_group=group)
         wire = 4 * n
-        if v.mode == "ddp-fp16":
+        if mode == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             # the hook's state is its process group (None: the default one)
             wrapped.register_comm_hook(group, default_hooks.fp16_compress_hook)
             wire = 2 * n
-        elif v.mode == "ddp-powersgd":
+        elif mode == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
             # start_powerSGD_iter=2 is the earliest torch allows; the bench's warm-up covers it
@@ -140,7 +129,11 @@ def _build(
             )
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
             wire = powersgd_wire_bytes(params)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=spec.lr, momentum=momentum)
+    opt: torch.optim.Optimizer
+    if spec.optimizer == "adamw":  # the transformer's optimizer in bench --quality (docs/adamw.md)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(wrapped.parameters(), lr=spec.lr, momentum=momentum)
     return wrapped, opt, wire
 
 
@@ -186,42 +179,11 @@ def _stats_of(model: nn.Module) -> dict[str, float]:
         return {}
     s = model.comm_stats()
     out = {k: float(s[k]) for k in STAT_KEYS}
+    if "inter_node_bytes" in s:  # the two-level engine's count of what it sent between nodes
+        out["inter_node_bytes"] = float(s["inter_node_bytes"])
     out.update({f"phase_{p}_s": 0.0 for p in PHASES})
     out.update({k: float(v) for k, v in s.items() if k.startswith("phase_")})
     return out
-
-
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-
-
-def timing_allocator() -> bool:
-    """Give malloc back its steady-state behaviour before anything is timed.
-
-    Workers start with ``MALLOC_MMAP_THRESHOLD_=131072`` (see :func:`launch_workers`): every
-    tensor over 128 KB is mmapped and unmapped on free, so the RSS each mode adds while it is
-    built is exact.  Timed like that, every step page-faults its activations (and a fresh
-    ``.grad`` per parameter where ``zero_grad(set_to_none=True)`` dropped them): on ResNet-50,
-    2 ranks, the compute-only step took 339 ms instead of 206, which dilutes every
-    communication overhead.  A long-running process with glibc's default (dynamic) threshold
-    reuses those blocks from its heap; 32 MB (the dynamic threshold's ceiling) and a trim
-    threshold twice that are that steady state.  A no-op where glibc's ``mallopt`` is absent;
-    returns whether the thresholds were set.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD) and libc.mallopt(
-            _M_TRIM_THRESHOLD, 2 * _STEADY_MMAP_THRESHOLD
-        )
-    except (OSError, AttributeError):
-        ok = False
-    if not ok:
-        logger.warning("bench: could not set malloc's thresholds; timing with the launcher's")
-    return bool(ok)
 
 
 def worker_main(spec_path: str) -> None:
@@ -236,6 +198,8 @@ def worker_main(spec_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda msg: print(MARK + msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     say(f"{world} ranks on {device.type} ({backend})")
+    # the kernel's count of this node's link, read by one rank per node (they share the link)
+    link = LinkCounter.from_env() if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     x, y = make_batch(spec, rank)
     x, y = x.to(device), (None if y is None else y.to(device))
     probe = make_model(spec.workload).to(device)
@@ -244,7 +208,7 @@ def worker_main(spec_path: str) -> None:
     # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode
     _loss(probe(x), y).backward()
     del probe
-    base_rss = _rss_mb()
+    base_rss = rss_mb()
     # every rank creates every group (new_group's contract); each keeps the one holding only itself
     alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) else None
     runs: list[dict[str, Any]] = []
@@ -259,14 +223,15 @@ def worker_main(spec_path: str) -> None:
             "stats": [],
             "computed_wire_bytes": None,
             "mem_added_mb": None,
+            "link": [],
         }
-        before = _rss_mb()
+        before = rss_mb()
         if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device) / 2**20
         try:
             # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
-            with _PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
+            with PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
                 model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
                 sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
                 if sched is not None:
@@ -294,6 +259,7 @@ def worker_main(spec_path: str) -> None:
             if rec["status"] != "ok":
                 continue
             dist.barrier()
+            before = link.read() if link else None
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _step(*rec["_obj"], x, y)
@@ -303,6 +269,10 @@ def worker_main(spec_path: str) -> None:
                 continue
             cpu = time.thread_time() - c0  # read first: the CPU interval lies inside the wall interval
             rec["step_s"].append(time.perf_counter() - t0)
+            if spec.emulated:  # after every node's step: the link then carried this step's bytes, all of them
+                dist.barrier()
+                if link and before:
+                    rec["link"].append([b - a for a, b in zip(before, link.read())])
             rec["cpu_s"].append(cpu)  # this thread runs forward, backward (on CPU) and the optimizer
             rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
@@ -312,7 +282,7 @@ def worker_main(spec_path: str) -> None:
         rec.pop("_obj", None)
     gc.collect()
     maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    mine = {"runs": runs, "base_rss_mb": base_rss, "maxrss_mb": maxrss_mb}
+    mine = {"runs": runs, "base_rss_mb": base_rss, "maxrss_mb": maxrss_mb, "node": node_of_rank()}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -327,7 +297,7 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
     for i, rec in enumerate(per_rank[0]["runs"]):
         ranks = [r["runs"][i] for r in per_rank]
         n = min(len(r["step_s"]) for r in ranks)
-        out = {k: v for k, v in rec.items() if k not in ("step_s", "cpu_s", "stats")}
+        out = {k: v for k, v in rec.items() if k not in ("step_s", "cpu_s", "stats", "link")}
         errors = [r["error"] for r in ranks if r["error"]]
         out["status"] = "error" if errors else "ok"
         out["error"] = errors[0] if errors else None
@@ -336,9 +306,11 @@ def _merge(per_rank: list[dict[str, Any]], spec: BenchSpec, n_params: int, chunk
         keys = ranks[0]["stats"][0].keys() if n and ranks[0]["stats"] else []
         out["stats"] = {k: [max(r["stats"][s].get(k, 0.0) for r in ranks) for s in range(n)] for k in keys}
         out["mem_added_mb"] = max((r["mem_added_mb"] or 0.0) for r in ranks)
+        out["nodes"] = per_node(ranks, [r["node"] for r in per_rank], n)  # kernel link bytes, engine's per node
         variants.append(out)
     return {
         "world_size": world,
+        "nodes": len({r["node"] for r in per_rank}),
         "n_params": n_params,
         "chunk_size": chunk,
         "threads_per_rank": spec.threads,

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
-    from gradientflow.bench.runner import MODES
+    from gradientflow.bench.runner_spec import EXTRA_MODES, MODES, OPTIMIZERS
     from gradientflow.sim.command import parse_shape
 
     b.add_argument(
@@ -34,7 +34,22 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="one sample's input shape for your model (--workload package.module:factory); it is fed "
         "N(0, 1) inputs and trained on the mean square of its outputs",
     )
-    b.add_argument("--nproc", type=types.positive_int, default=2, help="ranks (= emulated nodes) (default 2)")
+    b.add_argument(
+        "--nproc",
+        type=types.positive_int,
+        default=2,
+        help="ranks in all (default 2); nodes = NPROC / --nproc-per-node",
+    )
+    b.add_argument(
+        "--nproc-per-node",
+        type=types.positive_int,
+        default=1,
+        metavar="K",
+        help="ranks per node (default 1: every rank its own node). K > 1: each node one torchrun with "
+        "--nproc-per-node K and a c10d rendezvous across nodes, as on real machines; on an emulated "
+        "cluster the ranks of a node talk over its loopback and only traffic between nodes crosses the "
+        "shaped link (docs/multi-node.md). NPROC must be a multiple of K",
+    )
     b.add_argument(
         "--steps",
         type=types.positive_int,
@@ -45,10 +60,19 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--modes",
         nargs="+",
-        choices=MODES,
+        type=types.bench_mode,
         default=list(MODES),
         metavar="MODE",
-        help=f"modes to compare (default all): {' '.join(MODES)}; 'compute' is always added",
+        help=f"modes to compare (default all of {' '.join(MODES)}); also {' '.join(EXTRA_MODES)} "
+        '(compression="auto": the --optimizer\'s recipe). A gradientflow mode may end in @flat, @auto or '
+        "@MxG: the engine's topology option (e.g. gf-fp16@flat beside gf-fp16); 'compute' is always added",
+    )
+    b.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="the step-time bench's optimizer (default sgd: SGD momentum 0.9; adamw: AdamW lr 1e-3, betas "
+        "(0.9, 0.95), weight decay 0.1, with which gf-auto runs the quantised recipe)",
     )
     b.add_argument(
         "--no-alone",
@@ -151,6 +175,13 @@ def run(args: argparse.Namespace) -> int:
         err = f"--workload {args.workload} (your model) needs --input-shape, one sample's shape (e.g. 3,224,224)"
     elif not custom and args.input_shape is not None:
         err = f"--input-shape is for your own model (--workload package.module:factory); {args.workload} has its own"
+    elif args.nproc % args.nproc_per_node:
+        err = (
+            f"--nproc {args.nproc} (ranks in all) is not a multiple of --nproc-per-node {args.nproc_per_node}: "
+            f"pass e.g. --nproc {args.nproc_per_node * max(2, args.nproc // args.nproc_per_node)}"
+        )
+    elif args.links and args.nproc_per_node > 1:
+        err = "--links measures one rank per node; drop --nproc-per-node or --links"
     elif args.device == "cuda" and not torch.cuda.is_available():
         err = "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)"
     if err:
@@ -160,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         workload=args.workload,
         input_shape=args.input_shape,
         nproc=args.nproc,
+        nproc_per_node=args.nproc_per_node,
+        optimizer=args.optimizer,
         steps=args.steps or 20,
         warmup=args.warmup,
         modes=list(dict.fromkeys(args.modes)),

@@ -82,11 +82,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.nproc % args.nproc_per_node:
+        print(
+            f"gradientflow bench: error: --nproc {args.nproc} (ranks in all) is not a multiple of --nproc-per-node "
+            f"{args.nproc_per_node}: pass e.g. --nproc {2 * args.nproc_per_node}",
+            file=sys.stderr,
+        )
+        return 2
     workloads = [WORKLOAD_OF_CLI[args.workload]] if args.workload else list(WORKLOAD_OF_CLI.values())
     opts = QualityOptions(
         workloads=workloads,
         recipes=args.recipes,
         nproc=args.nproc,
+        nproc_per_node=args.nproc_per_node,
         steps=args.steps or 400,
         tta_steps=args.tta_steps,
         eval_every=args.eval_every,

@@ -136,6 +136,17 @@ def workload(text: str) -> str:
     return text
 
 
+def bench_mode(text: str) -> str:
+    """A mode of ``gradientflow bench``, gradientflow's optionally with ``@flat`` / ``@auto`` / ``@MxG``."""
+    from gradientflow.bench.runner_spec import split_mode
+
+    try:
+        split_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def recipe(text: str) -> str:
     from gradientflow.bench.quality import parse_recipe
 
