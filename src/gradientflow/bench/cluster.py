@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import threading
+from types import FrameType
+from typing import Any
 
 from gradientflow.bench.cluster_net import (
     _IFNAME_MAX,
@@ -111,7 +113,7 @@ class EmulatedCluster:
         self.gateways = [f"{SUBNET}.{4 * i + 1}" for i in range(nodes)]
         self.master_addr = self.addresses[0]
         self._children: list[subprocess.Popen] = []
-        self._prev_handlers: dict[int, object] = {}
+        self._prev_handlers: dict[int, Any] = {}
         self._active = False
         self._lock = threading.RLock()  # close() may re-enter from a signal handler
 
@@ -263,7 +265,7 @@ class EmulatedCluster:
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._prev_handlers = {}
 
-    def _on_signal(self, signum: int, frame: object) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
         logger.warning("signal %d: tearing down emulated cluster %s", signum, self.prefix)
         self.close()
@@ -275,7 +277,7 @@ class EmulatedCluster:
             os.kill(os.getpid(), signum)
 
     # ---- processes -------------------------------------------------------------------
-    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside node ``node``'s namespace.
 
         ``env`` is added to a copy of this process's environment; ``GLOO_SOCKET_IFNAME`` is
@@ -290,7 +292,7 @@ class EmulatedCluster:
         full_env["GLOO_SOCKET_IFNAME"] = self.ifnames[node]
         full_env.update(env or {})
         kw.setdefault("start_new_session", True)
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **kw)  # type: ignore[arg-type]
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **kw)
         self._children.append(proc)
         return proc
 

@@ -217,7 +217,7 @@ def launch_workers(
         procs: list[subprocess.Popen] = []
         pumps = []
         try:
-            io = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+            io: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
             if cluster is None and (nodes == 1 or nproc_per_node == 1):  # loopback: one torchrun, as always
                 argv = torchrun_argv(
                     nnodes=1,
@@ -264,7 +264,7 @@ def launch_workers(
                         procs.append(
                             subprocess.Popen(argv, env={**os.environ, **node_env}, start_new_session=True, **io)
                         )
-            pumps = [_pump(p.stdout, log, lock) for p in procs]
+            pumps = [_pump(p.stdout, log, lock) for p in procs if p.stdout is not None]  # PIPE: always set
             reason = wait_all(procs, timeout)
         finally:
             for p in procs:

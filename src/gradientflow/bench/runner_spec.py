@@ -76,7 +76,7 @@ def check_topology(value: object) -> str:
     return value
 
 
-def topology_kwargs(mode: str) -> dict[str, str]:
+def topology_kwargs(mode: str) -> dict[str, Any]:
     """The keyword a mode passes to ``gradientflow.DistributedDataParallel`` for its layout: none for a plain
     mode (the engine's default), ``{"topology": T}`` for ``mode@T``."""
     topology = split_mode(mode)[1]

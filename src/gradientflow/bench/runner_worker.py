@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from gradientflow.diagnostics.stats import PHASES
 logger = logging.getLogger(__name__)
 
 
-def powersgd_wire_bytes(params: list[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
+def powersgd_wire_bytes(params: Sequence[torch.Tensor], rank: int = POWERSGD_RANK, min_rate: float = 2.0) -> int:
     """Bytes torch's ``powerSGD_hook`` hands to allreduce per step, from its own rule.
 
     Each gradient is viewed as (shape[0], -1); it is compressed to P (n x r) and Q (m x r) when
@@ -74,7 +75,7 @@ def _build(
 
     torch.manual_seed(0)
     model = make_model(spec.workload).to(device)
-    ids = None if device.type == "cpu" else [device.index]
+    ids: list[int | torch.device] | None = None if device.type == "cpu" else [device.index]
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     momentum = 0.9
@@ -112,13 +113,13 @@ def _build(
         cap = v.theta_mb if v.theta_mb is not None else DDP_DEFAULT_BUCKET_MB
         if mode == "ddp-powersgd":
             cap = POWERSGD_BUCKET_MB
-        wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap, process_group=group)
+        torch_ddp = wrapped = TorchDDP(model, device_ids=ids, bucket_cap_mb=cap, process_group=group)
         wire = 4 * n
         if mode == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             # the hook's state is its process group (None: the default one)
-            wrapped.register_comm_hook(group, default_hooks.fp16_compress_hook)
+            torch_ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
             wire = 2 * n
         elif mode == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -127,7 +128,7 @@ def _build(
             state = psgd.PowerSGDState(
                 process_group=group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2
             )
-            wrapped.register_comm_hook(state, psgd.powerSGD_hook)
+            torch_ddp.register_comm_hook(state, psgd.powerSGD_hook)
             wire = powersgd_wire_bytes(params)
     opt: torch.optim.Optimizer
     if spec.optimizer == "adamw":  # the transformer's optimizer in bench --quality (docs/adamw.md)
@@ -170,14 +171,49 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
         torch.cuda.synchronize(x.device)
 
 
+def _build_and_warm(
+    rec: dict[str, Any],
+    v: Variant,
+    spec: BenchSpec,
+    chunk: int,
+    device: torch.device,
+    alone: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+) -> None:
+    """Build ``v``'s model and optimizer into ``rec["_obj"]`` and run its warm-up steps, recording the memory
+    they added.  Only ``rec`` holds the model afterwards (freed before the exit, while the group exists)."""
+    before = rss_mb()
+    if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) / 2**20
+    # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
+    with PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
+        model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone)
+        sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
+        if sched is not None:
+            rec["schedule"] = {"theta_mb": sched.fusion_threshold_mb, "scope": sched.csc_scope}
+            rec["schedule"]["reason"] = sched.reason
+        for _ in range(spec.warmup):
+            _step(model, opt, x, y)
+    if device.type == "cuda":
+        top = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        assert peak is not None  # the RSS sampler runs on CPU
+        top = peak.peak
+    rec["mem_added_mb"] = top - before
+    rec["_obj"] = (model, opt)
+
+
 STAT_KEYS = ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives", "host_syncs")
 
 
 def _stats_of(model: nn.Module) -> dict[str, float]:
     """The counters the report uses, with every ``phase_*_s`` (0 for phases a step did not run)."""
-    if not hasattr(model, "comm_stats"):
+    comm_stats = getattr(model, "comm_stats", None)  # gradientflow's wrapper (torch DDP has none)
+    if comm_stats is None:
         return {}
-    s = model.comm_stats()
+    s = comm_stats()
     out = {k: float(s[k]) for k in STAT_KEYS}
     if "inter_node_bytes" in s:  # the two-level engine's count of what it sent between nodes
         out["inter_node_bytes"] = float(s["inter_node_bytes"])
@@ -225,44 +261,28 @@ def worker_main(spec_path: str) -> None:
             "mem_added_mb": None,
             "link": [],
         }
-        before = rss_mb()
-        if device.type == "cuda":  # on a GPU the memory a mode adds is device memory, not host RSS
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device) / 2**20
         try:
-            # on a GPU the memory a mode adds is the device's (below): no RSS sampler thread there
-            with PeakRss() if device.type == "cpu" else contextlib.nullcontext() as peak:
-                model, opt, rec["computed_wire_bytes"] = _build(v, spec, chunk, device, alone if v.alone else None)
-                sched = getattr(model, "schedule", None)  # schedule="auto": what it chose, and why
-                if sched is not None:
-                    rec["schedule"] = {"theta_mb": sched.fusion_threshold_mb, "scope": sched.csc_scope}
-                    rec["schedule"]["reason"] = sched.reason
-                for _ in range(spec.warmup):
-                    _step(model, opt, x, y)
-            top = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak.peak
-            rec["mem_added_mb"] = top - before
-            rec["_obj"] = (model, opt)
+            _build_and_warm(rec, v, spec, chunk, device, alone if v.alone else None, x, y)
         except Exception as exc:  # noqa: BLE001 — recorded per mode; the other modes go on
             rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
             say(f"{v.name}: {rec['error']}")
         runs.append(rec)
         say(f"built {v.name} (+{rec['mem_added_mb'] or 0:.0f} MB after {spec.warmup} warm-up steps)")
-    model = opt = None  # only `runs` holds the models (they are freed before the exit, below)
     timing_allocator()
     for rec in runs:  # one untimed round in that allocator: the heap grows once, here
         if rec["status"] == "ok":
             dist.barrier()
-            _step(*rec["_obj"], x, y)
+            _step(rec["_obj"][0], rec["_obj"][1], x, y)
     say(f"timing {spec.steps} rounds of {sum(r['status'] == 'ok' for r in runs)} variants")
     for step in range(spec.steps):
         for rec in runs:
             if rec["status"] != "ok":
                 continue
             dist.barrier()
-            before = link.read() if link else None
+            counters = link.read() if link else None
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                _step(*rec["_obj"], x, y)
+                _step(rec["_obj"][0], rec["_obj"][1], x, y)
             except Exception as exc:  # noqa: BLE001
                 rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}"
                 say(f"{rec['name']}: {rec['error']}")
@@ -271,8 +291,8 @@ def worker_main(spec_path: str) -> None:
             rec["step_s"].append(time.perf_counter() - t0)
             if spec.emulated:  # after every node's step: the link then carried this step's bytes, all of them
                 dist.barrier()
-                if link and before:
-                    rec["link"].append([b - a for a, b in zip(before, link.read())])
+                if link and counters:
+                    rec["link"].append([b - a for a, b in zip(counters, link.read())])
             rec["cpu_s"].append(cpu)  # this thread runs forward, backward (on CPU) and the optimizer
             rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
