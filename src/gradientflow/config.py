@@ -230,7 +230,8 @@ class GradientFlowConfig:
     def __post_init__(self) -> None:
         check_theta("fusion_threshold_mb", self.fusion_threshold_mb)
         dtype: object = self.comm_dtype
-        dtype = COMM_DTYPE_ALIASES.get(dtype.strip().lower() if isinstance(dtype, str) else dtype, dtype)
+        if isinstance(dtype, (str, torch.dtype)):  # torch.float16, "float16", "FP16": the names of the table
+            dtype = COMM_DTYPE_ALIASES.get(dtype.strip().lower() if isinstance(dtype, str) else dtype, dtype)
         more = ", or torch.float32 / torch.float16 / torch.bfloat16"
         object.__setattr__(self, "comm_dtype", pick("comm_dtype", dtype, [*COMM_DTYPES, "half"], more))
         object.__setattr__(self, "algorithm", pick("algorithm", self.algorithm, ALGORITHMS))
