@@ -8,7 +8,10 @@ It trains a small MLP on scikit-learn's handwritten digits (shipped with the pac
 and the optimizer written by rank 0 every ``--save-every`` steps (plus, with gradientflow, each rank's
 ``model.comm_state_dict()``: CSC residuals are per rank), and resume from it when it exists — so a
 run restarted by ``torchrun --max-restarts 1`` continues where it stopped.  The only line that
-differs between the two backends is the import.
+differs between the two backends is the import; ``--density`` / ``--comm-dtype`` add gradientflow's own
+options, and without them the constructor call is torch DDP's.  Two lines are there for torch, not for
+gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a restarted attempt
+under Gloo on torch 2.13) and the early ``import torch.distributed.nn`` (a clean exit); their comments say why.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--density", type=float, default=None, help="gradientflow only: CSC density (default dense)")
-    p.add_argument("--comm-dtype", default="fp32", help="gradientflow only: fp32 | fp16 | bf16")
+    p.add_argument("--comm-dtype", default=None, help="gradientflow only: fp32 (default) | fp16 | bf16")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
     p.add_argument(
@@ -62,8 +65,10 @@ def main() -> None:
 
     use_cuda = torch.cuda.is_available()
     # torchrun's store outlives a restart (--max-restarts): the restarted workers would read the dead
-    # ones' addresses from it and fail to connect (seen with Gloo on torch 2.13).  A prefix per attempt
-    # keeps each attempt's keys apart; without restarts this is plain init_process_group().
+    # ones' addresses from it and fail to connect (seen with Gloo on torch 2.13, with either backend: torch
+    # 2.13's env:// rendezvous no longer prefixes its keys per attempt, and init_process_group runs before
+    # any DDP).  A prefix per attempt keeps each attempt's keys apart; without restarts this is plain
+    # init_process_group().
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
@@ -85,11 +90,9 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
-    extra = {}
-    if args.backend == "gradientflow":
-        extra = {"density": args.density, "comm_dtype": args.comm_dtype}
-        if args.density is not None:
-            extra["chunk_size"] = 256
+    # gradientflow's own options, only where a flag asks for one: its defaults synchronise as torch DDP does.
+    options = {"density": args.density, "comm_dtype": args.comm_dtype} if args.backend == "gradientflow" else {}
+    extra = {k: v for k, v in options.items() if v is not None}
     model = DDP(model, device_ids=[local_rank] if use_cuda else None, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
@@ -140,7 +143,8 @@ def main() -> None:
     # an interpreter that is finalizing).  Two things used to keep the group alive past
     # destroy_process_group(): gradientflow's hooks (now weak) and torch.distributed.nn, which torch
     # DDP imports on first use and whose functions take the default group as a default argument
-    # when imported after init_process_group; hence its import at the top.
+    # when imported after init_process_group; hence its import at the top (for --backend torch:
+    # gradientflow never imports it, and destroys the groups left at exit itself).
     del model, optimizer
     dist.barrier()
     dist.destroy_process_group()

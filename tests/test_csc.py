@@ -906,7 +906,7 @@ def test_optimizer_pitfalls_rules() -> None:
     assert optimizer_pitfalls(sgd_m, density=0.1, momentum=0.0) == []  # the recommended recipe
     assert optimizer_pitfalls(sgd, density=0.1, momentum=0.9) == []  # the paper's recipe
     (adam_low,) = optimizer_pitfalls(adamw, density=0.1, momentum=0.0)
-    assert "Adam-type" in adam_low and "AdamW" in adam_low
+    assert "Adam-type" in adam_low and "AdamW" in adam_low and "compression='auto'" in adam_low  # README's advice
     assert "comm_dtype='fp16' without density" in adam_low  # the alternative that wins, first
     assert optimizer_pitfalls(adamw, density=ADAPTIVE_MIN_DENSITY, momentum=0.0) == []
     (twice,) = optimizer_pitfalls(sgd_m, density=0.5, momentum=0.9)

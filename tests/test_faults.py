@@ -182,6 +182,29 @@ def test_exited_rank_makes_the_others_raise() -> None:
         assert rep["missing"] == [2] and "[2]" in rep["message"], rep
 
 
+def _uneven_worker(rank: int, world_size: int) -> dict | None:
+    """A user's loop over a shard one batch shorter on the last rank, without ``model.join()``."""
+    model = gf.DistributedDataParallel(Net(), timeout=30)
+    gen = torch.Generator().manual_seed(rank)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3 if rank < world_size - 1 else 2):
+            _step(model, gen)
+    except gf.CommunicationError as exc:
+        return _error_report(exc, time.monotonic() - t0)
+    return None  # the short rank leaves its loop (and the process, closing its connections)
+
+
+def test_uneven_inputs_without_join_say_to_use_join() -> None:
+    """Issue 38 item 17: the rank left waiting gets Gloo's "connection closed" at once, and the error says
+    that uneven inputs are handled by ``with model.join():``."""
+    results = run_faulty(_uneven_worker, 2, wait_for=[0], timeout=60)
+    rep = results[0]
+    assert rep is not None and rep["type"] == "CommunicationError", rep
+    assert rep["elapsed"] < 20 and rep["missing"] == [1], rep
+    assert "with model.join():" in rep["message"] and "uneven inputs" in rep["message"], rep["message"]
+
+
 # ---- 2. consistency ---------------------------------------------------------------------------
 MISMATCHES = [
     ("density", 0.1, 0.2),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -47,6 +49,43 @@ COMM_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+# torch DDP users write dtypes as torch names them: each is the wire dtype it names.
+COMM_DTYPE_ALIASES: dict[object, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}
+
+
+def did_you_mean(value: object, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped string, else ``""``."""
+    close = difflib.get_close_matches(str(value).lower(), choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def pick(name: str, value: object, choices: Sequence[str], more: str = "") -> str:
+    """``value`` as one of ``choices`` (case and surrounding spaces ignored); else ``ValueError`` naming the
+    option, the closest choice and all of them (``more``: what else is accepted)."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    if isinstance(key, str) and key in choices:
+        return key
+    raise ValueError(
+        f"{name} must be one of {', '.join(map(repr, choices))}{more}; got {value!r}{did_you_mean(key, choices)}"
+    )
+
+
+def check_theta(name: str, value: object) -> None:
+    """θ (``fusion_threshold_mb``, or torch DDP's ``bucket_cap_mb``: ``name`` is the one the user passed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(
+            f"{name} must be a number >= 0 (MB per fused allreduce; 0 = no fusion, float('inf') = one "
+            f"collective after backward), got {value!r}"
+        )
+
+
 COMPRESSIONS = ("none", "fp16", "csc", "quantized", "auto")
 """``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
@@ -80,8 +119,11 @@ def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, i
     ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
     """
     bits, block = DEFAULT_QUANT
+    value = value.strip().lower() if isinstance(value, str) else value  # "Auto", "Quantized" as meant
     if value in COMPRESSIONS:
         return str(value), bits, block, 0.0, "fitted", False, 0
+    if value == "quantised":  # the British spelling names the same recipe
+        return "quantized", bits, block, 0.0, "fitted", False, 0
     pattern = r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?"
     m = re.fullmatch(pattern, value) if isinstance(value, str) else None
     if m is not None:
@@ -90,12 +132,11 @@ def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, i
         levels = {"u": "uniform", "n": "zeroless", None: "fitted"}[m[3]]
         if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS_BITS):
             return "quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0)
+    # The short answer first: most bad values are a mistyped name; the quantiser grammar is for experiments.
     raise ValueError(
-        f"compression must be one of {list(COMPRESSIONS)}, 'q<bits>' (bits in {list(QUANT_BITS)}), "
-        f"'q<bits>b<block>' (block a multiple of 16), either followed by 'u' (uniform levels) or 'n' (levels "
-        f"without a zero, bits in {list(ZEROLESS_BITS)}), then optionally 'p' (preconditioned), 'w<steps>' (the "
-        f"first steps at 3 bits) and 'c<k>' (scale clipped at k x RMS), in that order, e.g. 'q2npw20'; got "
-        f"{value!r}"
+        f"compression must be a recipe's name, got {value!r}{did_you_mean(value, [*COMPRESSIONS, 'q2npw20'])}: one of "
+        f"{', '.join(map(repr, COMPRESSIONS))} or 'q2npw20' (docs/adamw.md); other quantisers are written "
+        f"'q<bits>[b<block>][u|n][p][w<steps>][c<k>]', bits in {list(QUANT_BITS)}, block a multiple of 16"
     )
 
 
@@ -150,7 +191,8 @@ class GradientFlowConfig:
         is registered: overflow is then the scaler's to handle).
     trace_path: write a Chrome trace (Perfetto) per rank; ``{rank}`` in the path is replaced by the
         rank, otherwise ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing.
-    trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4)].
+    trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when
+        ``trace_path`` is given, which the config then holds; ``None`` without it].
     compression: a named recipe.  "none" (default: DDP's exact behaviour, or what comm_dtype /
         density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
         "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
@@ -186,16 +228,13 @@ class GradientFlowConfig:
     quant_warmup: int = 0
 
     def __post_init__(self) -> None:
-        theta = self.fusion_threshold_mb
-        if not isinstance(theta, (int, float)) or math.isnan(theta) or theta < 0:
-            raise ValueError(
-                f"fusion_threshold_mb must be a number >= 0 (0 = no fusion, float('inf') = one "
-                f"collective after backward), got {theta!r}"
-            )
-        if self.comm_dtype not in COMM_DTYPES and self.comm_dtype != "half":
-            raise ValueError(f"comm_dtype must be one of {sorted([*COMM_DTYPES, 'half'])}, got {self.comm_dtype!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
+        check_theta("fusion_threshold_mb", self.fusion_threshold_mb)
+        dtype: object = self.comm_dtype
+        if isinstance(dtype, (str, torch.dtype)):  # torch.float16, "float16", "FP16": the names of the table
+            dtype = COMM_DTYPE_ALIASES.get(dtype.strip().lower() if isinstance(dtype, str) else dtype, dtype)
+        more = ", or torch.float32 / torch.float16 / torch.bfloat16"
+        object.__setattr__(self, "comm_dtype", pick("comm_dtype", dtype, [*COMM_DTYPES, "half"], more))
+        object.__setattr__(self, "algorithm", pick("algorithm", self.algorithm, ALGORITHMS))
         d = self.density
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1):
             raise ValueError(f"density must be None (dense) or a number in (0, 1], got {d!r}")
@@ -208,15 +247,10 @@ class GradientFlowConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
             raise ValueError(f"momentum must be a number in [0, 1) (0 = no momentum correction), got {m!r}")
 
-        if self.chunk_score not in CHUNK_SCORES:
-            raise ValueError(f"chunk_score must be one of {list(CHUNK_SCORES)}, got {self.chunk_score!r}")
-        if self.csc_scope not in ("global", "slice"):
-            raise ValueError(f"csc_scope must be 'global' or 'slice', got {self.csc_scope!r}")
-        if self.schedule not in ("fixed", "auto"):
-            raise ValueError(
-                f"schedule must be 'fixed' (θ and csc_scope as given) or 'auto' (derived from the measured "
-                f"link at construction), got {self.schedule!r}"
-            )
+        object.__setattr__(self, "chunk_score", pick("chunk_score", self.chunk_score, CHUNK_SCORES))
+        object.__setattr__(self, "csc_scope", pick("csc_scope", self.csc_scope, ("slice", "global")))
+        more = " ('fixed': θ and csc_scope as given; 'auto': derived from the link measured at construction)"
+        object.__setattr__(self, "schedule", pick("schedule", self.schedule, ("fixed", "auto"), more))
         self._validate_fault_options()
         self._apply_compression()
 
@@ -279,6 +313,8 @@ class GradientFlowConfig:
         if self.trace_path is not None and not isinstance(self.trace_path, str):
             raise ValueError(f"trace_path must be None or a str (a path), got {self.trace_path!r}")
         steps = self.trace_steps
+        if steps is None and self.trace_path is not None:  # model.config shows the steps traced, not None
+            steps = DEFAULT_TRACE_STEPS
         if steps is not None:
             if self.trace_path is None:
                 raise ValueError("trace_steps has no effect without trace_path: pass trace_path='trace.json' too")

@@ -83,7 +83,6 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
         )
         opt = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
         gen = torch.Generator().manual_seed(opts.seed * 1000 + rank)
-        payload = dense = 0
         order = torch.randperm(len(xs), generator=gen)
         pos = 0
         bar = tqdm(range(opts.steps), desc=f"training ({world} ranks)", unit="step", disable=rank != 0)
@@ -99,13 +98,11 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
                 loss = F.cross_entropy(model(xs[idx]), ys[idx])
             loss.backward()
             opt.step()
-            s = model.comm_stats()
-            payload += int(s["payload_bytes"])
-            dense += int(s["dense_bytes"])
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{loss.item():.3f}")
         seconds = time.perf_counter() - t0
         bar.close()
+        run = model.comm_stats(total=True)  # every synchronised step since the model was wrapped
         acc = _evaluate(model, x_test, y_test, rank, world)
         if rank != 0:
             return None
@@ -117,8 +114,8 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
             "test_accuracy": acc,
             "test_samples": len(y_test),
             "final_loss": float(loss.item()),
-            "payload_bytes": payload,
-            "ddp_bytes": dense,
+            "payload_bytes": int(run["payload_bytes"]),
+            "ddp_bytes": int(run["dense_bytes"]),
             "mode": (
                 f"comm_dtype={opts.comm_dtype}, "
                 + (f"CSC density={opts.density} chunk_size={opts.chunk_size}" if csc else "dense")

@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
         "cost model: predicted speedup of each technique on 1..512 GPUs, and a planner",
         "Model one training iteration on N GPUs (ring allreduce α + 2(N-1)/N·bytes/B on a serialised "
         "link, two levels for multi-GPU nodes) with the engine's own layout and CSC arithmetic, for the cumulative "
-        "configurations baseline, ring, overlap, fp16, lazy, csc. See README 'Cost model'.",
+        "configurations baseline, ring, overlap, fp16, lazy, csc. See docs/cost-model.md.",
     ),
     "trace-summary": Command(
         "gradientflow.cli.trace_summary",

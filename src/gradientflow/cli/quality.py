@@ -20,7 +20,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "accuracy of a bigger transformer and of digits_wide (AlexNet-shaped, 8.4M parameters) on the emulated "
         "cluster, ddp vs gf-recommended (the transformer also gf-fp16-dense and gf-density-0.3). Writes "
         "results.json, table.md, quality_*.png and tta*.png to --out. "
-        "See README 'Quality'.",
+        "See docs/quality.md.",
     )
     q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
     q.add_argument(

@@ -67,3 +67,39 @@ class StepStats:
         d.update({f"phase_{k}_s": v for k, v in self.phases.items()})
         d.update(self.extra)
         return d
+
+
+TOTALLED = (
+    "collectives",
+    "payload_bytes",
+    "dense_bytes",
+    "comm_seconds",
+    "exposed_seconds",
+    "control_bytes",
+    "host_syncs",
+)
+"""The counters of :class:`StepStats` that add up over a run (with every ``phase_<name>_s``)."""
+
+
+@dataclass
+class RunTotals:
+    """Every synchronised step's counters summed since the wrapper was built: ``comm_stats(total=True)``.
+
+    Like torch's and Horovod's own counters, a property of this process's run, not of the training
+    state: a rebuild of the engine (``.to()``, ``compression="auto"`` switching) keeps them, and
+    neither ``comm_state_dict()`` saves them nor loading one changes them.
+    """
+
+    steps: int = 0
+    sums: dict[str, float | int] = field(default_factory=lambda: dict.fromkeys(TOTALLED, 0))
+
+    def add(self, step: StepStats) -> None:
+        self.steps += 1
+        for key in TOTALLED:
+            self.sums[key] += getattr(step, key)
+        for name, seconds in step.phases.items():
+            key = f"phase_{name}_s"
+            self.sums[key] = self.sums.get(key, 0.0) + seconds
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"steps": self.steps, **self.sums}

@@ -49,6 +49,12 @@ DEFAULT_GRACE_S = 3.0
 
 _instances: dict[str, itertools.count] = {}
 
+UNEVEN_INPUTS_HINT = (
+    "If a rank ran out of data first (uneven inputs: fewer batches on some ranks), run the training loop "
+    "inside `with model.join():`, as with torch DDP, or give every rank the same number of batches "
+    "(DistributedSampler does)."
+)
+
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
     """The timeout ``group`` was created with (``init_process_group(timeout=...)``)."""
@@ -145,6 +151,10 @@ class Watchdog:
                 "or it is stalled (stopped, deadlocked, slow data loading) or not synchronising this step (e.g. "
                 "inside no_sync() while the others synchronise)."
             )
+        if missing is None or missing:
+            # The commonest cause in a first run: one rank's shard had fewer batches (uneven inputs), so it left
+            # the loop and closed its connections while the others still synchronise.
+            parts.append(UNEVEN_INPUTS_HINT)
         elif elsewhere:
             parts.append(
                 "Every rank checked in, but not all at this collective: ranks issued collectives in a "

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import GradientFlowConfig
-from ..diagnostics.stats import StepStats
+from ..diagnostics.stats import RunTotals, StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
 from .binding import GradBinding
@@ -123,6 +123,7 @@ class Reducer(PoolLayout, GradBinding):
         self.held: list[torch.Tensor] = []
         self.backward: _Backward | None = None
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
+        self.totals = RunTotals()  # the wrapper hands a rebuilt engine the run's totals
         self.usage = ParamUsage(n, static_graph)
         self.result_versions: tuple[int, ...] | None = None
         self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
@@ -303,6 +304,7 @@ class Reducer(PoolLayout, GradBinding):
             self.fresh_add = None
             self.usage.reset()
         self.last_stats = bw.stats
+        self.totals.add(bw.stats)
         usage = self.usage
         # also without static_graph, until a step first differs: torch's reducer._ddp_graph_static() reports it
         if bw.order and (usage.graph_static or usage.static_graph):

@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gradientflow simulate``; unset ones come from --preset, else DEFAULTS."""
     p.add_argument("--model", default="resnet50", help="alexnet | resnet50 | module:factory (default resnet50)")
     p.add_argument("--gpus", type=_ints, default=[1, 8, 64, 512], help="GPU counts (default 1,8,64,512)")
-    p.add_argument("--preset", choices=("paper",), help="the paper's cluster: V100, 56 Gbit/s (see README)")
+    p.add_argument("--preset", choices=("paper",), help="the paper's cluster: V100, 56 Gbit/s (docs/cost-model.md)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one node's link (default 1)")
     p.add_argument("--bandwidth", type=_bandwidth, help="one node's link, e.g. 56gbit, 10gbit, 12gb/s")
     p.add_argument("--intra-bandwidth", type=_bandwidth, help="between GPUs of a node, e.g. 15.75gb/s")

@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer
+from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer, unmeasured_warning
 from .compat import recipe_theta
 
 DistributedDataParallel = Any
@@ -35,13 +36,17 @@ class AutoState:
     reason: str = "no optimizer step seen yet: dense fp32"
 
 
-def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-    """Step 1: the first optimizer stepping this model decides (later ones are ignored)."""
+def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, stacklevel: int = 2) -> None:
+    """Step 1: the first optimizer stepping this model decides (later ones are ignored); an optimizer whose
+    quality under its recipe was never measured is warned about, once (``stacklevel``: the user's step line)."""
     auto = model._gf_auto
     if not auto.requested or auto.pending is not None or model.config.compression != "auto":
         return
     auto.pending = recipe_for_optimizer(optimizer)
     auto.reason = f"{type(optimizer).__name__} -> {auto.pending}"
+    message = unmeasured_warning(optimizer, auto.pending)
+    if message is not None:
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def switch_if_chosen(model: DistributedDataParallel) -> None:

@@ -45,7 +45,7 @@ class Checkpointing:
             own = {id(p) for p in model._gf_params}
             if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
                 model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
-                auto.note_optimizer(model, optimizer)
+                auto.note_optimizer(model, optimizer, stacklevel=3)  # the user's optimizer.step() line
 
         handle = register_optimizer_step_pre_hook(first_step)
         weakref.finalize(self, handle.remove)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import QUANT_THETA_MB, GradientFlowConfig
+from ..config import QUANT_THETA_MB, GradientFlowConfig, check_theta
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -115,7 +115,10 @@ def resolve_ddp_args(
     group = process_group if process_group is not None else dist.group.WORLD
     assert group is not None  # initialised: checked above
 
-    # 2. θ.
+    # 2. θ, checked under the name the user passed (torch DDP's bucket_cap_mb or ours).
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("fusion_threshold_mb", fusion_threshold_mb)):
+        if value is not None:
+            check_theta(name, value)
     if (
         bucket_cap_mb is not None
         and fusion_threshold_mb is not None

@@ -108,7 +108,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         fusion_threshold_mb: float | None = None,
-        comm_dtype: str = "fp32",
+        comm_dtype: str | torch.dtype = "fp32",
         algorithm: str = "native",
         density: float | None = None,
         chunk_size: int | str = "auto",
@@ -269,6 +269,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             find_unused=self.find_unused_parameters,
         )
         self._gf_engine.layout_final = layout_final
+        self._gf_engine.totals = old.totals if old is not None else self._gf_engine.totals  # since construction
         if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
             self._gf_engine.register_grad_scaler(self._gf_scaler)
         self._gf_watch_optimizers()
@@ -389,10 +390,11 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         return self
 
     # ---- introspection ------------------------------------------------------------------
-    def comm_stats(self) -> dict[str, float | int | str]:
-        """Counters of the last completed synchronised step (see :class:`StepStats`), and the active
-        ``compression`` recipe (under ``"auto"`` also ``compression_auto``: what picked it)."""
-        return {**self._gf_engine.last_stats.as_dict(), **auto.describe(self)}
+    def comm_stats(self, total: bool = False) -> dict[str, float | int | str]:
+        """The last synchronised step's counters (:class:`StepStats`; ``total=True``: summed since construction,
+        with ``steps``), the active ``compression`` (under ``"auto"`` also ``compression_auto``: what picked it)."""
+        stats = self._gf_engine.totals if total else self._gf_engine.last_stats
+        return {**stats.as_dict(), **auto.describe(self)}
 
     @property
     def pool(self) -> GradPool:
