@@ -15,10 +15,12 @@ Per profile and mode (one bench run on that profile, its link measured first):
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from gradientflow.bench.report_tables import step_table_row
+from gradientflow.diagnostics.extras import NO_PLOT, have
 
 TARGET = 0.85
 HEADLINE = "gf-fp16-csc-slice"  # the defaults for SGD momentum: comm_dtype="fp16", density=0.1
@@ -197,8 +199,12 @@ def markdown(m: dict[str, Any]) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def plot(m: dict[str, Any], path: Path) -> None:
-    """Grouped bars: efficiency per mode, one group per profile, the target as a line."""
+def plot(m: dict[str, Any], path: Path) -> bool:
+    """Grouped bars: efficiency per mode, one group per profile, the target as a line; False (and a
+    line saying so) without matplotlib."""
+    if not have("matplotlib"):
+        print(NO_PLOT, file=sys.stderr, flush=True)
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,3 +233,4 @@ def plot(m: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

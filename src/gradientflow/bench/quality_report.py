@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from gradientflow.diagnostics.extras import NO_PLOT, have
+
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
     "gf-recommended": "gradientflow fp16 + CSC density 0.1, library defaults otherwise, the user's optimizer",
@@ -306,7 +308,11 @@ def _what(recipe: str) -> str:
 
 def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
-    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds)."""
+    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds);
+    none (and a line saying so) without matplotlib: the tables are written all the same."""
+    if not have("matplotlib"):
+        print(NO_PLOT, file=sys.stderr, flush=True)
+        return []
     import matplotlib
 
     matplotlib.use("Agg")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
+from gradientflow.diagnostics.extras import NO_PLOT, have
 from gradientflow.diagnostics.stats import PHASES
 
 
@@ -147,8 +149,12 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one."""
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one;
+    False (and a line saying so) without matplotlib."""
+    if not have("matplotlib"):
+        print(NO_PLOT, file=sys.stderr, flush=True)
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,6 +206,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 MODE_LABELS = {

@@ -96,11 +96,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradientflow`` console script."""
+    from gradientflow.diagnostics.extras import EXIT_MISSING_EXTRA, MissingExtra
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except MissingExtra as exc:  # a subcommand's options need an optional package
+        print(f"gradientflow: {exc}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return int(importlib.import_module(COMMANDS[args.command].module).run(args))
+    except MissingExtra as exc:  # checked before any rank or long work started: one line, no traceback
+        print(f"gradientflow {args.command}: {exc}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     except KeyboardInterrupt:
         print("gradientflow: interrupted", file=sys.stderr)
         return 130
