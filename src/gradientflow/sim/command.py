@@ -16,7 +16,7 @@ from typing import Any
 from gradientflow.bench.models import resolve_model
 
 from .config import CONFIGS, SimConfig, parse_bandwidth
-from .model_profile import ModelProfile, flop_profile, measured_profile
+from .model_profile import INPUT_DTYPES, ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown, recommendation
 from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
@@ -96,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)",
     )
     p.add_argument(
+        "--input-dtype",
+        choices=tuple(INPUT_DTYPES),
+        help="what the model's input is made of: float, or token ids (long, int) for a language model "
+        "(default: long where the model's first layer is an nn.Embedding, else float)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="time forward/backward/update of the model here "
@@ -116,8 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="PATH",
-        help="write the speedup-vs-GPUs plot here (default without --json: "
-        "simulate_<model>.png in the current directory)",
+        help="write the speedup-vs-GPUs plot (PNG) here; needs matplotlib (pip install 'gradientflow[plot]'), "
+        "without it the tables are printed and no plot is written (default: no plot)",
     )
 
 
@@ -143,16 +149,17 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
     values.update({k: v for k, v in given.items() if v is not None})
     if "bandwidth" not in values:
         raise ValueError("give --bandwidth (one node's link, e.g. 10gbit) or --preset paper")
+    dtype = None if args.input_dtype is None else INPUT_DTYPES[args.input_dtype]
     if args.profile:
         from gradientflow.bench.models import WORKLOADS
 
         shape = args.input_shape or (WORKLOADS[name].input_shape if name in WORKLOADS else IMAGENET_SHAPE)
-        profile = measured_profile(name, factory, shape, int(values["batch"]))
+        profile = measured_profile(name, factory, shape, int(values["batch"]), input_dtype=dtype)
         values["gpu_images_per_s"] = values["batch"] / sum(profile.times or (1.0,))
     else:
         if "gpu_images_per_s" not in values:
             raise ValueError("give --gpu-images-per-s (one GPU's compute-only images/s), --profile, or --preset paper")
-        profile = flop_profile(name, factory, args.input_shape or IMAGENET_SHAPE)
+        profile = flop_profile(name, factory, args.input_shape or IMAGENET_SHAPE, dtype)
     cfg = SimConfig(**values)
     assumptions: dict[str, Any] = {
         k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in cfg.as_dict().items()
@@ -176,11 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gradientflow simulate: {exc}", file=sys.stderr)
         return 2
-    if args.plot is None and not args.json:  # the table comes with its plot
-        args.plot = "simulate_" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".png"
+    plotted = False  # a plot only where one was asked for (--plot), and only claimed where it was written
     if args.plot:
         targets = [(n, sp, f"{c} {sp:g}x") for m, n, c, sp, _ in PAPER_TARGETS if m == name and n in args.gpus]
-        plot(name, rows, args.plot, targets if args.preset == "paper" else None)
+        plotted = plot(name, rows, args.plot, targets if args.preset == "paper" else None)
     if args.json:
         out = to_json(name, assumptions, rows)
         if planned is not None:
@@ -210,6 +216,6 @@ def run(args: argparse.Namespace) -> int:
         print(plan_markdown(planned))
         if args.optimizer is not None:
             print(recommendation(planned, args.optimizer))
-    if args.plot:
+    if plotted:
         print(f"plot: {Path(args.plot)}")
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
+from ..diagnostics.extras import NO_PLOT, have
 from .config import CONFIGS, SimConfig
 from .model_profile import ModelProfile
 from .presets import PAPER_TARGETS, SENSITIVITY
@@ -87,15 +89,15 @@ def plot(
     model: str, rows: list[Iteration], path: str | Path, targets: list[tuple[int, float, str]] | None = None
 ) -> bool:
     """Speedup against GPU count, one line per configuration, ideal dashed, ``targets`` (GPUs,
-    speedup, label) as black stars; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+    speedup, label) as black stars; False (and a line saying so) without matplotlib."""
+    if not have("matplotlib"):
+        print(NO_PLOT, file=sys.stderr, flush=True)
         return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     gpus = sorted({r.gpus for r in rows})
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.plot(gpus, gpus, "k--", lw=1, label="ideal")
