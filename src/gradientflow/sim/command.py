@@ -18,7 +18,7 @@ from gradientflow.bench.models import resolve_model
 from .config import CONFIGS, SimConfig, parse_bandwidth
 from .model_profile import INPUT_DTYPES, ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown, recommendation
-from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
+from .presets import IMAGENET_SHAPE, MEASURED_LATENCY_1GBIT, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
 DEFAULTS: dict[str, Any] = {
@@ -76,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one node's link (default 1)")
     p.add_argument("--bandwidth", type=_bandwidth, help="one node's link, e.g. 56gbit, 10gbit, 12gb/s")
     p.add_argument("--intra-bandwidth", type=_bandwidth, help="between GPUs of a node, e.g. 15.75gb/s")
-    p.add_argument("--latency", type=parse_seconds, help="α per inter-node collective (default 50us)")
+    p.add_argument(
+        "--latency",
+        type=parse_seconds,
+        help="α per inter-node collective (default 50us: assumed, the paper's InfiniBand; measured here on 1 Gbit/s "
+        "Ethernet with Gloo: 423us)",
+    )
     p.add_argument("--intra-latency", type=parse_seconds, help="α per intra-node collective (default 10us)")
     p.add_argument("--batch", type=int, help="images per GPU per iteration (default 32)")
     p.add_argument("--gpu-images-per-s", type=float, help="one GPU's compute-only throughput, images/s")
@@ -171,7 +176,16 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
         assumptions["measured_local_passes_s"] = profile.local_s
     if args.preset == "paper":
         assumptions["sources"] = {a.name: a.source for a in (*PAPER_COMMON, *PAPER_MODEL[name])}
+    assumptions["latency_source"] = latency_source(args)
     return name, profile, cfg, assumptions
+
+
+def latency_source(args: argparse.Namespace) -> str:
+    """Where α came from, with the measured 1 Gbit/s value beside an assumed one."""
+    if args.latency is not None:
+        return f"given: --latency {args.latency * 1e6:g}us"
+    measured = f"measured on 1 Gbit/s Ethernet with Gloo: {MEASURED_LATENCY_1GBIT.shown} (--latency 423us)"
+    return f"assumed {DEFAULTS['latency'] * 1e6:g} µs per collective (the paper's InfiniBand, not measured); {measured}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     if args.preset == "paper":
         print(paper_comparison(name, profile, cfg))
     if planned is not None:
-        print(plan_markdown(planned))
+        print(plan_markdown(planned, args.optimizer))
+        print(f"Latency α: {assumptions['latency_source']}.")
         if args.optimizer is not None:
             print(recommendation(planned, args.optimizer))
     if plotted:
