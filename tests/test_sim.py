@@ -13,6 +13,7 @@ from torch import nn
 
 from gradientflow.bench.models import resolve_model
 from gradientflow.cli import main
+from gradientflow.diagnostics import extras
 from gradientflow.diagnostics.extras import NO_PLOT
 from gradientflow.sim import CONFIGS, ModelProfile, SimConfig, allreduce_s, ring_flat_s, simulate, tree_flat_s
 from gradientflow.sim.config import parse_bandwidth
@@ -250,6 +251,7 @@ def test_cli_writes_a_plot_only_when_asked_and_claims_only_what_it_wrote(capsys,
     assert "plot:" not in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # no PNG unasked in the current folder
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # matplotlib not installed: its import fails
+    monkeypatch.setattr(extras, "_said_no_plot", False)  # said once per process: as in a fresh one
     assert main([*argv, "--plot", "asked.png"]) == 0
     out, err = capsys.readouterr()
     assert "| csc |" in out and "plot:" not in out

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradientflow.comm.ring import DEFAULT_PIPELINE_BYTES, DEFAULT_PIPELINE_DEPTH, ring_allreduce
-from gradientflow.diagnostics.extras import NO_PLOT, have
+from gradientflow.diagnostics.extras import can_plot
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "gradientflow.bench.allreduce_bw"  # not __name__: that is "__main__" under -m
@@ -162,8 +162,7 @@ def _markdown(summary: dict, algos: dict[str, dict], meta: dict) -> str:
 
 
 def _plot(summary: dict, algos: dict[str, dict], path: Path) -> bool:
-    if not have("matplotlib"):
-        print(NO_PLOT, file=sys.stderr, flush=True)
+    if not can_plot():
         return False
     import matplotlib
 

@@ -15,12 +15,11 @@ Per profile and mode (one bench run on that profile, its link measured first):
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from gradientflow.bench.report_tables import step_table_row
-from gradientflow.diagnostics.extras import NO_PLOT, have
+from gradientflow.diagnostics.extras import can_plot
 
 TARGET = 0.85
 HEADLINE = "gf-fp16-csc-slice"  # the defaults for SGD momentum: comm_dtype="fp16", density=0.1
@@ -202,8 +201,7 @@ def markdown(m: dict[str, Any]) -> str:
 def plot(m: dict[str, Any], path: Path) -> bool:
     """Grouped bars: efficiency per mode, one group per profile, the target as a line; False (and a
     line saying so) without matplotlib."""
-    if not have("matplotlib"):
-        print(NO_PLOT, file=sys.stderr, flush=True)
+    if not can_plot():
         return False
     import matplotlib
 

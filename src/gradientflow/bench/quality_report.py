@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gradientflow.diagnostics.extras import NO_PLOT, have
+from gradientflow.diagnostics.extras import can_plot
 
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -310,8 +310,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
     and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds);
     none (and a line saying so) without matplotlib: the tables are written all the same."""
-    if not have("matplotlib"):
-        print(NO_PLOT, file=sys.stderr, flush=True)
+    if not can_plot():
         return []
     import matplotlib
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-from gradientflow.diagnostics.extras import NO_PLOT, have
+from gradientflow.diagnostics.extras import can_plot
 from gradientflow.diagnostics.stats import PHASES
 
 
@@ -152,8 +151,7 @@ def markdown(summary: dict[str, Any]) -> str:
 def plot(summary: dict[str, Any], path: Path) -> bool:
     """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one;
     False (and a line saying so) without matplotlib."""
-    if not have("matplotlib"):
-        print(NO_PLOT, file=sys.stderr, flush=True)
+    if not can_plot():
         return False
     import matplotlib
 

@@ -41,7 +41,8 @@ COMMANDS: dict[str, Command] = {
         "Time gradientflow's modes against torch DDP, DDP + fp16_compress_hook and DDP + PowerSGD, "
         "all in one launch of the ranks (step by step interleaved), plus 'compute' (no communication) as the "
         "1-rank reference for the speedup ratio. With --bandwidth and root: every rank in its own network "
-        "namespace, links shaped with tc. Writes results.json, table.md and bench.png to --out. "
+        "namespace, links shaped with tc. Writes results.json, table.md and bench.png (with matplotlib: "
+        "pip install 'gradientflow[plot]') to --out. "
         "With --quality: model quality instead of step time (see the --quality options below).",
     ),
     "simulate": Command(
@@ -64,7 +65,8 @@ COMMANDS: dict[str, Command] = {
         "Run the DDP tests of torch's distributed_test.py with 2 Gloo ranks on the CPU (CUDA mapped onto it), "
         "once on torch's DistributedDataParallel and once on gradientflow's, and print/write the table of "
         "outcomes (table.md, results.json in --out). Default: the tests torch DDP passes here; --all: every "
-        "DDP test; --ci: the CI selection. See docs/torch-ddp-suite.md.",
+        "DDP test; --ci: the CI selection. Needs expecttest (pip install 'gradientflow[torch-suite]'). "
+        "See docs/torch-ddp-suite.md.",
     ),
 }
 

@@ -14,6 +14,7 @@ unimportable.
 from __future__ import annotations
 
 import importlib
+import sys
 
 EXTRAS: dict[str, tuple[str, str]] = {
     # import name: (the distribution pip installs, the extra that installs it)
@@ -46,6 +47,21 @@ class MissingExtra(ModuleNotFoundError):
         dist, extra = EXTRAS[module]
         super().__init__(f"{what} needs {dist}: {install_hint(module)}", name=module)
         self.extra = extra
+
+
+_said_no_plot = False
+
+
+def can_plot() -> bool:
+    """Whether matplotlib imports here; the first time it does not, one line says no plot is written
+    and how to get plots (once per process: a command drawing several plots says it once)."""
+    global _said_no_plot
+    if have("matplotlib"):
+        return True
+    if not _said_no_plot:
+        print(NO_PLOT, file=sys.stderr, flush=True)
+        _said_no_plot = True
+    return False
 
 
 def have(module: str) -> bool:

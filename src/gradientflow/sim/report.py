@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from ..diagnostics.extras import NO_PLOT, have
+from ..diagnostics.extras import can_plot
 from .config import CONFIGS, SimConfig
 from .model_profile import ModelProfile
 from .presets import PAPER_TARGETS, SENSITIVITY
@@ -90,8 +89,7 @@ def plot(
 ) -> bool:
     """Speedup against GPU count, one line per configuration, ideal dashed, ``targets`` (GPUs,
     speedup, label) as black stars; False (and a line saying so) without matplotlib."""
-    if not have("matplotlib"):
-        print(NO_PLOT, file=sys.stderr, flush=True)
+    if not can_plot():
         return False
     import matplotlib
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     from gradientflow.diagnostics.extras import require
 
     # torch's test modules (torch.testing._internal.common_utils) import expecttest, a test-only package
-    require("expecttest", "gradientflow torch-suite (torch's own test modules)")
+    require("expecttest", "running torch's own DDP tests")
     from .harness import all_ddp_tests
     from .runner import read_other, run_tests, write
 
