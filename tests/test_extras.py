@@ -80,6 +80,10 @@ SMALLEST: dict[str, list[str]] = {
     "trace-summary": ["trace-summary", "{trace}"],
 }
 
+USES = {"bench": {"matplotlib"}, "bench --quality": {"matplotlib"}, "bench --links": {"matplotlib"}}
+USES |= {"simulate": {"matplotlib"}, "torch-suite": {"expecttest"}, "demo": set(), "trace-summary": set()}
+"""The optional packages each subcommand imports (at these settings, in any of its processes)."""
+
 
 def _run(tmp: Path, name: str, blocked: list[str]) -> tuple[subprocess.CompletedProcess[str], set[str], float, Path]:
     """One run of subcommand ``name`` with ``blocked`` unimportable; (process, imports attempted, seconds, out)."""
@@ -119,8 +123,7 @@ def test_every_subcommand_runs_or_names_the_extra_without_each_optional_package(
     proc, attempted, seconds, _ = _run(tmp_path, name, [])
     _check(name, [], proc, seconds)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "sklearn" not in attempted, "scikit-learn is in no extra but the test one"  # the digits ship
-    assert attempted <= {"matplotlib", "expecttest"}, attempted  # only plots and torch's test modules
+    assert attempted == USES[name], attempted  # the demo no longer imports scikit-learn: the digits ship
     for package in sorted(attempted):
         proc, _, seconds, out = _run(tmp_path, name, [package])
         _check(name, [package], proc, seconds)
