@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py --backend gradientflow
     torchrun --nproc-per-node 2 examples/train_ddp.py --backend torch          # the same script on torch DDP
 
-It trains a small MLP on scikit-learn's handwritten digits (shipped with the package, no download):
+It trains a small MLP on the 8x8 handwritten digits scikit-learn also ships (in gradientflow's package,
+no download, no scikit-learn):
 ``DistributedSampler``, ``device_ids=[local_rank]`` on GPUs, a checkpoint of ``model.state_dict()``
 and the optimizer written by rank 0 every ``--save-every`` steps (plus, with gradientflow, each rank's
 ``model.comm_state_dict()``: CSC residuals are per rank), and resume from it when it exists — so a
@@ -28,6 +29,8 @@ import torch.distributed.nn  # noqa: F401 — before init_process_group: see the
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from gradientflow.bench.data import load_digits  # the digits data, shipped with gradientflow
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,13 +50,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes final loss and parameters here (json)")
     return p.parse_args()
-
-
-def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
 
 
 def main() -> None:
@@ -84,7 +80,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
 
-    x, y = load_digits_tensors()
+    x, y = load_digits()  # [1797, 64] pixels in [0, 1], labels 0..9
     dataset = TensorDataset(x, y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)

@@ -12,8 +12,10 @@ from gradientflow.bench.data import (
     decode,
     encode,
     lm_batch,
+    load_digits,
     load_digits_split,
     shard,
+    stratified_split,
 )
 from gradientflow.bench.models import (
     ALEXNET_MIN_SIZE,
@@ -158,3 +160,20 @@ def test_digits_wide_is_fully_connected_heavy():
     conv = 1 * 32 * 9 + 32
     assert n == conv + (2048 * 2048 + 2048) * 2 + 2048 * 10 + 10
     assert m(torch.randn(4, 1, 8, 8)).shape == (4, 10)
+
+
+def test_shipped_digits_and_split_are_scikit_learns():
+    """The digits shipped in the package and their split are scikit-learn's (where it is installed): the
+    demo and the quality figures keep their data without scikit-learn."""
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits()
+    ref = sklearn_datasets.load_digits()
+    assert torch.equal(x, torch.tensor(ref.data / 16.0, dtype=torch.float32))
+    assert torch.equal(y, torch.tensor(ref.target, dtype=torch.int64))
+    for seed in (0, 1, 7):
+        for fraction in (0.2, 0.1, 0.5):
+            tr, te = train_test_split(torch.arange(len(y)).numpy(), test_size=fraction, random_state=seed, stratify=y)
+            mine = stratified_split(y, fraction, seed)
+            assert mine[0].tolist() == tr.tolist() and mine[1].tolist() == te.tolist(), (seed, fraction)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -34,3 +35,38 @@ def test_planner_lists_quantized_and_recommends_by_optimizer():
     assert "gradientflow CSC density 0.1" in recommendation(rows, "sgd")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         recommendation(rows, "lbfgs")
+
+
+def test_planner_recommends_only_what_keeps_the_optimizers_quality_and_says_what_it_assumed(capsys):
+    """``simulate --plan --optimizer adamw``: CSC at density 0.01 is the fastest on this model and link, but
+    with AdamW CSC was measured at 1.07-1.13x DDP's loss: the recommendation is the quantised recipe, the
+    speed-alone line says so, and the latency is stated as assumed with the measured 1 Gbit/s value."""
+    from gradientflow.cli import main
+
+    argv = ["simulate", "--model", "resnet50", "--bandwidth", "1gbit", "--gpu-images-per-s", "300"]
+    argv += ["--gpus", "1,8", "--plan", "--optimizer", "adamw"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    recommended = [ln for ln in out.splitlines() if ln.startswith("- 8 GPUs, adamw:")]
+    assert len(recommended) == 1 and QUANTIZED_SYSTEM in recommended[0] and "CSC" not in recommended[0]
+    assert "fastest on speed alone is gradientflow CSC density 0.01" in out
+    assert "not measured to keep adamw's quality" in out and "left out: CSC (any density): 1.07-1.13x" in out
+    latency = next(ln for ln in out.splitlines() if ln.startswith("Latency α:"))
+    assert "assumed 50 µs" in latency and "423 µs" in latency
+    assert main([*argv[:-1], "sgd", "--latency", "423us"]) == 0
+    out = capsys.readouterr().out
+    assert "- 8 GPUs, sgd: gradientflow CSC density 0.1 (" in out and "given: --latency 423us" in out
+    assert main([*argv[:-2], "--json"]) == 0  # no optimizer: speed alone, and the JSON says where α came from
+    assert "assumed 50 µs" in json.loads(capsys.readouterr().out)["assumptions"]["latency_source"]
+
+
+def test_the_measured_latency_is_the_one_fitted_and_documented():
+    from pathlib import Path
+
+    from gradientflow.sim.presets import MEASURED_LATENCY_1GBIT
+
+    root = Path(__file__).resolve().parents[1]
+    fitted = json.loads((root / "benchmarks/sim_validation/alpha_beta.json").read_text())["fits"]["native"]["alpha_s"]
+    assert round(fitted * 1e6) == round(MEASURED_LATENCY_1GBIT.value * 1e6) == 423
+    doc = (root / "docs/cost-model.md").read_text()
+    assert "| Gloo native | 423 µs |" in doc and "--optimizer adamw" in doc

@@ -20,7 +20,6 @@ CSC = ("--density", "0.25", "--comm-dtype", "fp16")
 
 @pytest.mark.parametrize("mode", ["dense", "csc"])
 def test_killed_worker_resumes_bit_identical(tmp_path: Path, mode: str) -> None:
-    pytest.importorskip("sklearn")
     extra = CSC if mode == "csc" else ()
     whole = run_example(tmp_path, "gradientflow", *extra, tag="-whole")
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "10"]

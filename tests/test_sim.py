@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import pytest
+import torch
 from torch import nn
 
 from gradientflow.bench.models import resolve_model
 from gradientflow.cli import main
+from gradientflow.diagnostics import extras
+from gradientflow.diagnostics.extras import NO_PLOT
 from gradientflow.sim import CONFIGS, ModelProfile, SimConfig, allreduce_s, ring_flat_s, simulate, tree_flat_s
 from gradientflow.sim.config import parse_bandwidth
 from gradientflow.sim.measure import fit_alpha_beta
@@ -24,6 +28,19 @@ from gradientflow.strategies import csc_native
 def tiny_net() -> nn.Module:
     """A user's model for the module:factory path (imported as ``test_sim:tiny_net``)."""
     return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+
+
+class TokenLM(nn.Module):
+    """A user's language model: token ids -> Embedding -> TransformerEncoder -> logits."""
+
+    def __init__(self, vocab: int = 100, d: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 2 * d, batch_first=True), layers)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(ids)))
 
 
 # ---- cost formulas, by hand -----------------------------------------------------------------
@@ -226,28 +243,20 @@ def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
     assert png.stat().st_size > 0
 
 
-def test_cli_table_writes_its_plot_by_default(capsys, tmp_path, monkeypatch):
+def test_cli_writes_a_plot_only_when_asked_and_claims_only_what_it_wrote(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert (
-        main(
-            [
-                "simulate",
-                "--model",
-                "test_sim:tiny_net",
-                "--input-shape",
-                "3,8,8",
-                "--bandwidth",
-                "10gbit",
-                "--gpu-images-per-s",
-                "5000",
-                "--gpus",
-                "1,2",
-            ]
-        )
-        == 0
-    )
-    assert "plot: simulate_test_sim_tiny_net.png" in capsys.readouterr().out
-    assert (tmp_path / "simulate_test_sim_tiny_net.png").stat().st_size > 0
+    argv = ["simulate", "--model", "test_sim:tiny_net", "--input-shape", "3,8,8", "--bandwidth", "10gbit"]
+    argv += ["--gpu-images-per-s", "5000", "--gpus", "1,2"]
+    assert main(argv) == 0
+    assert "plot:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # no PNG unasked in the current folder
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # matplotlib not installed: its import fails
+    monkeypatch.setattr(extras, "_said_no_plot", False)  # said once per process: as in a fresh one
+    assert main([*argv, "--plot", "asked.png"]) == 0
+    out, err = capsys.readouterr()
+    assert "| csc |" in out and "plot:" not in out
+    assert err.strip() == NO_PLOT == "no plot written (pip install 'gradientflow[plot]')"
+    assert not (tmp_path / "asked.png").exists()
 
 
 def test_cli_profile_measures_here(capsys):
@@ -320,3 +329,29 @@ def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
     assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
     md, rows = table(bench, preds)
     assert len(rows) == 3 and md.count("\n") == 5
+
+
+def test_cli_token_model_gets_token_ids(capsys):
+    """``--model mod:fn --input-shape 64`` on an Embedding + TransformerEncoder model: its first layer is an
+    Embedding, so the probe input is int64 token ids (or as --input-dtype says)."""
+    argv = ["simulate", "--model", "test_sim:TokenLM", "--input-shape", "16", "--bandwidth", "1gbit"]
+    argv += ["--gpu-images-per-s", "100", "--gpus", "1,2", "--json"]
+    assert main(argv) == 0
+    n_params = sum(p.numel() for p in TokenLM().parameters())
+    assert json.loads(capsys.readouterr().out)["assumptions"]["n_params"] == n_params
+    assert main([*argv, "--input-dtype", "long"]) == 0
+    assert main([*argv, "--profile", "--batch", "2"]) == 0  # timed here, on real ids
+    capsys.readouterr()
+    assert main([*argv, "--input-dtype", "float"]) == 2
+    assert "--input-dtype long" in capsys.readouterr().err
+
+
+def test_flop_profile_of_a_transformer_orders_attention_weights_by_layer():
+    """The attention projections (used through F.multi_head_attention_forward, by no leaf module) are
+    ready when their layer is walked back: the last layer's first, the embedding last."""
+    prof = flop_profile("lm", TokenLM, (16,))
+    names = [n for n, p in TokenLM().named_parameters()]
+    ready = dict(zip(names, prof.ready))
+    first, last = "enc.layers.0.self_attn.in_proj_weight", "enc.layers.1.self_attn.in_proj_weight"
+    assert ready["head.weight"] < ready[last] < ready[first] < 1.0
+    assert ready["emb.weight"] == 1.0

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from _example import run_example
 
 
 def test_train_ddp_same_result_with_either_import(tmp_path: Path) -> None:
-    pytest.importorskip("sklearn")
     ref = run_example(tmp_path, "torch")
     ours = run_example(tmp_path, "gradientflow", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "10")
     assert ref["steps"] == ours["steps"] > 0

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradientflow.comm.ring import DEFAULT_PIPELINE_BYTES, DEFAULT_PIPELINE_DEPTH, ring_allreduce
+from gradientflow.diagnostics.extras import can_plot
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "gradientflow.bench.allreduce_bw"  # not __name__: that is "__main__" under -m
@@ -160,15 +161,14 @@ def _markdown(summary: dict, algos: dict[str, dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(summary: dict, algos: dict[str, dict], path: Path) -> None:
-    try:
-        import matplotlib
+def _plot(summary: dict, algos: dict[str, dict], path: Path) -> bool:
+    if not can_plot():
+        return False
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib missing: no plot")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
     sizes = [row["size_mb"] for row in summary["rows"]]
     for name in algos:
@@ -181,6 +181,7 @@ def _plot(summary: dict, algos: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def _run_ranks(args: argparse.Namespace, result_file: Path) -> dict:
@@ -274,9 +275,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     Path(f"{stem}.json").write_text(json.dumps({"meta": meta, **summary}, indent=1))
     md = _markdown(summary, algos, meta)
     Path(f"{stem}.md").write_text(md)
-    _plot(summary, algos, Path(f"{stem}.png"))
+    plotted = _plot(summary, algos, Path(f"{stem}.png"))
     print(md)
-    print(f"wrote {stem}.json/.md/.png")
+    print(f"wrote {stem}.json/.md" + ("/.png" if plotted else ""))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Real data that needs no download: scikit-learn's digits and text shipped with Python."""
+"""Real data that needs no download: the handwritten digits shipped with the package, text shipped with Python."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import ast
 import codecs
 import importlib.util
 import logging
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,23 +18,79 @@ logger = logging.getLogger(__name__)
 CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect")
 
 
+DIGITS_FILE = Path(__file__).with_name("datasets") / "digits.npz"
+"""The UCI ML hand-written digits test set as scikit-learn ships it (``sklearn.datasets.load_digits``:
+1797 8x8 images, pixels 0..16), saved as uint8 so that a plain install runs the demo without
+scikit-learn; CC BY 4.0, attribution in ``datasets/README.md``."""
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1797 digits as ``(pixels [1797, 64] float in [0, 1], labels [1797] int64)``, in
+    scikit-learn's order (``load_digits(return_X_y=True)`` / 16)."""
+    import numpy as np
+
+    with np.load(DIGITS_FILE) as f:
+        pixels, labels = f["pixels"], f["labels"]
+    return torch.from_numpy(pixels.astype(np.float32) / 16.0), torch.from_numpy(labels.astype(np.int64))
+
+
+def stratified_split(labels: torch.Tensor, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train and test indices scikit-learn's ``train_test_split(arange(n), test_size=test_fraction,
+    random_state=seed, stratify=labels)`` returns (its ``StratifiedShuffleSplit`` step by step, on the
+    same numpy ``RandomState`` draws), so the demo and ``bench --quality`` keep the split their
+    published figures were measured on, without scikit-learn (tests/test_models.py compares the two)."""
+    import numpy as np
+
+    y = labels.numpy()
+    n = len(y)
+    n_test = math.ceil(test_fraction * n)
+    n_train = n - n_test
+    _, y_idx, counts = np.unique(y, return_inverse=True, return_counts=True)
+    if counts.min() < 2 or min(n_train, n_test) < len(counts):
+        raise ValueError(f"cannot stratify {n} samples of {len(counts)} classes with test_fraction={test_fraction}")
+    by_class = np.split(np.argsort(y_idx, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)
+    n_i = _approximate_mode(counts, n_train, rng)
+    t_i = _approximate_mode(counts - n_i, n_test, rng)
+    train: list[int] = []
+    test: list[int] = []
+    for i, members in enumerate(by_class):
+        shuffled = members.take(rng.permutation(counts[i]), mode="clip")
+        train.extend(shuffled[: n_i[i]])
+        test.extend(shuffled[n_i[i] : n_i[i] + t_i[i]])
+    return torch.from_numpy(rng.permutation(train)), torch.from_numpy(rng.permutation(test))
+
+
+def _approximate_mode(counts: Any, n_draws: int, rng: Any) -> Any:
+    """scikit-learn's ``_approximate_mode``: samples per class for ``n_draws`` draws, the floors of the
+    proportional shares topped up by the largest remainders (ties broken by ``rng``, as there)."""
+    import numpy as np
+
+    continuous = counts / counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need = int(n_draws - floored.sum())
+    remainder = continuous - floored
+    for value in np.sort(np.unique(remainder))[::-1]:
+        if need <= 0:
+            break
+        (inds,) = np.where(remainder == value)
+        add_now = min(len(inds), need)
+        floored[rng.choice(inds, size=add_now, replace=False)] += 1
+        need -= add_now
+    return floored.astype(int)
+
+
 def load_digits_split(
     seed: int = 0, test_fraction: float = 0.2
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), split
-    stratified by class: ``(x_train [N,1,8,8] float in [0,1], y_train, x_test, y_test)``."""
-    from sklearn.datasets import load_digits  # optional dependency: only the demo needs it
-    from sklearn.model_selection import train_test_split
-
+    """The 8x8 handwritten digits (1797 images, shipped with the package), split stratified by class
+    as scikit-learn's ``train_test_split`` would: ``(x_train [N,1,8,8] float in [0,1], y_train, x_test,
+    y_test)``."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
-    y = torch.tensor(digits.target, dtype=torch.long)
-    idx_train, idx_test = train_test_split(
-        torch.arange(len(y)).numpy(), test_size=test_fraction, random_state=seed, stratify=y.numpy()
-    )
-    tr, te = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
+    pixels, y = load_digits()
+    x = pixels.reshape(-1, 1, 8, 8)
+    tr, te = stratified_split(y, test_fraction, seed)
     return x[tr], y[tr], x[te], y[te]
 
 

@@ -1,4 +1,4 @@
-"""``gradientflow demo``: N local ranks train small_cnn on scikit-learn's digits, fp16 wire + CSC.
+"""``gradientflow demo``: N local ranks train small_cnn on the shipped handwritten digits, fp16 wire + CSC.
 
 Ranks are started by torchrun's own launcher API (``elastic_launch`` with a ``LaunchConfig``,
 c10d rendezvous on 127.0.0.1), join a Gloo group, and each trains on its shard of the data.
@@ -145,7 +145,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         start_method="spawn",
     )
     logger.info(
-        "gradientflow demo: %d ranks (Gloo, 127.0.0.1), small_cnn on scikit-learn digits, %d steps",
+        "gradientflow demo: %d ranks (Gloo, 127.0.0.1), small_cnn on the 8x8 handwritten digits, %d steps",
         opts.nproc,
         opts.steps,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradientflow.bench.report_tables import step_table_row
+from gradientflow.diagnostics.extras import can_plot
 
 TARGET = 0.85
 HEADLINE = "gf-fp16-csc-slice"  # the defaults for SGD momentum: comm_dtype="fp16", density=0.1
@@ -197,8 +198,11 @@ def markdown(m: dict[str, Any]) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def plot(m: dict[str, Any], path: Path) -> None:
-    """Grouped bars: efficiency per mode, one group per profile, the target as a line."""
+def plot(m: dict[str, Any], path: Path) -> bool:
+    """Grouped bars: efficiency per mode, one group per profile, the target as a line; False (and a
+    line saying so) without matplotlib."""
+    if not can_plot():
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,3 +231,4 @@ def plot(m: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -15,6 +15,7 @@ import numpy as np
 
 from gradientflow.bench.link_bytes import link_summary
 from gradientflow.bench.report_tables import link_table
+from gradientflow.diagnostics.extras import can_plot
 
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -312,7 +313,10 @@ def _what(recipe: str) -> str:
 
 def plot(summary: dict[str, Any], out: Path) -> list[Path]:
     """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
-    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds)."""
+    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds);
+    none (and a line saying so) without matplotlib: the tables are written all the same."""
+    if not can_plot():
+        return []
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gradientflow.diagnostics.extras import can_plot
 from gradientflow.diagnostics.stats import PHASES
 
 
@@ -188,8 +189,11 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one."""
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Bar chart of median step time (p10–p90 whiskers) per mode; θ sweep curves if there is one;
+    False (and a line saying so) without matplotlib."""
+    if not can_plot():
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,6 +245,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 MODE_LABELS = {

@@ -28,9 +28,10 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "demo": Command(
         "gradientflow.cli.demo",
-        "train a small CNN on scikit-learn's digits on N local ranks (fp16 wire + sparse CSC)",
+        "train a small CNN on handwritten digits (shipped with the package) on N local ranks (fp16 wire + sparse CSC)",
         "Launch N local ranks with torchrun's API (Gloo, 127.0.0.1) and train small_cnn on "
-        "scikit-learn's 8x8 handwritten digits with gradientflow.DistributedDataParallel in its best mode: "
+        "the 8x8 handwritten digits scikit-learn also ships (in the package: no download, no scikit-learn) "
+        "with gradientflow.DistributedDataParallel in its best mode: "
         "fp16 on the wire and coarse-grained sparse communication (CSC). Reports test accuracy, steps/s and "
         "the bytes sent next to what torch DDP would have sent.",
     ),
@@ -40,7 +41,8 @@ COMMANDS: dict[str, Command] = {
         "Time gradientflow's modes against torch DDP, DDP + fp16_compress_hook and DDP + PowerSGD, "
         "all in one launch of the ranks (step by step interleaved), plus 'compute' (no communication) as the "
         "1-rank reference for the speedup ratio. With --bandwidth and root: every rank in its own network "
-        "namespace, links shaped with tc. Writes results.json, table.md and bench.png to --out. "
+        "namespace, links shaped with tc. Writes results.json, table.md and bench.png (with matplotlib: "
+        "pip install 'gradientflow[plot]') to --out. "
         "With --quality: model quality instead of step time (see the --quality options below).",
     ),
     "simulate": Command(
@@ -63,7 +65,8 @@ COMMANDS: dict[str, Command] = {
         "Run the DDP tests of torch's distributed_test.py with 2 Gloo ranks on the CPU (CUDA mapped onto it), "
         "once on torch's DistributedDataParallel and once on gradientflow's, and print/write the table of "
         "outcomes (table.md, results.json in --out). Default: the tests torch DDP passes here; --all: every "
-        "DDP test; --ci: the CI selection. See docs/torch-ddp-suite.md.",
+        "DDP test; --ci: the CI selection. Needs expecttest (pip install 'gradientflow[torch-suite]'). "
+        "See docs/torch-ddp-suite.md.",
     ),
 }
 
@@ -95,11 +98,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradientflow`` console script."""
+    from gradientflow.diagnostics.extras import EXIT_MISSING_EXTRA, MissingExtra
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except MissingExtra as exc:  # a subcommand's options need an optional package
+        print(f"gradientflow: {exc}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return int(importlib.import_module(COMMANDS[args.command].module).run(args))
+    except MissingExtra as exc:  # checked before any rank or long work started: one line, no traceback
+        print(f"gradientflow {args.command}: {exc}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     except KeyboardInterrupt:
         print("gradientflow: interrupted", file=sys.stderr)
         return 130

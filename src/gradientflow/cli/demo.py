@@ -1,4 +1,4 @@
-"""``gradientflow demo``: train small_cnn on scikit-learn's digits on N local ranks."""
+"""``gradientflow demo``: train small_cnn on the shipped handwritten digits on N local ranks."""
 
 from __future__ import annotations
 

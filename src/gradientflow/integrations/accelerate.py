@@ -32,12 +32,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, DynamoBackend
 
 from ..config import GradientFlowConfig
+from ..diagnostics.extras import MissingExtra
 from ..wrapper.ddp import DistributedDataParallel
 from ._warnings import attributed_to_user
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, DynamoBackend
+except ImportError:  # one line naming the extra instead of accelerate's bare ModuleNotFoundError
+    raise MissingExtra("accelerate", "gradientflow.integrations.accelerate") from None
 
 CLIENT_PACKAGES = ("accelerate",)
 GF_OPTIONS = tuple(

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..config import GradientFlowConfig
+from ..diagnostics.extras import MissingExtra
 from ..wrapper.ddp import DistributedDataParallel
 from ._warnings import attributed_to_user
 
@@ -249,7 +250,12 @@ def _default_namespace() -> str:
         importlib.import_module("pytorch_lightning.strategies")
         return "pytorch_lightning"
     except ImportError:
+        pass
+    try:
+        importlib.import_module("lightning.pytorch.strategies")
         return "lightning.pytorch"
+    except ImportError:
+        raise MissingExtra("pytorch_lightning", "gradientflow.integrations.lightning") from None
 
 
 NAMESPACE = _default_namespace()

@@ -16,9 +16,9 @@ from typing import Any
 from gradientflow.bench.models import resolve_model
 
 from .config import CONFIGS, SimConfig, parse_bandwidth
-from .model_profile import ModelProfile, flop_profile, measured_profile
+from .model_profile import INPUT_DTYPES, ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown, recommendation
-from .presets import IMAGENET_SHAPE, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
+from .presets import IMAGENET_SHAPE, MEASURED_LATENCY_1GBIT, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
 DEFAULTS: dict[str, Any] = {
@@ -76,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one node's link (default 1)")
     p.add_argument("--bandwidth", type=_bandwidth, help="one node's link, e.g. 56gbit, 10gbit, 12gb/s")
     p.add_argument("--intra-bandwidth", type=_bandwidth, help="between GPUs of a node, e.g. 15.75gb/s")
-    p.add_argument("--latency", type=parse_seconds, help="α per inter-node collective (default 50us)")
+    p.add_argument(
+        "--latency",
+        type=parse_seconds,
+        help="α per inter-node collective (default 50us: assumed, the paper's InfiniBand; measured here on 1 Gbit/s "
+        "Ethernet with Gloo: 423us)",
+    )
     p.add_argument("--intra-latency", type=parse_seconds, help="α per intra-node collective (default 10us)")
     p.add_argument("--batch", type=int, help="images per GPU per iteration (default 32)")
     p.add_argument("--gpu-images-per-s", type=float, help="one GPU's compute-only throughput, images/s")
@@ -94,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=parse_shape,
         help="per-sample input shape (default 3,224,224; with "
         "--profile of a built-in model, the bench's: 3,32,32 resnet50, 3,64,64 alexnet)",
+    )
+    p.add_argument(
+        "--input-dtype",
+        choices=tuple(INPUT_DTYPES),
+        help="what the model's input is made of: float, or token ids (long, int) for a language model "
+        "(default: long where the model's first layer is an nn.Embedding, else float)",
     )
     p.add_argument(
         "--profile",
@@ -116,8 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="PATH",
-        help="write the speedup-vs-GPUs plot here (default without --json: "
-        "simulate_<model>.png in the current directory)",
+        help="write the speedup-vs-GPUs plot (PNG) here; needs matplotlib (pip install 'gradientflow[plot]'), "
+        "without it the tables are printed and no plot is written (default: no plot)",
     )
 
 
@@ -143,16 +154,17 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
     values.update({k: v for k, v in given.items() if v is not None})
     if "bandwidth" not in values:
         raise ValueError("give --bandwidth (one node's link, e.g. 10gbit) or --preset paper")
+    dtype = None if args.input_dtype is None else INPUT_DTYPES[args.input_dtype]
     if args.profile:
         from gradientflow.bench.models import WORKLOADS
 
         shape = args.input_shape or (WORKLOADS[name].input_shape if name in WORKLOADS else IMAGENET_SHAPE)
-        profile = measured_profile(name, factory, shape, int(values["batch"]))
+        profile = measured_profile(name, factory, shape, int(values["batch"]), input_dtype=dtype)
         values["gpu_images_per_s"] = values["batch"] / sum(profile.times or (1.0,))
     else:
         if "gpu_images_per_s" not in values:
             raise ValueError("give --gpu-images-per-s (one GPU's compute-only images/s), --profile, or --preset paper")
-        profile = flop_profile(name, factory, args.input_shape or IMAGENET_SHAPE)
+        profile = flop_profile(name, factory, args.input_shape or IMAGENET_SHAPE, dtype)
     cfg = SimConfig(**values)
     assumptions: dict[str, Any] = {
         k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in cfg.as_dict().items()
@@ -164,7 +176,16 @@ def build(args: argparse.Namespace) -> tuple[str, ModelProfile, SimConfig, dict[
         assumptions["measured_local_passes_s"] = profile.local_s
     if args.preset == "paper":
         assumptions["sources"] = {a.name: a.source for a in (*PAPER_COMMON, *PAPER_MODEL[name])}
+    assumptions["latency_source"] = latency_source(args)
     return name, profile, cfg, assumptions
+
+
+def latency_source(args: argparse.Namespace) -> str:
+    """Where α came from, with the measured 1 Gbit/s value beside an assumed one."""
+    if args.latency is not None:
+        return f"given: --latency {args.latency * 1e6:g}us"
+    measured = f"measured on 1 Gbit/s Ethernet with Gloo: {MEASURED_LATENCY_1GBIT.shown} (--latency 423us)"
+    return f"assumed {DEFAULTS['latency'] * 1e6:g} µs per collective (the paper's InfiniBand, not measured); {measured}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,11 +197,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gradientflow simulate: {exc}", file=sys.stderr)
         return 2
-    if args.plot is None and not args.json:  # the table comes with its plot
-        args.plot = "simulate_" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".png"
+    plotted = False  # a plot only where one was asked for (--plot), and only claimed where it was written
     if args.plot:
         targets = [(n, sp, f"{c} {sp:g}x") for m, n, c, sp, _ in PAPER_TARGETS if m == name and n in args.gpus]
-        plot(name, rows, args.plot, targets if args.preset == "paper" else None)
+        plotted = plot(name, rows, args.plot, targets if args.preset == "paper" else None)
     if args.json:
         out = to_json(name, assumptions, rows)
         if planned is not None:
@@ -207,9 +227,10 @@ def run(args: argparse.Namespace) -> int:
     if args.preset == "paper":
         print(paper_comparison(name, profile, cfg))
     if planned is not None:
-        print(plan_markdown(planned))
+        print(plan_markdown(planned, args.optimizer))
+        print(f"Latency α: {assumptions['latency_source']}.")
         if args.optimizer is not None:
             print(recommendation(planned, args.optimizer))
-    if args.plot:
+    if plotted:
         print(f"plot: {Path(args.plot)}")
     return 0

@@ -66,55 +66,99 @@ def _order(ready: list[float]) -> tuple[int, ...]:
     return tuple(sorted(range(len(ready)), key=lambda i: (ready[i], -i)))
 
 
-def flop_profile(name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...]) -> ModelProfile:
-    """Sizes and FLOP-share ready times of ``factory()``'s parameters, one sample of ``input_shape``.
+INPUT_DTYPES = {"float": torch.float32, "long": torch.int64, "int": torch.int32}
+"""``--input-dtype``: what the probe input of a model is made of (default: :func:`infer_input_dtype`)."""
+
+
+def infer_input_dtype(model: nn.Module) -> torch.dtype:
+    """Token ids (int64) for a model whose first layer is an ``nn.Embedding`` (a language model),
+    float32 otherwise: the first leaf module in registration order stands for the first layer."""
+    first = next((m for m in model.modules() if not list(m.children())), None)
+    return torch.int64 if isinstance(first, (nn.Embedding, nn.EmbeddingBag)) else torch.float32
+
+
+def probe_input(
+    model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype | None, device: str = "cpu"
+) -> torch.Tensor:
+    """An input of ``shape`` for ``model``: N(0, 1) floats, or integer ids every embedding of the
+    model can look up (below the smallest ``num_embeddings``)."""
+    dtype = dtype or infer_input_dtype(model)
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    vocab = min(
+        (m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))), default=1
+    )
+    return torch.randint(0, vocab, shape, dtype=dtype, device=device)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return next((k for k, v in INPUT_DTYPES.items() if v == dtype), str(dtype))
+
+
+def flop_profile(
+    name: str, factory: Callable[[], nn.Module], input_shape: tuple[int, ...], input_dtype: torch.dtype | None = None
+) -> ModelProfile:
+    """Sizes and FLOP-share ready times of ``factory()``'s parameters, one sample of ``input_shape``
+    (of ``input_dtype``, default :func:`infer_input_dtype`).
 
     1. Build the model on ``meta`` (falls back to CPU for a factory that cannot) and hook every
-       leaf module; one forward records (module, FLOPs) per call, in call order.
+       module; one forward records, in call order, (leaf module, FLOPs) as each leaf returns and
+       (other module, 0) as each other module is entered.
     2. Walk the calls in reverse (backward order), accumulating FLOPs; a parameter is ready when
        the *earliest* forward call using it has been walked back (its last gradient contribution).
+       A parameter no leaf call touched (``nn.MultiheadAttention``'s projections, used through
+       ``F.multi_head_attention_forward``) is ready when the module holding it is walked back.
     3. Parameters never used in forward are ready at the end of backward.
     """
     try:
         with torch.device("meta"):
             model = factory()
-        x = torch.empty((1, *input_shape), device="meta")
+        device = "meta"
     except Exception:  # noqa: BLE001 — a factory doing real work at build time; plain CPU then
         model = factory()
-        x = torch.zeros((1, *input_shape))
+        device = "cpu"
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {name!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    dtype = input_dtype or infer_input_dtype(model)
+    x = probe_input(model, (1, *input_shape), dtype, device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"model {name!r} has no trainable parameters: nothing to communicate")
     index = {id(p): i for i, p in enumerate(params)}
-    calls: list[tuple[nn.Module, float]] = []
+    calls: list[tuple[nn.Module, float | None]] = []  # None: a non-leaf module entered
     hooks = [
         m.register_forward_hook(lambda m, i, o: calls.append((m, _leaf_flops(m, i, o))))
-        for m in model.modules()
         if not list(m.children())
+        else m.register_forward_pre_hook(lambda m, i: calls.append((m, None)))
+        for m in model.modules()
     ]
     try:
         with torch.no_grad():
             model(x)
     except Exception as exc:
         raise ValueError(
-            f"model {name!r} failed on an input of shape {(1, *input_shape)} ({exc}); "
-            "pass its per-sample shape with --input-shape"
+            f"model {name!r} failed on a {_dtype_name(dtype)} input of shape {(1, *input_shape)} ({exc}); "
+            "pass its per-sample shape with --input-shape (and --input-dtype long for token ids)"
         ) from None
     finally:
         for h in hooks:
             h.remove()
-    total = sum(f for _, f in calls) or 1.0
-    ready = [1.0] * len(params)
+    total = sum(f or 0.0 for _, f in calls) or 1.0
+    ready: list[float | None] = [None] * len(params)
     done = 0.0
     for mod, flops in reversed(calls):
+        if flops is None:  # entering a module: what no leaf call claimed is ready here
+            for p in mod.parameters():
+                if id(p) in index and ready[index[id(p)]] is None:
+                    ready[index[id(p)]] = done / total
+            continue
         done += flops
         for p in mod.parameters(recurse=False):
             if id(p) in index:
                 ready[index[id(p)]] = done / total  # a later (earlier-in-forward) call overrides
+    final = [1.0 if r is None else r for r in ready]
     return ModelProfile(
-        name, tuple(p.numel() for p in params), _order(ready), tuple(ready), "flops", flops_per_sample=total
+        name, tuple(p.numel() for p in params), _order(final), tuple(final), "flops", flops_per_sample=total
     )
 
 
@@ -204,6 +248,7 @@ def measured_profile(
     batch: int,
     steps: int = 3,
     threads: int = 1,
+    input_dtype: torch.dtype | None = None,
 ) -> ModelProfile:
     """Time ``steps`` local training steps (after one warm-up) of ``factory()`` on this CPU.
 
@@ -218,7 +263,7 @@ def measured_profile(
     model = factory()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    x = torch.randn((batch, *input_shape))
+    x = probe_input(model, (batch, *input_shape), input_dtype)
     stamps: list[float] = [0.0] * len(params)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))

@@ -20,6 +20,16 @@ class Assumption:
     source: str
 
 
+MEASURED_LATENCY_1GBIT = Assumption(
+    "latency",
+    423e-6,
+    "423 µs per collective",
+    "measured: Gloo's allreduce between 2 ranks on an emulated 1 Gbit/s Ethernet link, fitted α + x/B "
+    "(benchmarks/sim_validation/alpha_beta.json, docs/cost-model.md; re-runs gave 0.47-2.7 ms)",
+)
+"""The measured α beside the default's assumed one (``simulate --latency``; the paper's InfiniBand)."""
+
+
 def _one_gpu(epochs: int, seconds: float, speedup: float) -> float:
     """One V100's compute-only img/s implied by the paper: (epochs·images/s / 512) / (speedup/512)."""
     return epochs * IMAGENET_IMAGES / seconds / speedup

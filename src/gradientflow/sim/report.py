@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..diagnostics.extras import can_plot
 from .config import CONFIGS, SimConfig
 from .model_profile import ModelProfile
 from .presets import PAPER_TARGETS, SENSITIVITY
@@ -87,15 +88,14 @@ def plot(
     model: str, rows: list[Iteration], path: str | Path, targets: list[tuple[int, float, str]] | None = None
 ) -> bool:
     """Speedup against GPU count, one line per configuration, ideal dashed, ``targets`` (GPUs,
-    speedup, label) as black stars; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+    speedup, label) as black stars; False (and a line saying so) without matplotlib."""
+    if not can_plot():
         return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     gpus = sorted({r.gpus for r in rows})
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.plot(gpus, gpus, "k--", lw=1, label="ideal")

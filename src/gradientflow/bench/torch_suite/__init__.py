@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, command: str) -> int:
     """Run the selection on torch DDP, then on gradientflow; print and write the table (``command``: how
     it was invoked, recorded in the table)."""
+    from gradientflow.diagnostics.extras import require
+
+    # torch's test modules (torch.testing._internal.common_utils) import expecttest, a test-only package
+    require("expecttest", "running torch's own DDP tests")
     from .harness import all_ddp_tests
     from .runner import read_other, run_tests, write
 
