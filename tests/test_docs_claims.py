@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -183,8 +184,15 @@ def _bad_trace(tmp: Path) -> list[str]:
     return ["trace-summary", str(bad)]
 
 
+def _without_expecttest(tmp: Path) -> list[str]:
+    """torch-suite where expecttest cannot be imported (``sys.modules[name] = None`` makes every import of it
+    raise ImportError; undone by the test's monkeypatch)."""
+    sys.modules["expecttest"] = None  # type: ignore[assignment]
+    return ["torch-suite", "--out", str(tmp / "suite")]
+
+
 # The failing case each command's claim is about, as argv; a claim about another command needs one here.
-EXIT_CASES = {"trace-summary": _bad_trace}
+EXIT_CASES = {"trace-summary": _bad_trace, "torch-suite": _without_expecttest}
 
 
 def _exit_claims() -> list[tuple[str, str, int]]:
@@ -195,8 +203,10 @@ def _exit_claims() -> list[tuple[str, str, int]]:
     return sorted(set(found))
 
 
-def test_every_documented_exit_code_is_the_commands(tmp_path: Path) -> None:
+def test_every_documented_exit_code_is_the_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gradientflow.cli import main
+
+    monkeypatch.setitem(sys.modules, "expecttest", sys.modules.get("expecttest"))  # restored after the test
 
     claims = _exit_claims()
     assert {(p, c) for p, c, _ in claims} >= {("diagnostics.md", "trace-summary"), ("architecture.md", "trace-summary")}
