@@ -79,3 +79,29 @@ def test_two_backwards_on_disjoint_outputs_train_as_torch(find_unused: bool, set
 def test_two_backwards_one_bucket_per_head() -> None:
     """Each head its own bucket (a tiny bucket cap): the first backward launches its bucket, the second the other."""
     run_distributed(_worker, 2, {"bucket_cap_mb": 0.00001}, True, timeout=120)
+
+
+def _recipe_worker(rank: int, world_size: int, kw: dict) -> None:
+    """Two backwards give what one backward of the summed loss gives, under a recipe too."""
+    import gradientflow as gf  # noqa: PLC0415
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(gf.DistributedDataParallel(TwoOutputs(), **kw))
+    split, summed = models
+    for step in range(3):
+        for m in models:
+            m.zero_grad()
+        o1, o2 = split(batch(rank, step))
+        o1.pow(2).sum().backward()
+        o2.sum().backward()
+        p1, p2 = summed(batch(rank, step))
+        (p1.pow(2).sum() + p2.sum()).backward()
+        for a, b in zip(split.parameters(), summed.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kw", [{"comm_dtype": "fp16"}, {"density": 0.5, "chunk_size": 4}], ids=["fp16", "csc"])
+def test_two_backwards_under_a_recipe_are_one_step(kw: dict) -> None:
+    run_distributed(_recipe_worker, 2, kw, timeout=120)
