@@ -18,8 +18,11 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
      averaged gradient in the pool (= in every ``.grad``).  As in torch DDP, unused parameters
      are searched for only with ``find_unused_parameters=True`` (a per-parameter "used" count
      exchange; once with ``static_graph``): a parameter no rank used, whose ``.grad`` was
-     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a parameter this backward
-     gave no gradient is torch's error at the next forward (:attr:`pending_error`).
+     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a backward that left
+     parameters without gradient ends nothing, as torch's reducer (which finalises in the backward
+     that readies the last bucket): a further backward of the same forward continues the step
+     (``o1, o2 = model(x); l(o1).backward(); l(o2).backward()``), and if the next forward comes first
+     it ends the step and raises torch's error there (:attr:`pending_error`, ``usage.UnusedSearch``).
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
 """
