@@ -132,9 +132,11 @@ def _double_wrap_worker(rank: int, world_size: int) -> None:
     ours = gf.DistributedDataParallel(nn.Linear(4, 1))
     with pytest.raises(RuntimeError, match="already a gradientflow"):
         nn.parallel.DistributedDataParallel(ours)
-    with pytest.raises(RuntimeError, match="average every gradient twice"):
-        gf.DistributedDataParallel(ours)
-    with pytest.raises(RuntimeError, match="average every gradient twice"):
+    # gradientflow in gradientflow, both dense: one engine (issue 38; tests/compat/test_compat_nested.py)
+    assert gf.DistributedDataParallel(ours).comm_stats() == ours.comm_stats()
+    with pytest.raises(RuntimeError, match="both average densely"):
+        gf.DistributedDataParallel(gf.DistributedDataParallel(nn.Linear(4, 1), comm_dtype="fp16"))
+    with pytest.raises(RuntimeError, match="would both write the same .grad"):
         gf.DistributedDataParallel(nn.parallel.DistributedDataParallel(nn.Linear(4, 1)))
 
 
@@ -163,6 +165,6 @@ def _run_all(rank: int, world_size: int, checks: list) -> list[str]:
 
 def test_behaviours_found_by_torchs_ddp_suite() -> None:
     """Reassigned buffer broadcast; BatchNorm stats equal after train + validation; undefined gradient;
-    sparse embedding as torch DDP; torch's static-graph errors; a double wrap raises."""
+    sparse embedding as torch DDP; torch's static-graph errors; a double wrap raises where two DDPs would differ."""
     for failed in run_distributed(_run_all, 2, BEHAVIOURS):
         assert not failed, "\n".join(failed)

@@ -58,6 +58,10 @@ class StepStats:
         self.phases[name] = self.phases.get(name, 0.0) + (now - t0)
         return now
 
+    def comm_span(self) -> tuple[float | None, float | None]:
+        """perf_counter of the first launch and of the last completion (``None``: no collective)."""
+        return self._first_launch, self._last_done
+
     def close(self) -> None:
         if self._first_launch is not None and self._last_done is not None:
             self.comm_seconds = max(0.0, self._last_done - self._first_launch)

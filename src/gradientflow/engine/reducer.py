@@ -18,8 +18,11 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
      averaged gradient in the pool (= in every ``.grad``).  As in torch DDP, unused parameters
      are searched for only with ``find_unused_parameters=True`` (a per-parameter "used" count
      exchange; once with ``static_graph``): a parameter no rank used, whose ``.grad`` was
-     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a parameter this backward
-     gave no gradient is torch's error at the next forward (:attr:`pending_error`).
+     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a backward that left
+     parameters without gradient ends nothing, as torch's reducer (which finalises in the backward
+     that readies the last bucket): a further backward of the same forward continues the step
+     (``o1, o2 = model(x); l(o1).backward(); l(o2).backward()``), and if the next forward comes first
+     it ends the step and raises torch's error there (:attr:`pending_error`, ``usage.UnusedSearch``).
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
 """
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import GradientFlowConfig
+from ..diagnostics.runtime_log import RuntimeLog, StepTimes
 from ..diagnostics.stats import RunTotals, StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
@@ -44,7 +48,7 @@ from .hooks import iter_tensors, remove_handles, weak_hook
 from .layout import PoolLayout
 from .pool import Layout
 from .protocol import MakeSync, SyncStrategy
-from .usage import ParamUsage, unused_error
+from .usage import ParamUsage, UnusedSearch
 
 logger = logging.getLogger(__name__)
 _ENGINE = torch.autograd.Variable._execution_engine  # autograd's engine, for the final callback
@@ -60,11 +64,15 @@ class _Backward:
         self.seen = bytearray(n_params)
         self.order: list[int] = []
         self.stats = StepStats(dense_bytes=dense_bytes)
-        self.t_start = 0.0  # perf_counter at its start, stamped only while tracing
+        self.t_start = 0.0  # perf_counter at its start (the trace's span, torch's logging data)
         self.shadow = False  # a joined rank's zero step: no gradient is expected from it
+        # False between autograd runs while the step is open: a backward left parameters without gradient
+        # and another backward of the same forward may bring them (torch's reducer waits for them too)
+        self.queued = True
+        self.closing = False  # raise_pending closes an open step: finish it whatever is missing
 
 
-class Reducer(PoolLayout, GradBinding):
+class Reducer(PoolLayout, GradBinding, UnusedSearch):
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
     ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
@@ -112,6 +120,7 @@ class Reducer(PoolLayout, GradBinding):
         weakref.finalize(self, remove_handles, self.hooks)
         self._output_hook = weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
         self.sync_this_backward = True
+        self.armed_sync = False  # this forward's arm() asked for a synchronised backward
         self.bind_pending = False
         self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
         self.fresh_add: bytearray | None = None  # unbound: 1 where the gradient is added into a strategy's target
@@ -128,6 +137,9 @@ class Reducer(PoolLayout, GradBinding):
         self.result_versions: tuple[int, ...] | None = None
         self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
         self.last_error = ""  # the last error this engine raised (torch DDP's logging data reports it)
+        self.runtime = RuntimeLog()  # torch DDP's runtime logging fields, sampled at synchronised forwards
+        self.step_times: StepTimes | None = None  # the last completed synchronised step's stamps
+        self.t_forward: float | None = None
         device = params[0].device
         self.step_check = StepCheck(watchdog, device) if config.check_consistency else None
         self.finite_check = FiniteCheck(watchdog, names, device) if config.check_finite else None
@@ -155,7 +167,9 @@ class Reducer(PoolLayout, GradBinding):
         It binds ``.grad`` before any gradient is accumulated and, when synchronising, makes a
         rank whose loss uses no parameter still join the collectives.
         """
-        self.sync_this_backward = sync
+        # Two wrappers arm one engine when a gradientflow model is nested in another (wrapper/nested.py): the
+        # backward synchronises if either asks, as either of torch's two reducers would.
+        self.sync_this_backward = self.armed_sync = sync or self.armed_sync
         self.bind_pending = True
         if self.step_check is not None:
             self.step_check.passes += 1
@@ -163,16 +177,28 @@ class Reducer(PoolLayout, GradBinding):
             if t.requires_grad:
                 t.register_hook(self._output_hook)
 
+    def forward_started(self, sync: bool) -> None:
+        """At every forward: last step's fresh gradients are freed (where torch's zero_grad frees ``.grad``);
+        a synchronised one samples torch's runtime logging fields and stamps the step's start."""
+        self.held.clear()
+        self.armed_sync = False
+        if sync:
+            self.runtime.at_forward(self.watchdog.step, self.step_times)
+            self.t_forward = time.perf_counter()
+
     def _begin_backward(self) -> _Backward:
         bw = self.backward
         if bw is None:
-            tr = self.trace
-            t_start = time.perf_counter() if tr is not None and tr.active else 0.0
+            t_start = time.perf_counter()
             if self.step_check is not None:  # before any bucket: matched with the others' check
                 self.step_check.start(self.pool.layout)
             self.bind_grads(sync=True)
             bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
             bw.t_start = t_start
+            _ENGINE.queue_callback(self.finish_backward)
+        elif not bw.queued:  # a further backward of an open step: it ends at this backward's end, or stays open
+            bw.queued = True
+            self.pending_error = None
             _ENGINE.queue_callback(self.finish_backward)
         return bw
 
@@ -196,8 +222,8 @@ class Reducer(PoolLayout, GradBinding):
         usage.fresh[i] = 0
         usage.used[i] = 1
         bw = self.backward
-        if bw is None:
-            if not self.sync_this_backward:
+        if bw is None or not bw.queued:
+            if bw is None and not self.sync_this_backward:
                 self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
                 return
             bw = self._begin_backward()
@@ -277,8 +303,11 @@ class Reducer(PoolLayout, GradBinding):
         bw = self.backward
         if bw is None:
             return
+        if self._stays_open(bw):
+            return
         tr = self.trace
-        t_final = time.perf_counter() if tr is not None and tr.active else None
+        t_end = time.perf_counter()
+        t_final = t_end if tr is not None and tr.active else None
         if t_final is not None and tr is not None:
             tr.complete("backward", "backward", bw.t_start, t_final)
         try:
@@ -297,6 +326,8 @@ class Reducer(PoolLayout, GradBinding):
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
             bw.stats.close()
+            comm_start, comm_end = bw.stats.comm_span()
+            self.step_times = StepTimes(self.t_forward, bw.t_start, t_end, comm_start, comm_end, bw.order)
         finally:
             self._rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
             self.backward = None
@@ -356,43 +387,3 @@ class Reducer(PoolLayout, GradBinding):
             self.watchdog.step += 1
             if self.trace is not None:
                 self.trace.set_step(self.watchdog.step)  # writes the file after a traced step
-
-    def _unsearched_unused(self, bw: _Backward) -> None:
-        """Parameters this backward gave no gradient without ``find_unused_parameters``: torch's error at
-        the next forward; a ``.grad`` that was ``None`` stays ``None``, as torch leaves it (e.g. a
-        ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
-        unused = [i for i, seen in enumerate(bw.seen) if not seen]
-        self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
-        self.last_error = str(self.pending_error)
-        for i in self.sync.untouched([i for i in unused if self.usage.fresh[i]]):
-            self.params[i].grad = None
-
-    def raise_pending(self) -> None:
-        """At a forward with grad: the error of the previous synchronised backward, once (torch raises it
-        there; the step itself completed, so a caller that catches it may go on)."""
-        error, self.pending_error = self.pending_error, None
-        if error is not None:
-            raise error
-
-    def _start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
-        if self.find_unused and not self.usage.static_graph:
-            with torch.profiler.record_function("search_unused_parameters"):  # torch's profiler event name
-                return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
-        if self.usage.static_graph:
-            return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
-        return None
-
-    def _exchange_group(self) -> dist.ProcessGroup:
-        """Where the used exchange runs.  CSC sends chunks at launches that may differ between ranks
-        (see csc.py): only the control group has a fixed order of collectives at this point."""
-        group = self.group if self._control is None else self._control()
-        if group is None:
-            raise RuntimeError("gradientflow: CSC's control process group was destroyed while the model is in use")
-        return group
-
-    def _release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
-        """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
-        candidates = self.usage.unused_fresh(used, self.watchdog)
-        if candidates:
-            for i in self.sync.untouched(candidates):
-                self.params[i].grad = None

@@ -14,13 +14,19 @@ As in torch DDP:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .protocol import SyncStrategy
+    from .reducer import _Backward
 
 
 class ParamUsage:
@@ -118,3 +124,86 @@ def unused_error(unused: list[int], names: list[str], rank: int) -> RuntimeError
         "(gradientflow names them at every debug level; torch DDP asks you to set the environment variable "
         "TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL for the names.)"
     )
+
+
+class UnusedSearch:
+    """A mixin of :class:`~gradientflow.engine.reducer.Reducer`: the end of a step for parameters that got no
+    gradient (the attributes below are the reducer's).  With ``find_unused_parameters`` (or ``static_graph``)
+    the used exchange decides; without, a step whose backward left parameters without gradient stays open
+    for a further backward of the same forward, or becomes torch's error at the next forward."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    rank: int
+    group: dist.ProcessGroup
+    watchdog: Watchdog
+    sync: SyncStrategy
+    usage: ParamUsage
+    find_unused: bool
+    pending_error: RuntimeError | None
+    last_error: str
+    backward: _Backward | None
+    _control: weakref.ref[dist.ProcessGroup] | None
+
+    def finish_backward(self) -> None:
+        raise NotImplementedError
+
+    def _stays_open(self, bw: _Backward) -> bool:
+        """Whether this backward's end leaves the step open, as torch DDP's reducer does.
+
+        torch launches a bucket once all its parameters are marked ready, across however many backwards
+        of one forward that takes (``o1, o2 = model(x); l(o1).backward(); l(o2).backward()``), and
+        finalises in the backward that readies the last bucket.  So, without ``find_unused_parameters``
+        (with it, or with ``static_graph``, the used exchange decides which gradients will not come), a
+        backward that left parameters without gradient finishes nothing: a later backward may bring
+        them.  If the next forward with grad comes first, :meth:`raise_pending` ends the step and
+        raises torch's error there, naming the parameters still missing."""
+        if bw.closing or bw.shadow or self.find_unused or self.usage.static_graph or len(bw.order) == len(bw.seen):
+            return False
+        bw.queued = False
+        self.pending_error = unused_error([i for i, s in enumerate(bw.seen) if not s], self.names, self.rank)
+        return True
+
+    def _unsearched_unused(self, bw: _Backward) -> None:
+        """Parameters this backward gave no gradient without ``find_unused_parameters``: torch's error at
+        the next forward; a ``.grad`` that was ``None`` stays ``None``, as torch leaves it (e.g. a
+        ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
+        unused = [i for i, seen in enumerate(bw.seen) if not seen]
+        self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
+        self.last_error = str(self.pending_error)
+        for i in self.sync.untouched([i for i in unused if self.usage.fresh[i]]):
+            self.params[i].grad = None
+
+    def raise_pending(self) -> None:
+        """At a forward with grad: the error of the previous synchronised backward, once (torch raises it
+        there; the step itself completed, so a caller that catches it may go on)."""
+        bw = self.backward
+        if bw is not None and not bw.queued:  # a step left open for a further backward that never came
+            bw.closing = True
+            self.finish_backward()  # the same collectives as a rank whose backward had every gradient
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
+
+    def _start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
+        if self.find_unused and not self.usage.static_graph:
+            with torch.profiler.record_function("search_unused_parameters"):  # torch's profiler event name
+                return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+        if self.usage.static_graph:
+            return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
+        return None
+
+    def _exchange_group(self) -> dist.ProcessGroup:
+        """Where the used exchange runs.  CSC sends chunks at launches that may differ between ranks
+        (see csc.py): only the control group has a fixed order of collectives at this point."""
+        group = self.group if self._control is None else self._control()
+        if group is None:
+            raise RuntimeError("gradientflow: CSC's control process group was destroyed while the model is in use")
+        return group
+
+    def _release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
+        """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
+        candidates = self.usage.unused_fresh(used, self.watchdog)
+        if candidates:
+            for i in self.sync.untouched(candidates):
+                self.params[i].grad = None

@@ -16,7 +16,8 @@ What differs from ``Accelerator``, and why:
 - ``save_state`` writes one file per rank and prepared model, ``gradientflow_comm_{i}_rank{r}.pt``
   beside accelerate's files (save-state pre-hook: ``register_for_checkpointing`` writes from the main
   process only, and residuals are per rank); ``load_state`` reads them back on every rank.
-- ``unwrap_model`` unwraps gradientflow's wrapper too (accelerate tests for torch's class).
+- ``unwrap_model`` unwraps gradientflow's wrapper itself (accelerate tests for torch's class, which the
+  wrapper is an instance of since issue 38: accelerate's own check unwraps it too).
 - ``trigger_sync_in_backward`` (experimental in accelerate) raises ``NotImplementedError``: it
   would silently not synchronise.  ``dynamo_backend`` raises ``ValueError`` at ``prepare``.
 """

@@ -17,7 +17,8 @@ What differs from ``DDPStrategy``, and why:
   ``fit(ckpt_path=...)`` is then exactly the uninterrupted run.
 - Lightning tests ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` to unwrap the
   model at teardown, to prepare a manual-optimization backward and in its forward redirection;
-  gradientflow's wrapper is not torch's class, so those paths are redone here for it.
+  those paths are redone here for either wrapper (written before gradientflow's wrapper became an
+  instance of torch's class, issue 38; they do what Lightning's do).
 - ``ddp_comm_hook`` is registered on every device (Lightning registers it only on CUDA, where it
   would stop at an ``AssertionError`` for a non-torch wrapper).
 - gradientflow's warnings raised inside Lightning name the user's line, not Lightning's.

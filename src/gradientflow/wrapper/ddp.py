@@ -3,9 +3,8 @@
 The ``nn.Module`` face: torch DDP's arguments and attributes, forward (inputs to the device,
 buffers from rank 0, arming the backward), ``no_sync``, ``Join`` (its hook in :mod:`.join`),
 device/dtype changes, pickling, and the communication checkpoint (kept by :mod:`.comm_state`).
-What happens during a synchronised backward
-(``.grad`` bound to the pool, buckets launched in order, the final callback) is the
-:class:`~gradientflow.engine.reducer.Reducer`'s, built here and rebuilt after ``.to()``.
+What happens during a synchronised backward (``.grad`` bound to the pool, buckets launched in order,
+the final callback) is the :class:`~gradientflow.engine.reducer.Reducer`'s, built here and rebuilt after ``.to()``.
 """
 
 from __future__ import annotations
@@ -31,17 +30,19 @@ from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
-from . import auto, compat
+from . import auto, compat, nested
 from .checkpoint import Checkpointing
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
 from .join import GradientFlowJoinHook, common_rank
+from .nested import Nesting
 from .shutdown import end_groups_at_exit
 from .sparse_grads import SparseGradSync
-from .torch_api import DoubleWrapError, TorchDDPAPI
+from .torch_api import TorchDDPAPI
+from .torch_class import TorchDDPClass
 
 
-class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass, Joinable):  # torch_class.py
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` with GradientFlow's communication.
 
     torch DDP's arguments keep their positions, defaults and meaning:
@@ -125,7 +126,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         trace_steps: tuple[int, int] | None = None,
         compression: str = "none",
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
         Joinable.__init__(self)
         error: Exception | None = None
         try:  # everything local first: a failure here is raised on every rank (agree_on_construction)
@@ -158,11 +159,6 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         """Arguments, options and module, checked on this rank alone (no collective)."""
         a = dict(args)
         device_ids, output_device = a["device_ids"], a["output_device"]
-        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
-            raise DoubleWrapError(
-                f"the module is already a {type(module).__module__}.{type(module).__name__}; wrapping it again would "
-                "average every gradient twice. Wrap the inner model (model.module) once."
-            )
         trace_path = a["trace_path"]
         settings = resolve_ddp_args(module, **{k: a[k] for k in compat.DDP_ARGS})
         config = GradientFlowConfig(
@@ -172,6 +168,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
             **{k: a[k] for k in compat.GF_OPTIONS},
         )
         self.config = compat.recipe_theta(config, settings.theta_given)  # the quantised recipe's own θ
+        nested.check_wrap(module, self.config)  # a DDP inside: refused where two DDPs' results would differ
         # torch DDP's public attributes, same names and meaning.
         self.module = module
         self.device_ids = list(device_ids) if device_ids else None
@@ -190,7 +187,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in self.bucket_cap_mb_list or []]
         self._gf_divide_by_initial_world_size = True
         self._gf_device = settings.device
-        self._gf_ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._gf_ignored = nested.ignored(module)
         self._gf_settings = settings
         self._gf_attach_group(settings.process_group)
         self._gf_collect_tensors()
@@ -245,6 +242,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
 
     def _gf_build_engine(self, order: list[int] | None, layout_final: bool = False) -> None:
         """A reducer (pool, strategy, hooks) for the current parameters (``order``: a saved layout order)."""
+        if self._gf_shares_engine():  # a gradientflow model inside: its engine serves both (nested.py)
+            return
         old = self.__dict__.get("_gf_engine")
         if old is not None:
             old.remove_hooks()
@@ -279,7 +278,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, nn.Module, Joinable):
         if self._gf_engine.pending_error is not None and torch.is_grad_enabled():
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._gf_engine.held.clear()  # last step's fresh gradients, freed where torch's zero_grad frees .grad
+        self._gf_engine.forward_started(sync)  # frees last step's fresh gradients; torch's runtime logging
         tr = self._gf_engine.trace
         t_fwd = time.perf_counter() if tr is not None and tr.active else None
         if sync:

@@ -102,6 +102,7 @@ class TorchDDPAPI:
             raise TypeError(msg)
         if self.__dict__.get("_gf_comm_hook") is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._gf_refuse_if_nested("register_comm_hook")
         cfg = self.config
         if cfg.sparse or cfg.comm_dtype != "fp32":
             raise ValueError(
@@ -207,6 +208,13 @@ class TorchDDPAPI:
     def parameters_to_ignore(self) -> set[str]:
         return set(self._gf_ignored)
 
+    @parameters_to_ignore.setter
+    def parameters_to_ignore(self, value: Any) -> None:
+        raise AttributeError(
+            "gradientflow: parameters_to_ignore is fixed when the model is wrapped; call "
+            "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping."
+        )
+
     def _remove_autograd_hooks(self) -> None:
         """Detach the engine from the parameters' autograd (torch DDP's name; e.g. before ``del``)."""
         self._gf_engine.remove_hooks()
@@ -223,6 +231,7 @@ class TorchDDPAPI:
                 f"{sample_rate}: set it to 1 or more."
             )
         self._gf_logging_sample_rate = int(sample_rate)
+        self._gf_engine.runtime.sample_rate = int(sample_rate)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's construction-time logging fields with this model's values, plus the last step's counters."""
@@ -241,11 +250,13 @@ class TorchDDPAPI:
             "backend_name": dist.get_backend(self.process_group),
             "world_size": self._gf_world_size,
             "rank": dist.get_rank(self.process_group),
-            "iteration": self._gf_engine.watchdog.step,
+            "iteration": 0,  # torch's: the last sampled iteration (runtime fields below)
             "is_multi_device_module": 0,
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+            "dtypes": ", ".join(
+                sorted({_TYPE_NAMES.get(p.dtype, str(p.dtype).removeprefix("torch.")) for p in params})
+            ),
             "bucket_sizes": ", ".join(
                 str(sum(params[i].numel() * params[i].element_size() for i in b.params)) for b in layout.buckets
             ),
@@ -254,6 +265,9 @@ class TorchDDPAPI:
             "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
             "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
             "master_port": os.environ.get("MASTER_PORT", "N/A"),
+            **_environment(self.process_group),
+            **_rebuilt(self._gf_engine, params),
+            **self._gf_engine.runtime.fields,
         }
         if hook is not None:
             data["comm_hook"] = self.__dict__.get("_gf_comm_hook_name") or getattr(
@@ -286,6 +300,51 @@ class TorchDDPAPI:
             "DistributedDataParallel would average every gradient twice. Pass the inner model (model.module), "
             "or use the gradientflow model as it is."
         )
+
+
+# torch's logger names dtypes by their C++ TypeMeta name
+_TYPE_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+}
+
+
+def _environment(group: dist.ProcessGroup) -> dict[str, Any]:
+    """The environment torch DDP's logger records at construction (its keys; NCCL's only for NCCL)."""
+    env = {
+        k: os.environ.get(v, "N/A")
+        for k, v in (
+            ("torch_distributed_debug", "TORCH_DISTRIBUTED_DEBUG"),
+            ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES"),
+        )
+    }
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        env["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME", "N/A")
+        env["gloo_device_transport"] = os.environ.get("GLOO_DEVICE_TRANSPORT", "N/A")
+        try:  # the group's own thread count, as torch reads it; Gloo's default where it cannot be read
+            env["gloo_num_threads"] = int(group._get_backend(torch.device("cpu")).options._threads)
+        except (AttributeError, RuntimeError):
+            env["gloo_num_threads"] = 2
+    elif backend == "nccl":
+        for key in ("socket_ifname", "blocking_wait", "async_error_handling", "debug", "nthreads", "ib_timeout"):
+            env[f"nccl_{key}"] = os.environ.get(f"NCCL_{key.upper()}", "N/A")
+    return env
+
+
+def _rebuilt(engine: Any, params: list[nn.Parameter]) -> dict[str, Any]:
+    """torch's fields on the buckets after the rebuild (the pool's relayout) and on unused parameters."""
+    counts = engine.usage.counts
+    unused = [] if counts is None else [i for i, c in enumerate(counts.tolist()) if not c]
+    out: dict[str, Any] = {"unused_parameter_size": sum(params[i].numel() * params[i].element_size() for i in unused)}
+    if engine.layout_final:
+        buckets = engine.pool.layout.buckets
+        sizes = (sum(params[i].numel() * params[i].element_size() for i in b.params) for b in buckets)
+        out["rebuilt_bucket_sizes"] = ", ".join(map(str, sizes))
+        out["rebuilt_per_bucket_param_indices"] = ", ".join(" ".join(map(str, b.params)) for b in buckets)
+    return out
 
 
 class DoubleWrapError(RuntimeError):
