@@ -6,8 +6,8 @@ DDP's results; these name each rule on its own, in-process, with no collective o
 - buckets are handed over in bucket order, each once per synchronised backward, then ``finish`` once;
 - ``divided`` is True only when every gradient of the bucket entered through ``take_fresh`` returning True
   (a backward from ``None`` gradients), False when autograd accumulated into bound ``.grad``;
-- a backward from ``None`` gradients that leaves a parameter without gradient hands its bucket over with
-  zeros in that parameter's place (what a bound pool would hold);
+- a backward from ``None`` gradients that leaves a parameter without gradient (``find_unused_parameters``) hands
+  its bucket over with zeros in that parameter's place (what a bound pool would hold);
 - a joined rank's shadow step launches every bucket with zeros and leaves ``.grad`` as the user left it.
 """
 
@@ -68,14 +68,17 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _reducer(model: nn.Module, group: dist.ProcessGroup, divides: bool = True) -> tuple[Reducer, Recorder]:
+def _reducer(
+    model: nn.Module, group: dist.ProcessGroup, divides: bool = True, find_unused: bool = False
+) -> tuple[Reducer, Recorder]:
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     # θ of one byte: every parameter is a bucket of its own, so the order of launches is the order of buckets
     config = GradientFlowConfig(fusion_threshold_mb=1e-6).resolved(sum(p.numel() for p in params), params[0].device)
     recorder = Recorder(divides)
     watchdog = Watchdog(group, timedelta(seconds=30))
-    reducer = Reducer(params, names, config, group, watchdog, None, False, None, lambda pool, shapes: recorder)
+    make = lambda pool, shapes: recorder  # noqa: E731
+    reducer = Reducer(params, names, config, group, watchdog, None, False, None, make, find_unused=find_unused)
     return reducer, recorder
 
 
@@ -112,8 +115,10 @@ def test_divided_only_when_every_gradient_entered_through_take_fresh(group: dist
 
 
 def test_a_missing_gradient_is_launched_as_zeros(group: dist.ProcessGroup) -> None:
+    """With ``find_unused_parameters=True`` the backward ends the step (without it, as torch's reducer, the step
+    stays open for a further backward of the same forward: tests/compat/test_compat_multi_backward.py)."""
     model = _model()
-    reducer, rec = _reducer(model, group)
+    reducer, rec = _reducer(model, group, find_unused=True)
     last = {id(model[4].weight), id(model[4].bias)}
     slots = {i for i, p in enumerate(reducer.params) if id(p) in last}
     buckets = reducer.pool.layout.buckets  # the layout launched (the pool is re-laid after the first step)
