@@ -173,3 +173,179 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
     assert ((got - ref).abs() <= tol).all(), (got - ref).abs().max()
     for name in ("quantized", "q2npw20", "csc-fp32"):
         _conserved(two, name)
+
+
+# ---- the layout, pure ---------------------------------------------------------------------------
+def _env(per_node: int, rank: int, world: int, **over: int) -> dict[str, str]:
+    env = {"LOCAL_WORLD_SIZE": per_node, "LOCAL_RANK": rank % per_node, "GROUP_RANK": rank // per_node}
+    env.update(RANK=rank, WORLD_SIZE=world, **over)
+    return {k: str(v) for k, v in env.items()}
+
+
+def test_layout_from_torchruns_variables_and_by_name() -> None:
+    from gradientflow.comm.topology import resolve_topology
+
+    assert resolve_topology("auto", 6, 4, _env(3, 4, 6), True).name == "2x3"  # rank 4 = node 1, local 1
+    assert resolve_topology("auto", 6, 4, _env(2, 4, 6), True).name == "3x2"
+    assert resolve_topology("auto", 4, 1, {}, True).name == "flat"  # not launched by torchrun
+    assert resolve_topology("auto", 4, 1, _env(4, 1, 4), True).name == "flat"  # one node holds every rank
+    assert resolve_topology("auto", 4, 1, _env(1, 1, 4), True).name == "flat"  # one rank per node
+    assert resolve_topology("auto", 2, 1, _env(2, 1, 4), False).name == "flat"  # a subgroup under "auto"
+    assert resolve_topology("flat", 4, 1, _env(2, 1, 4), True).name == "flat"
+    assert resolve_topology("2x2", 4, 3, {}, True).name == "2x2"
+    assert resolve_topology("1x4", 4, 3, {}, True).name == "flat"
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 does not split the 6 ranks.*topology='flat'"):
+        resolve_topology("auto", 6, 1, _env(4, 1, 6), True)
+    with pytest.raises(ValueError, match="not contiguous per node.*topology='flat'"):
+        resolve_topology("auto", 4, 1, _env(2, 1, 4, GROUP_RANK=1, LOCAL_RANK=0), True)
+    with pytest.raises(ValueError, match="names 6 ranks, the process group has 4"):
+        resolve_topology("2x3", 4, 0, {}, True)
+    with pytest.raises(ValueError, match="topology must be 'auto'"):
+        resolve_topology("2by2", 4, 0, {}, True)
+    with pytest.raises(ValueError, match="topology must be 'auto'"):
+        __import__("gradientflow").GradientFlowConfig(topology="0x4")
+
+
+def test_two_level_plan_by_hand() -> None:
+    from gradientflow.comm.topology import two_level_plan
+
+    # 1000 fp32 gradients, 2 nodes of 3 ranks, dense: shards of ceil(1000 / 3) = 334, padded to 1002
+    p = two_level_plan(1000, 2, 3)
+    assert (p.shard, p.padded, p.bounds) == (334, 1002, ((0, 334), (334, 668), (668, 1002)))
+    # inside the node: (G-1) shards out in the reduce-scatter, as many in the all-gather; between nodes
+    # a ring allreduce of the shard among M = 2: 2 (M-1)/M x 334 x 4 bytes
+    assert (p.intra_bytes, p.inter_bytes) == (2 * 2 * 334 * 4, 334 * 4)
+    # quantised: whole 128-element blocks: 8 blocks over 3 ranks -> 3 blocks (384) a shard
+    q = two_level_plan(1000, 3, 3, block=128)
+    assert (q.shard, q.padded, q.bounds[2]) == (384, 1152, (768, 1152))
+    assert two_level_plan(0, 2, 2).padded == 0
+
+
+# ---- construction on ranks: flat stays flat, errors on every rank --------------------------------
+def _wrap(**opts):
+    import gradientflow
+
+    return gradientflow.DistributedDataParallel(small_net(), fusion_threshold_mb=THETA_MB, **opts)
+
+
+def _construction_cases(rank: int, world: int) -> dict:
+    """Run as nodes of 2 (torchrun's variables set by the harness): what each construction gave or raised."""
+    import os
+
+    def attempt(env: dict[str, str] | None = None, hook: bool = False, **opts) -> str:
+        saved = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            ddp = _wrap(**opts)
+            if hook:  # torch DDP's contract: the hook gets the whole group's buckets, flat
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            two_level = "inter_node_bytes" in _step(ddp)
+            stats = ddp.comm_stats()
+            return f"{ddp.config.topology} {stats['nodes']}x{stats['ranks_per_node']} {two_level}"
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    lws = {"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "LOCAL_RANK": str(rank)} if rank >= 2 else {}
+    return {
+        "auto": attempt(),
+        "flat": attempt(topology="flat"),
+        "named": attempt(topology="2x2"),
+        "wrong size": attempt(topology="3x2"),
+        "uneven": attempt({"LOCAL_WORLD_SIZE": "3"}),
+        "not contiguous": attempt({"GROUP_RANK": str(rank % 2), "LOCAL_RANK": str(rank // 2)}),
+        "disagree": attempt(lws),  # ranks 2, 3 say one node of 4 (flat), ranks 0, 1 nodes of 2
+        "hooked": attempt(hook=True),
+    }
+
+
+def _step(ddp) -> dict:
+    x, y = batches(0, 1)[0]
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    return ddp.comm_stats()
+
+
+def _plain(rank: int, world: int) -> str:
+    ddp = _wrap()
+    return f"{ddp.config.topology} {sorted(k for k in _step(ddp) if 'node' in k)}"
+
+
+def test_layouts_at_construction_and_errors_on_every_rank() -> None:
+    results = run_distributed(_construction_cases, 4, ranks_per_node=2, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["auto"] == "2x2 2x2 True"
+        assert r["flat"] == "flat 4x1 False"
+        assert r["named"] == "2x2 2x2 True"
+        assert r["hooked"] == "2x2 2x2 False"  # the layout is known, the hook's exchange is flat
+        assert "topology='3x2' names 6 ranks, the process group has 4" in r["wrong size"]
+        assert "LOCAL_WORLD_SIZE=3 does not split the 4 ranks" in r["uneven"] or "another rank" in r["uneven"]
+        assert r["uneven"].startswith("ValueError") and "topology='flat'" in r["uneven"]
+        # ranks 1 and 2 say node 1, local 0 and node 0, local 1: not rank = node * 2 + local; ranks 0 and 3 hear of it
+        assert r["not contiguous"].startswith("ValueError")
+        assert ("not contiguous per node" in r["not contiguous"]) == (rank in (1, 2)), r["not contiguous"]
+        assert r["disagree"].startswith("ValueError: gradientflow: ranks resolved different node layouts"), r
+        assert "topology='flat'" in r["disagree"]
+    # without torchrun's variables: flat, as before the option existed; no two-level counters
+    assert run_distributed(_plain, 2) == ["flat ['nodes', 'ranks_per_node']"] * 2
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def _resume(rank: int, world: int, names: list[str]) -> dict:
+    """Per recipe: 2 steps, a checkpoint (model, optimizer, comm state through torch.save), 2 more steps;
+    then a fresh wrapper loads the checkpoint and runs the same 2 steps; then a flat wrapper loads it."""
+    import copy
+
+    data = batches(rank, 4)
+    out: dict = {}
+
+    def steps(ddp, opt, part) -> list[torch.Tensor]:
+        params = []
+        for x, y in part:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            params.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+        return params
+
+    for name in names:
+        ddp = _wrap(**RECIPES[name])
+        opt = _optimizer(name, ddp.parameters())
+        steps(ddp, opt, data[:2])
+        buf = io.BytesIO()
+        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "comm": ddp.comm_state_dict()}, buf)
+        uninterrupted = steps(ddp, opt, data[2:])
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=False)
+        fresh = _wrap(**RECIPES[name])
+        fresh.module.load_state_dict(ckpt["model"])
+        opt2 = _optimizer(name, fresh.parameters())
+        opt2.load_state_dict(copy.deepcopy(ckpt["opt"]))
+        fresh.load_comm_state_dict(ckpt["comm"])
+        resumed = steps(fresh, opt2, data[2:])
+        try:
+            _wrap(topology="flat", **RECIPES[name]).load_comm_state_dict(ckpt["comm"])
+            onto_flat = "loaded"
+        except ValueError as exc:
+            onto_flat = f"ValueError: {exc}"
+        out[name] = {
+            "same": all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)),
+            "topology": ckpt["comm"].get("topology"),
+            "onto_flat": onto_flat,
+        }
+    return out
+
+
+def test_checkpoint_resumes_exactly_and_only_on_its_layout() -> None:
+    names = ["quantized", "q2npw1", "csc", "auto-adamw"]
+    for r in run_distributed(_resume, 4, names, ranks_per_node=2, timeout=240):
+        for name in names:
+            assert r[name]["same"], f"{name}: the resumed run differs from the uninterrupted one"
+            assert r[name]["topology"] == "2x2"
+        for name in ("quantized", "q2npw1", "auto-adamw"):  # the residual lives on the rank's shard
+            msg = r[name]["onto_flat"]
+            assert msg.startswith("ValueError") and "topology='2x2'" in msg and "topology='flat'" in msg, msg
+        assert r["csc"]["onto_flat"] == "loaded"  # CSC's residuals are per rank, whatever the layout

@@ -325,7 +325,7 @@ class QuantizedSync(SyncStrategy):
         """The residual (unpadded, unscaled, in the current pool layout), the quantiser and the step."""
         sizes = [b.numel() for b in self.pool.buffers]
         sq = self.sq.unscaled("v") if self.sq is not None else None
-        state = {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, "topology": self.topology}
+        state = {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, "shard_layout": self.topology}
         return {**state, **residual_state(self.res, 1, sizes)}
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,7 +337,7 @@ class QuantizedSync(SyncStrategy):
                 f"gradientflow quantised: the checkpoint was saved with bits, block = {list(state['quantizer'])}, "
                 f"this model has {[self.bits, self.block]}. Resume with the same compression."
             )
-        saved = state.get("topology", "flat")  # saved before layouts were recorded: flat
+        saved = state.get("shard_layout", "flat")  # saved before layouts were recorded: flat
         if saved != self.topology and state.get("v") is not None:
             raise ValueError(
                 f"gradientflow quantised: the communication state was saved on the node layout topology={saved!r}, "
