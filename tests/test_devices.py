@@ -9,6 +9,8 @@ scale as a device tensor, no host reads) are checked by the very assertions that
    chunks, nothing is lost (sum of applied gradients + mean residual = sum of mean local
    gradients), and one host read per step (the finite check);
 3. CSC with a GradScaler: the residuals equal those of an unscaled twin (power-of-two scales).
+4. two-level (4 ranks as 2 nodes of 2): dense equals torch DDP within the summation tolerance, the
+   quantised recipe leaves every rank identical.
 """
 
 from __future__ import annotations
@@ -208,3 +210,34 @@ def test_quantized_identical_ranks_nothing_lost_no_host_reads(kind: str) -> None
     """The AdamW recipe (3-bit ring, error feedback) on the device: the CPU kernel of comm/codec.c on CPU,
     torch ops on CUDA, the same contract."""
     run_distributed(_quantized_worker, 2, kind)
+
+
+def _two_level_worker(rank: int, world_size: int, kind: str) -> None:
+    """Nodes of 2 ranks (torchrun's variables from the harness): dense two-level gives torch DDP's average
+    within the fp32 summation tolerance (another order of the same N addends); the quantised recipe leaves
+    every rank identical; both on the device (Gloo stages CUDA bytes through the host inside the node)."""
+    device = _device(kind, rank)
+    ref = nn.parallel.DistributedDataParallel(_net(device), device_ids=_ids(device))
+    dense = gf.DistributedDataParallel(_net(device), device_ids=_ids(device), fusion_threshold_mb=0.005)
+    quant = gf.DistributedDataParallel(
+        _net(device), device_ids=_ids(device), compression="quantized", fusion_threshold_mb=0.005
+    )
+    assert dense.config.topology == quant.config.topology == f"{world_size // 2}x2"
+    for step in range(3):
+        x, y = _data(rank, step, device)
+        for m in (ref, dense, quant):
+            m.zero_grad()
+            _loss(m, x, y).backward()
+        for a, b in zip(ref.parameters(), dense.parameters()):
+            assert b.grad.device == device
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0)  # the order of the fp32 sum only
+        for p in quant.parameters():
+            got = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(got, p.grad)
+            assert all(torch.equal(got[0], t) for t in got), f"step {step}: ranks differ"
+        assert dense.comm_stats()["inter_node_bytes"] > 0 and quant.comm_stats()["inter_node_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_two_level_on_the_device(kind: str) -> None:
+    run_distributed(_two_level_worker, 4, kind, ranks_per_node=2, timeout=240)

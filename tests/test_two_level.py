@@ -24,7 +24,7 @@ from _quant_training import batches, small_net
 from _dist import run_distributed
 
 STEPS = 3
-THETA_MB = 0.002  # ~500 fp32 gradients a bucket: the small net travels as several buckets, overlapped
+THETA_MB = 0.0  # one bucket per parameter: the small net travels as 4 buckets, several in flight at once
 RECIPES: dict[str, dict] = {
     "fp32": {},
     "fp32-ring": {"algorithm": "ring"},
@@ -355,3 +355,35 @@ def test_checkpoint_resumes_exactly_and_only_on_its_layout() -> None:
             msg = r[name]["onto_flat"]
             assert msg.startswith("ValueError") and "topology='2x2'" in msg and "topology='flat'" in msg, msg
         assert r["csc"]["onto_flat"] == "loaded"  # CSC's residuals are per rank, whatever the layout
+
+
+def test_cost_model_runs_the_engines_plan() -> None:
+    """``gradientflow simulate`` prices the two-level ring on the engine's own plan: its bytes are the
+    engine's ``comm_stats()`` counters for the same buckets, and its time is those bytes over the links."""
+    from gradientflow.comm.topology import two_level_plan
+    from gradientflow.sim import SimConfig, allreduce_s
+    from gradientflow.sim.cost import two_level_bytes
+
+    cfg = SimConfig(
+        bandwidth=1e9, latency=1e-5, batch=1, gpu_images_per_s=1.0, gpus_per_node=3, intra_bandwidth=4e9,
+        intra_latency=1e-6,
+    )  # fmt: skip
+    plan = two_level_plan(1000, 2, 3)  # 1000 fp32 gradients on 2 nodes of 3
+    want = 2 * 1e-6 + plan.intra_bytes / 4e9 + 1e-5 + 3 * plan.inter_bytes / 1e9  # 3 shards share the link
+    assert allreduce_s(4000, 6, cfg, itemsize=4) == pytest.approx(want, rel=1e-12)
+    assert two_level_bytes([1000, 7], 2, 3) == (plan.intra_bytes + 2 * 2 * 3 * 4, plan.inter_bytes + 3 * 4)
+
+
+def _dense_counters(rank: int, world: int) -> tuple[list[int], int, int]:
+    ddp = _wrap()
+    _step(ddp)  # step 0 re-lays the pool out in the observed order: count step 1's buckets
+    stats = _step(ddp)
+    return [b.end - b.start for b in ddp.pool.layout.buckets], stats["intra_node_bytes"], stats["inter_node_bytes"]
+
+
+def test_engine_counters_are_the_cost_models_bytes() -> None:
+    from gradientflow.sim.cost import two_level_bytes
+
+    for numels, intra, inter in run_distributed(_dense_counters, 4, ranks_per_node=2, timeout=120):
+        assert len(numels) > 1
+        assert two_level_bytes(numels, 2, 2) == (intra, inter)

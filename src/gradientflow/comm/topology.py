@@ -126,7 +126,7 @@ def two_level_plan(numel: int, nodes: int, per_node: int, block: int = 1, itemsi
     padded = shard * per_node
     bounds = tuple((j * shard, (j + 1) * shard) for j in range(per_node))
     intra = 2 * (per_node - 1) * shard * itemsize
-    inter = 2 * (nodes - 1) * shard * itemsize // nodes
+    inter = 2 * (nodes - 1) * shard * itemsize // nodes  # rounded down to whole bytes
     return TwoLevelPlan(numel, padded, shard, bounds, intra, inter)
 
 

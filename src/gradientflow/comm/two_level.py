@@ -21,7 +21,8 @@ drives the rest, always blocking on the earliest bucket's current stage after is
 that can be issued (what a peer may be waiting for from this rank has then been issued).  Gloo's
 ``reduce_scatter_single`` never reports completion to ``is_completed()``, so a waiter thread per stage
 (:mod:`.waiter`) waits on the works and sets an event; collectives are issued from the training
-thread only.
+thread only.  CUDA tensors on Gloo are staged through host memory for the two stages inside the node
+(as the quantised ring stages its bytes); NCCL takes device memory directly.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Item:
     on_done: Callable[[Item], None]
     stage: int = 0  # 0 reduce-scatter, 1 waiting for / between nodes, 2 all-gather, 3 done
     handle: Middle | None = None
+    host: tuple[torch.Tensor, torch.Tensor] | None = None  # staged: (full, shard) in host memory
     started_at: float = field(default_factory=time.perf_counter)
 
 
@@ -136,6 +138,7 @@ class TwoLevelPipeline:
         self._ready: deque[Item] = deque()  # node sum in hand, waiting to go between nodes
         self._inter: deque[Item] = deque()  # between nodes
         self._ag: deque[Item] = deque()  # all-gather in flight
+        self._backend: str | None = None
 
     @property
     def idle(self) -> bool:
@@ -143,8 +146,12 @@ class TwoLevelPipeline:
 
     def submit(self, item: Item) -> None:
         """Stage 1 now: the reduce-scatter of ``item.full`` into ``item.shard`` inside the node."""
+        full, shard = item.full, item.shard
+        if self._staged(full):
+            full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
+            item.host = (full, shard)
         work = dist.reduce_scatter_single(
-            item.shard, item.full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
+            shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
         )
         item.handle = _Watched(STAGE_WAITERS["reduce-scatter"].watch([work] if work is not None else [], self._t))
         self._rs.append(item)
@@ -159,7 +166,10 @@ class TwoLevelPipeline:
         while moved:
             moved = False
             if self._rs and self._head_done(self._rs):
-                self._ready.append(self._rs.popleft())
+                item = self._rs.popleft()
+                if item.host is not None:
+                    item.shard.copy_(item.host[1])
+                self._ready.append(item)
                 moved = True
             if self._ready and not (self.serial and self._inter):
                 item = self._ready.popleft()
@@ -168,13 +178,20 @@ class TwoLevelPipeline:
                 moved = True
             if self._inter and self._head_done(self._inter):
                 item = self._inter.popleft()
-                work = dist.all_gather_single(item.full, item.shard, group=self.groups.all_gather, async_op=True)
+                full, shard = item.full, item.shard
+                if item.host is not None:
+                    full, shard = item.host[0], shard.cpu()
+                    item.host = (full, shard)  # alive until the all-gather completed
+                work = dist.all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
                 item.stage = 2
                 item.handle = _Watched(STAGE_WAITERS["all-gather"].watch([work] if work is not None else [], self._t))
                 self._ag.append(item)
                 moved = True
             if self._ag and self._head_done(self._ag):
                 item = self._ag.popleft()
+                if item.host is not None:
+                    item.full.copy_(item.host[0])
+                    item.host = None
                 item.stage = 3
                 item.on_done(item)
                 moved = True
@@ -191,6 +208,13 @@ class TwoLevelPipeline:
             head = min((q[0] for q in queues), key=self._order)
             assert head.handle is not None
             head.handle.wait()
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        """Gloo's collectives inside the node on host memory: a CUDA tensor's bytes are staged through the
+        host there (NCCL takes device memory as it is)."""
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.groups.reduce_scatter)).lower()
+        return t.device.type != "cpu" and "nccl" not in self._backend
 
     def _order(self, item: Item) -> float:
         return item.started_at
