@@ -38,6 +38,7 @@ RECIPES: dict[str, dict] = {
     "auto-sgd": {"compression": "auto"},
     "auto-adamw": {"compression": "auto"},
 }
+FLAT = {"fp32-flat": {"topology": "flat"}}  # the reference: the same ranks, one exchange over all of them
 
 
 def _optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -72,7 +73,8 @@ def _train_all(rank: int, world: int, recipes: list[str], opts: dict) -> dict:
     out: dict = {}
     for name in recipes:
         model = small_net()
-        ddp = gradientflow.DistributedDataParallel(model, fusion_threshold_mb=THETA_MB, **RECIPES[name], **opts)
+        options = {**RECIPES, **FLAT}[name]
+        ddp = gradientflow.DistributedDataParallel(model, fusion_threshold_mb=THETA_MB, **options, **opts)
         opt = _optimizer(name, ddp.parameters())
         rec: dict = {"params": [], "topology": ddp.config.topology}
         for step, (x, y) in enumerate(batches(rank, STEPS)):
@@ -160,10 +162,7 @@ def _conserved(records: list[dict], name: str, per_rank_units: float = 1.0) -> N
 def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
     world = nodes * per_node
     names = list(RECIPES)
-    two = _tensors(run_distributed(_train_all, world, names, {}, ranks_per_node=per_node, timeout=240))
-    flat = _tensors(
-        run_distributed(_train_all, world, ["fp32"], {"topology": "flat"}, ranks_per_node=per_node, timeout=120)
-    )
+    two = _tensors(run_distributed(_train_all, world, [*names, *FLAT], {}, ranks_per_node=per_node, timeout=300))
     for name in names:
         assert two[0][name]["topology"] == f"{nodes}x{per_node}"
         stats = two[0][name]["stats"]
@@ -171,8 +170,8 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
         assert stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0, (name, stats)
         _identical_everywhere(two, name)
     # dense fp32: the same average as flat, within the summation-order tolerance (step 0: same parameters)
-    assert flat[0]["fp32"]["topology"] == "flat"
-    got, ref = two[0]["fp32"]["grads"], flat[0]["fp32"]["grads"]
+    assert two[0]["fp32-flat"]["topology"] == "flat"
+    got, ref = two[0]["fp32"]["grads"], two[0]["fp32-flat"]["grads"]
     tol = _sum_tolerance([r["fp32"] for r in two])
     assert not torch.equal(got, torch.zeros_like(got))
     assert ((got - ref).abs() <= tol).all(), (got - ref).abs().max()
