@@ -265,6 +265,8 @@ def _construction_cases(rank: int, world: int) -> dict:
         "not contiguous": attempt({"GROUP_RANK": str(rank % 2), "LOCAL_RANK": str(rank // 2)}),
         "disagree": attempt(lws),  # ranks 2, 3 say one node of 4 (flat), ranks 0, 1 nodes of 2
         "hooked": attempt(hook=True),
+        # a user's subgroup (ranks {0, 1} and {2, 3}): torchrun's variables describe the world, so "auto" is flat
+        "subgroup": attempt(process_group=torch.distributed.new_subgroups(2)[0]),
     }
 
 
@@ -294,6 +296,7 @@ def test_layouts_at_construction_and_errors_on_every_rank() -> None:
         assert ("not contiguous per node" in r["not contiguous"]) == (rank in (1, 2)), r["not contiguous"]
         assert r["disagree"].startswith("ValueError: gradientflow: ranks resolved different node layouts"), r
         assert "topology='flat'" in r["disagree"]
+        assert r["subgroup"] == "flat 2x1 False"
     # without torchrun's variables: flat, as before the option existed; no two-level counters
     assert run_distributed(_plain, 2) == ["flat ['nodes', 'ranks_per_node']"] * 2
 

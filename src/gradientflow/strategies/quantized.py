@@ -117,12 +117,16 @@ class QuantizedSync(SyncStrategy):
         # Nodes of several ranks: the ring between nodes only, on each rank's shard (quantized_nodes.py)
         self._nodes = NodeQuantizer(nodes, block) if nodes is not None else None
         self.topology = nodes.topology.name if nodes is not None else "flat"
+        # Two-level, after the pool was re-laid out (or a residual loaded): the residual may lie outside this
+        # rank's shard, where the ring never adds it; the next step adds all of it to the contribution first.
+        self._fold_all = False
 
     # ---- layout and state -----------------------------------------------------------------
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         self.pool = new_pool
         if self.res is not None:
             self.res = self.res.moved_to(new_pool.layout)
+            self._fold_all = True  # two-level: the residual now lies across other buckets' shards
         if self.sq is not None:
             self.sq = self.sq.moved_to(new_pool.layout)
 
@@ -214,6 +218,9 @@ class QuantizedSync(SyncStrategy):
         x = flat if flat.dtype == torch.float32 else flat.float()
         if not divided:
             divide(x, self.world_size, None)
+        if self._fold_all:  # the whole residual into the contribution (node-summed by the reduce-scatter)
+            x.add_(err)
+            err.zero_()
         r = None
         if self.precondition and self.step >= self.warmup:
             assert self.sq is not None  # allocated by _begin_step
@@ -309,6 +316,7 @@ class QuantizedSync(SyncStrategy):
             self._queue.popleft()
             self._complete(p, stats)
         self._in_step = False
+        self._fold_all = False
         stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
         self.step += 1
 
@@ -370,3 +378,4 @@ class QuantizedSync(SyncStrategy):
             self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.load({"v": state["sq"]})
         self.step = int(state["step"])
+        self._fold_all = self.res is not None
