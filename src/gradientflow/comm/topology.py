@@ -128,9 +128,3 @@ def two_level_plan(numel: int, nodes: int, per_node: int, block: int = 1, itemsi
     intra = 2 * (per_node - 1) * shard * itemsize
     inter = 2 * (nodes - 1) * shard * itemsize // nodes  # rounded down to whole bytes
     return TwoLevelPlan(numel, padded, shard, bounds, intra, inter)
-
-
-def topology_of(name: str) -> Topology:
-    """The layout a resolved name stands for (``"flat"``: nodes unknown, reported as the world's ranks)."""
-    m = _NAMED.fullmatch(name)
-    return Topology(int(m[1]), int(m[2])) if m is not None else Topology(0, 1)

@@ -14,8 +14,9 @@ Per bucket (:mod:`gradientflow.comm.two_level` runs the stages, in bucket order,
 The residual is only ever non-zero on this rank's shard (1/G of the bucket), so the error sources are
 the M node sums, not the N ranks.  It is kept in the pool's layout (the checkpoint keeps its format);
 the elements outside the shard stay zero (after the pool's re-layout the residual lands on other
-shards: ``QuantizedSync`` then adds all of it to the next contribution, before the reduce-scatter).  Conservation as flat: ``sum over ranks of e + N * result
-== sum of the ranks' g / N`` elementwise, up to fp32 rounding.
+shards: ``QuantizedSync`` then adds all of it to the next contribution, before the reduce-scatter).
+Conservation as flat: ``sum over ranks of e + result == sum of the ranks' g / N`` elementwise, up to
+fp32 rounding.
 """
 
 from __future__ import annotations
