@@ -49,9 +49,13 @@ def resolved_topology(config: GradientFlowConfig, group: dist.ProcessGroup) -> G
 
 
 def layout_stats(model: DistributedDataParallel) -> dict[str, int | str]:
-    """For ``comm_stats()``: the resolved layout; flat counts every rank as its own node."""
+    """For ``comm_stats()``: the resolved layout (flat counts every rank as its own node); the name ``topology``
+    only when two-level, so a flat run's counters stay all numbers (as ``compression`` is left out for "none")."""
     topo = resolve_layout(model.config, model.process_group)
-    return {"topology": topo.name, "nodes": topo.nodes, "ranks_per_node": topo.per_node}
+    out: dict[str, int | str] = {"nodes": topo.nodes, "ranks_per_node": topo.per_node}
+    if topo.two_level:
+        out["topology"] = topo.name
+    return out
 
 
 def control_group(model: DistributedDataParallel) -> dist.ProcessGroup:
