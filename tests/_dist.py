@@ -20,10 +20,18 @@ import torch.multiprocessing as mp
 PG_TIMEOUT_S = 60
 
 
-def _worker(fn, rank: int, world_size: int, store_path: str, results, args: tuple) -> None:
+def _worker(fn, rank: int, world_size: int, store_path: str, results, args: tuple, per_node: int | None = None) -> None:
     import torch
     import torch.distributed as dist
 
+    if per_node is not None:  # torchrun's launch variables, as on a node of per_node ranks
+        os.environ.update(
+            LOCAL_WORLD_SIZE=str(per_node),
+            LOCAL_RANK=str(rank % per_node),
+            GROUP_RANK=str(rank // per_node),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+        )
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
@@ -38,14 +46,23 @@ def _worker(fn, rank: int, world_size: int, store_path: str, results, args: tupl
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return results by rank."""
+def run_distributed(
+    fn, world_size: int, *args: Any, timeout: float = 120, ranks_per_node: int | None = None
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return results by rank.
+
+    ``ranks_per_node``: each rank gets torchrun's variables (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``,
+    ``GROUP_RANK``, ``RANK``, ``WORLD_SIZE``) as if nodes of that many ranks were launched, so
+    ``topology="auto"`` sees nodes; ``None``: none set (not launched by torchrun).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, results, args), daemon=True)
+            ctx.Process(
+                target=_worker, args=(fn, r, world_size, store_path, results, args, ranks_per_node), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

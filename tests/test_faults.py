@@ -341,3 +341,17 @@ def _timeout_worker(rank: int, world_size: int) -> list[float]:
 
 def test_default_timeout_is_the_process_groups() -> None:
     assert run_distributed(_timeout_worker, 1) == [[60.0, 5.0, 7.0]]  # _dist's groups time out after 60 s
+
+
+@pytest.mark.parametrize("options", [{}, {"compression": "quantized"}], ids=["dense", "quantized"])
+def test_stopped_rank_two_level_makes_the_others_raise(options: dict) -> None:
+    """Nodes of 2 ranks (``topology="2x2"``): rank 3 stopped mid-backward; its node peer waits on the reduce-scatter,
+    the other node on the exchange between nodes and the all-gather: every other rank raises CommunicationError in
+    time, naming rank 3 (no hang in any stage's waiter)."""
+    timeout = 5
+    opts = {"topology": "2x2", **options}
+    results = run_faulty(_peer_fault_worker, 4, "stop", timeout, opts, wait_for=[0, 1, 2], timeout=timeout + 50)
+    for rank, rep in results.items():
+        assert rep is not None and rep["type"] == "CommunicationError", (rank, rep)
+        assert rep["elapsed"] < timeout + 15, rep
+        assert rep["missing"] == [3] and rep["step"] == FAULT_STEP, rep

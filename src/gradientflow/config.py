@@ -140,6 +140,20 @@ def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, i
     )
 
 
+TOPOLOGY_PATTERN = re.compile(r"([1-9]\d*)x([1-9]\d*)")
+"""``topology="MxG"``: M nodes of G ranks."""
+
+
+def check_topology_value(value: object) -> None:
+    """``ValueError`` unless ``value`` is ``"auto"``, ``"flat"`` or ``"MxG"`` (positive M and G)."""
+    if value in ("auto", "flat") or (isinstance(value, str) and TOPOLOGY_PATTERN.fullmatch(value)):
+        return
+    raise ValueError(
+        f"topology must be 'auto' (the node layout from torchrun's LOCAL_WORLD_SIZE), 'flat' (one exchange over "
+        f"every rank) or 'MxG' (M nodes of G ranks, ranks node-contiguous, e.g. '2x4'), got {value!r}"
+    )
+
+
 def half_wire_dtype(device: torch.device) -> str:
     """``comm_dtype="half"``: the fastest 16-bit wire for the device.
 
@@ -193,6 +207,14 @@ class GradientFlowConfig:
         rank, otherwise ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing.
     trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when
         ``trace_path`` is given, which the config then holds; ``None`` without it].
+    topology: the node layout ["auto"]: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` /
+        ``LOCAL_RANK``; without them, or with one node holding every rank, or for a process group that is
+        not the whole world: flat), "flat" (one exchange over every rank, as before), or "MxG" (M nodes of
+        G ranks of the process group, ranks node-contiguous: rank = node * G + local).  With more than one
+        node of more than one rank, every recipe synchronises two-level: a dense reduce-scatter inside
+        the node, the recipe's exchange between nodes on each rank's shard, a dense all-gather inside the
+        node (:mod:`gradientflow.comm.two_level`).  Resolved at construction: ``model.config.topology``
+        is then "flat" or "MxG".
     compression: a named recipe.  "none" (default: DDP's exact behaviour, or what comm_dtype /
         density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
         "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
@@ -220,6 +242,7 @@ class GradientFlowConfig:
     trace_path: str | None = None
     trace_steps: tuple[int, int] | None = None
     compression: str = "none"
+    topology: str = "auto"
     quant_bits: int = DEFAULT_QUANT[0]
     quant_block: int = DEFAULT_QUANT[1]
     quant_clip: float = 0.0
@@ -251,6 +274,7 @@ class GradientFlowConfig:
         object.__setattr__(self, "csc_scope", pick("csc_scope", self.csc_scope, ("slice", "global")))
         more = " ('fixed': θ and csc_scope as given; 'auto': derived from the link measured at construction)"
         object.__setattr__(self, "schedule", pick("schedule", self.schedule, ("fixed", "auto"), more))
+        check_topology_value(self.topology)
         self._validate_fault_options()
         self._apply_compression()
 

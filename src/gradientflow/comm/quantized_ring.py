@@ -42,8 +42,6 @@ its sends and receives in the same (allreduce, round) order.
 
 from __future__ import annotations
 
-import queue
-import threading
 from datetime import timedelta
 
 import torch
@@ -51,6 +49,8 @@ import torch.distributed as dist
 
 from .quantize import dequantize, quantize, wire_bytes
 from .ring import _split
+from .waiter import WAITER as _WAITER
+from .waiter import Arrival as _Arrival
 
 
 class QuantizedRing:
@@ -122,6 +122,17 @@ class QuantizedRing:
             self._quantize_into(q, inplace=True)  # err[q] = our contribution's error; x[q] is rewritten in round 1
             pairs.append((q, self._send(q), self._rbuf[self._slot(q) * own : (self._slot(q) + 1) * own]))
         self._post(pairs)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends: its whole contribution (two ranks), else every other owner's segment and
+        its own sum to every other rank."""
+        if self.done and self.world == 1:
+            return 0
+        if self.exchange:
+            return self.seg_bytes[0]
+        own = self.seg_bytes[self.rank]
+        return sum(self.seg_bytes) - own + own * (self.world - 1)
 
     # ---- geometry --------------------------------------------------------------------------
     def _slot(self, q: int) -> int:
@@ -217,54 +228,3 @@ class QuantizedRing:
         """The waiter's handle on the messages in flight (posted by every round until ``done``)."""
         assert self._arrived is not None, "a round is always posted before it is waited on"
         return self._arrived
-
-
-class _Arrival:
-    """One step's works: ``event`` is set once they completed (or failed: ``error``)."""
-
-    def __init__(self, works: list[dist.Work], timeout: timedelta | None) -> None:
-        self.works, self.timeout = works, timeout
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(
-                f"gradientflow: quantised ring step failed: {self.error}. A peer may have died or ranks issued "
-                "different collectives."
-            ) from self.error
-
-
-class _Waiter:
-    """A daemon thread that waits on posted works, in posting order, and sets their event."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def watch(self, works: list[dist.Work], timeout: timedelta | None) -> _Arrival:
-        arrival = _Arrival(works, timeout)
-        if not works:
-            arrival.event.set()
-            return arrival
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="gradientflow-ring-waiter", daemon=True)
-                self._thread.start()
-        self._queue.put(arrival)
-        return arrival
-
-    def _run(self) -> None:
-        while True:
-            arrival = self._queue.get()
-            try:
-                for w in arrival.works:
-                    w.wait() if arrival.timeout is None else w.wait(arrival.timeout)
-            except BaseException as exc:  # noqa: BLE001 — handed to the training thread by check()
-                arrival.error = exc
-            arrival.works = []
-            arrival.event.set()
-
-
-_WAITER = _Waiter()

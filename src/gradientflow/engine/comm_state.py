@@ -19,6 +19,7 @@ def save(engine: Reducer, world_size: int) -> dict[str, Any]:
     state["layout_order"] = list(engine.pool.layout.order)
     state["layout_final"] = engine.layout_final
     state["world_size"] = world_size
+    state["topology"] = engine.config.topology  # the node layout it ran on (the quantised residual's shards)
     return state
 
 
@@ -32,6 +33,7 @@ def load(engine: Reducer, state: dict[str, Any], world_size: int) -> None:
     order = state.pop("layout_order", None)
     final = bool(state.pop("layout_final", False))
     world = state.pop("world_size", world_size)
+    state.pop("topology", None)  # informational here: the quantised strategy checks its own copy
     if world != world_size:
         raise ValueError(
             f"gradientflow: the communication state was saved with world size {world}, this job has "

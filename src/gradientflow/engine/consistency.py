@@ -91,6 +91,13 @@ def check_same_setup(
     for rank, (opts, _) in enumerate(details[1:], start=1):
         for name in ref_options:
             if _canonical(opts.get(name)) != _canonical(ref_options[name]):
+                if name == "topology":  # resolved from each rank's torchrun variables: say what to pass
+                    raise ValueError(
+                        f"gradientflow: ranks resolved different node layouts: topology={ref_options[name]!r} on "
+                        f"rank 0 but {opts.get(name)!r} on rank {rank} (torchrun's LOCAL_WORLD_SIZE differs between "
+                        "nodes?). Pass topology='flat' (one exchange over every rank) or the same topology='MxG' on "
+                        "every rank."
+                    )
                 raise ValueError(
                     f"gradientflow: ranks were built with different options: {name}={ref_options[name]!r} on "
                     f"rank 0 but {name}={opts.get(name)!r} on rank {rank}. Pass the same {name} on every rank "

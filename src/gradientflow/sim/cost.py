@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from ..comm.topology import two_level_plan
 from .config import SimConfig
 
 
@@ -48,13 +49,24 @@ def _levels(n: int, cfg: SimConfig) -> tuple[int, int]:
     return g, n // g
 
 
-def allreduce_s(nbytes: float, n: int, cfg: SimConfig, algorithm: str = "ring") -> float:
+def two_level_bytes(numels: list[int], nodes: int, per_node: int, itemsize: int = 4) -> tuple[int, int]:
+    """(bytes one rank sends inside its node, bytes it sends between nodes) for buckets of ``numels``
+    elements synchronised two-level: the engine's own plan (:func:`gradientflow.comm.topology.two_level_plan`,
+    shards padded to whole elements), what ``comm_stats()`` reports as ``intra_node_bytes`` /
+    ``inter_node_bytes`` for a dense recipe."""
+    plans = [two_level_plan(n, nodes, per_node, itemsize=itemsize) for n in numels]
+    return sum(p.intra_bytes for p in plans), sum(p.inter_bytes for p in plans)
+
+
+def allreduce_s(nbytes: float, n: int, cfg: SimConfig, algorithm: str = "ring", itemsize: int = 1) -> float:
     """Seconds for one allreduce of ``nbytes`` per GPU on ``n`` GPUs of the cluster ``cfg``.
 
     1. Split n into g GPUs per node and M nodes.
     2. Flat cluster (g == 1): the algorithm on the inter-node link.
     3. One node (M == 1): the algorithm on the intra-node link.
-    4. Otherwise two levels (see the module docstring).
+    4. Otherwise two levels (see the module docstring), the ring on the engine's plan
+       (:func:`~gradientflow.comm.topology.two_level_plan`: ``nbytes`` as elements of ``itemsize`` bytes
+       cut into g padded shards); the g shards' rings share the node's one link.
     """
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -65,8 +77,9 @@ def allreduce_s(nbytes: float, n: int, cfg: SimConfig, algorithm: str = "ring") 
             return ring_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
         if m == 1:
             return ring_flat_s(nbytes, g, cfg.intra_latency, bi)
-        intra_half = cfg.intra_latency + (g - 1) / g * nbytes / bi  # reduce-scatter (or all-gather)
-        return 2 * intra_half + ring_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
+        plan = two_level_plan(math.ceil(nbytes / itemsize), m, g, itemsize=itemsize)
+        intra = 2 * cfg.intra_latency + plan.intra_bytes / bi  # the reduce-scatter and the all-gather
+        return intra + cfg.latency + g * plan.inter_bytes / cfg.bandwidth
     if algorithm == "tree":
         return tree_flat_s(nbytes, g, cfg.intra_latency, bi) + tree_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
     raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")

@@ -155,7 +155,9 @@ def simulate(
         for b in layout.buckets:
             ready = t_fwd + max(profile.ready[i] for i in b.params) * t_bwd if tech.overlap else bwd_end
             nbytes = math.ceil(b.numel * tech.wire_bytes)
-            link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm)
+            # whole elements: the two-level shards are the engine's (comm.topology.two_level_plan)
+            size = int(tech.wire_bytes) if float(tech.wire_bytes).is_integer() else 1
+            link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm, size)
             sent, count = sent + nbytes, count + 1
     if sparse:
         passes_s = _passes_s(profile, cfg, "csc") + k / chunks * _passes_s(profile, cfg, "csc_chunks")

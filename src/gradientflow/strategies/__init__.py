@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.two_level import NodeGroups
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import GradPool
@@ -23,9 +24,15 @@ from .dense import DenseSync
 
 
 def build_strategy(
-    config: GradientFlowConfig, group: dist.ProcessGroup, watchdog: Watchdog, control: dist.ProcessGroup | None
+    config: GradientFlowConfig,
+    group: dist.ProcessGroup,
+    watchdog: Watchdog,
+    control: dist.ProcessGroup | None,
+    nodes: NodeGroups | None = None,
 ) -> MakeSync:
-    """The strategy ``config`` asks for, as the reducer's ``make_sync`` (built once the pool exists)."""
+    """The strategy ``config`` asks for, as the reducer's ``make_sync`` (built once the pool exists).
+
+    ``nodes``: two-level synchronisation's groups (nodes of several ranks), ``None`` = flat."""
 
     def make(pool: GradPool, shapes: list[torch.Size]) -> SyncStrategy:
         if config.quantized:
@@ -43,6 +50,7 @@ def build_strategy(
                 warmup=config.quant_warmup,
                 shapes=shapes,
                 watchdog=watchdog,
+                nodes=nodes,
             )
         dense = DenseSync(
             group=group,
@@ -50,6 +58,7 @@ def build_strategy(
             wire_dtype=config.wire_dtype,
             algorithm=config.algorithm,
             watchdog=watchdog,
+            groups=nodes,
         )
         if not config.sparse:
             return dense

@@ -273,13 +273,13 @@ class SparseSync(SyncStrategy):
     def progress(self, stats: StepStats) -> None:
         """Send, in slice order, every slice whose global scores have arrived; never wait.
 
-        The engine calls it each time a parameter's gradient is ready (after any bucket launch
-        that gradient completed), so a slice goes on the wire within one layer's backward of its
-        scores arriving.  Ranks may send a slice at different moments: that is safe because
-        scores travel on their own group, so on each group every rank still issues the same
-        collectives in the same order.  Backward never stalls on a peer that is a few layers behind.
-        """
+        The engine calls it at each parameter's gradient hook (after any bucket launch it
+        completed), so a slice goes on the wire within one layer's backward of its scores arriving.
+        Ranks may send a slice at different moments: safe, as scores travel on their own group, so
+        each group sees the same collectives in the same order on every rank; backward never stalls
+        on a peer a few layers behind.  Two-level: the chunks' stages advance too (DenseSync)."""
         self._queue.send_arrived(self._send_slice, stats)
+        self.dense.progress(stats)
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
         """Score the chunks of pool ``k`` that became complete; return their range, if any."""

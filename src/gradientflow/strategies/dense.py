@@ -3,17 +3,26 @@
 ``launch`` starts one asynchronous allreduce per bucket as the scheduler hands it over;
 ``finish`` waits for all of them and leaves the averaged gradient in the pool.  Both run on the
 thread that runs backward, so every rank issues the same collectives in the same order.
+
+With ``groups`` (nodes of several ranks), each allreduce is two-level instead
+(:mod:`gradientflow.comm.two_level`): the wire buffer, padded to whole shards, is reduce-scattered
+inside the node, each shard allreduced between nodes with ``algorithm``, and all-gathered inside the
+node, advanced by :meth:`progress` at every gradient hook.  CSC's packed chunks go through
+:meth:`DenseSync.start` too, so they travel two-level the same way.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..comm.collectives import PendingAllreduce, start_allreduce
 from ..comm.precision import divide, from_wire, to_wire
+from ..comm.topology import two_level_plan
+from ..comm.two_level import Item, NodeGroups, TwoLevelPipeline, dense_middle
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, Scratch
@@ -31,6 +40,7 @@ class DenseSync(SyncStrategy):
         wire_dtype: torch.dtype | None,
         algorithm: str,
         watchdog: Watchdog | None = None,
+        groups: NodeGroups | None = None,
     ):
         self.group = group
         self.watchdog = watchdog  # bounds every wait, names the collective; CSC's collectives use it too
@@ -42,6 +52,8 @@ class DenseSync(SyncStrategy):
         # the fp32 default: the pool's dtype is the wire's, so divide() is torch.div (world size 1: a copy)
         self._plain_divide = wire_dtype is None and world_size > 1
         self._divisor32 = torch.tensor(float(world_size), dtype=torch.float32)
+        self.groups = groups
+        self._two = TwoLevelPipeline(groups, dense_middle(groups, algorithm)) if groups is not None else None
 
     def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
         """Step 1's division, folded into the copy of a fresh gradient into the pool (one pass, not two)."""
@@ -76,11 +88,58 @@ class DenseSync(SyncStrategy):
         """2. start ``wire``'s allreduce; :meth:`finish` waits for it and copies it back into ``flat``
         (``None``: the caller reads ``wire`` itself after :meth:`finish`, before the next step)."""
         stats.record_collective(wire.numel() * wire.element_size())
+        if self._two is not None:
+            self._start_two_level(wire, flat, what, stats)
+            return
         handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
         self._pending.append((flat, wire, handle))
 
+    def _start_two_level(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
+        """The wire buffer padded to whole shards (a copy unless it divides evenly), into the pipeline."""
+        assert self._two is not None and self.groups is not None
+        topo = self.groups.topology
+        n = wire.numel()
+        plan = two_level_plan(n, topo.nodes, topo.per_node, itemsize=wire.element_size())
+        scratch = self.scratch_for(wire.device)
+        full = wire
+        if plan.padded != n:
+            full = scratch.take(plan.padded, wire.dtype)
+            full[:n].copy_(wire)
+            full[n:].zero_()
+        shard = scratch.take(plan.shard, wire.dtype)
+
+        def done(item: Item) -> None:
+            stats.record_done(time.perf_counter())
+            if item.full is not wire:
+                wire.copy_(item.full[:n])
+            if flat is not None:
+                from_wire(flat, wire)
+
+        extra = stats.extra
+        extra["inter_node_bytes"] = extra.get("inter_node_bytes", 0) + plan.inter_bytes
+        extra["intra_node_bytes"] = extra.get("intra_node_bytes", 0) + plan.intra_bytes
+        self._two.submit(Item(full, shard, what, done))
+        self.progress(stats)
+
+    def progress(self, stats: StepStats) -> None:
+        """Two-level: move every bucket whose stage completed to its next stage; never wait."""
+        if self._two is not None and not self._two.idle:
+            self._guarded(self._two.progress)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            raise self.watchdog.failure("two-level exchange", None, exc, 0.0) from exc
+
     def finish(self, stats: StepStats) -> None:
         """3. wait for every launched allreduce, in launch order; 4. write results back."""
+        if self._two is not None:
+            t0 = time.perf_counter()
+            self._guarded(self._two.drain)
+            stats.phase("wire_wait", t0)
         pending, self._pending = self._pending, []
         for flat, wire, handle in pending:
             t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,11 +47,13 @@ import torch.distributed as dist
 
 from ..comm.precision import divide, loss_scale
 from ..comm.quantized_ring import QuantizedRing
+from ..comm.two_level import NodeGroups
 from ..config import DEFAULT_QUANT
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
+from .quantized_nodes import NodeQuantizer
 from .residual import Residuals, residual_state, validate_residual_state
 
 PRECONDITION_BETA = 0.9
@@ -99,6 +101,7 @@ class QuantizedSync(SyncStrategy):
         levels: str = "fitted",
         precondition: bool = False,
         warmup: int = 0,
+        nodes: NodeGroups | None = None,
     ) -> None:
         self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
         self.levels, self.precondition, self.warmup = levels, precondition, warmup
@@ -111,12 +114,19 @@ class QuantizedSync(SyncStrategy):
         self._scaler: Any = None
         self._queue: deque[_Pending] = deque()
         self._in_step = False
+        # Nodes of several ranks: the ring between nodes only, on each rank's shard (quantized_nodes.py)
+        self._nodes = NodeQuantizer(nodes, block) if nodes is not None else None
+        self.topology = nodes.topology.name if nodes is not None else "flat"
+        # Two-level, after the pool was re-laid out (or a residual loaded): the residual may lie outside this
+        # rank's shard, where the ring never adds it; the next step adds all of it to the contribution first.
+        self._fold_all = False
 
     # ---- layout and state -----------------------------------------------------------------
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         self.pool = new_pool
         if self.res is not None:
             self.res = self.res.moved_to(new_pool.layout)
+            self._fold_all = True  # two-level: the residual now lies across other buckets' shards
         if self.sq is not None:
             self.sq = self.sq.moved_to(new_pool.layout)
 
@@ -154,6 +164,9 @@ class QuantizedSync(SyncStrategy):
             self._begin_step()
         assert self.res is not None  # allocated by _begin_step
         err = self.res.v[bucket.pool][bucket.start : bucket.end]
+        if self._nodes is not None:
+            self._launch_two_level(bucket, flat, err, divided, stats)
+            return
         p = _Pending(bucket, flat, err, divided)
         self._queue.append(p)
         if self.world_size == 2:
@@ -195,6 +208,41 @@ class QuantizedSync(SyncStrategy):
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)
 
+    def _launch_two_level(
+        self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool, stats: StepStats
+    ) -> None:
+        """The bucket's contribution ``g / N`` into the two-level pipeline (the residual is added to the node sum
+        of its shard, between nodes)."""
+        assert self._nodes is not None
+        x = flat if flat.dtype == torch.float32 else flat.float()
+        if not divided:
+            divide(x, self.world_size, None)
+        if self._fold_all:  # the whole residual into the contribution (node-summed by the reduce-scatter)
+            x.add_(err)
+            err.zero_()
+        r = None
+        if self.precondition and self.step >= self.warmup:
+            assert self.sq is not None  # allocated by _begin_step
+            r = precondition_root(self.sq.v[bucket.pool][bucket.start : bucket.end])
+        bits, levels = self._quantizer()
+        timeout = self.watchdog.timeout if self.watchdog is not None else None
+        args = {"bits": bits, "block": self.block, "timeout": timeout, "clip": self.clip, "levels": levels}
+
+        def done(result: torch.Tensor, sent: int) -> None:
+            stats.record_done(time.perf_counter())
+            stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
+            if self.sq is not None:
+                self.sq.v[bucket.pool][bucket.start : bucket.end].mul_(PRECONDITION_BETA).addcmul_(
+                    result, result, value=1 - PRECONDITION_BETA
+                )
+            if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
+                flat.copy_(result)
+
+        intra, payload = self._nodes.start(x, err, r, args, done)
+        stats.record_collective(payload)  # the exchange between nodes: this rank's quantised shard
+        stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
+        self.progress(stats)
+
     def _quantizer(self) -> tuple[int, str]:
         """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
         return (DEFAULT_QUANT[0], "fitted") if self.step < self.warmup else (self.bits, self.levels)
@@ -214,6 +262,10 @@ class QuantizedSync(SyncStrategy):
     def progress(self, stats: StepStats) -> None:
         """Advance the running ring as far as its messages allow; start the next; never wait."""
         t0 = time.perf_counter()
+        if self._nodes is not None:
+            self._guarded(self._nodes.progress, t0)
+            stats.phase("pack", t0)
+            return
         while self._queue:
             p = self._queue[0]
             if p.ring is None:
@@ -223,6 +275,14 @@ class QuantizedSync(SyncStrategy):
             self._queue.popleft()
             self._complete(p, stats)
         stats.phase("pack", t0)
+
+    def _guarded(self, step: Callable[[], None], t0: float) -> None:
+        try:
+            step()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            raise self.watchdog.failure("two-level quantised exchange", None, exc, time.perf_counter() - t0) from exc
 
     def _run(self, p: _Pending, block: bool) -> bool:
         assert p.ring is not None  # started by _start
@@ -241,6 +301,10 @@ class QuantizedSync(SyncStrategy):
         """End of backward: run every queued ring to the end; the pool holds the decoded average."""
         if not self._in_step:
             self._begin_step()  # no parameters launched: still a step (counts, rescale)
+        if self._nodes is not None:
+            t0 = time.perf_counter()
+            self._guarded(self._nodes.drain, t0)
+            stats.phase("wire_wait", t0)
         while self._queue:
             p = self._queue[0]
             if p.ring is None:
@@ -251,6 +315,7 @@ class QuantizedSync(SyncStrategy):
             self._queue.popleft()
             self._complete(p, stats)
         self._in_step = False
+        self._fold_all = False
         stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
         self.step += 1
 
@@ -267,7 +332,8 @@ class QuantizedSync(SyncStrategy):
         """The residual (unpadded, unscaled, in the current pool layout), the quantiser and the step."""
         sizes = [b.numel() for b in self.pool.buffers]
         sq = self.sq.unscaled("v") if self.sq is not None else None
-        return {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, **residual_state(self.res, 1, sizes)}
+        state = {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, "shard_layout": self.topology}
+        return {**state, **residual_state(self.res, 1, sizes)}
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"step", "quantizer"} - set(state)
@@ -277,6 +343,14 @@ class QuantizedSync(SyncStrategy):
             raise ValueError(
                 f"gradientflow quantised: the checkpoint was saved with bits, block = {list(state['quantizer'])}, "
                 f"this model has {[self.bits, self.block]}. Resume with the same compression."
+            )
+        saved = state.get("shard_layout", "flat")  # saved before layouts were recorded: flat
+        if saved != self.topology and state.get("v") is not None:
+            raise ValueError(
+                f"gradientflow quantised: the communication state was saved on the node layout topology={saved!r}, "
+                f"this model runs topology={self.topology!r}; each rank's residual belongs to its shard of its node's "
+                f"sum, so it cannot move to another layout. Resume with topology={saved!r}, or start the "
+                "communication state afresh (skip load_comm_state_dict)."
             )
         sizes = [b.numel() for b in self.pool.buffers]
         validate_residual_state(state, 1, sizes, False)
@@ -303,3 +377,4 @@ class QuantizedSync(SyncStrategy):
             self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.load({"v": state["sq"]})
         self.step = int(state["step"])
+        self._fold_all = self.res is not None

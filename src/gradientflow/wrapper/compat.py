@@ -221,4 +221,5 @@ DDP_ARGS = (
 GF_OPTIONS = (
     "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
     "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
+    "topology",
 )  # fmt: skip

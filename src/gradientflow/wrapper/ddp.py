@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -34,6 +33,7 @@ from . import auto, compat, nested
 from .checkpoint import Checkpointing
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
+from .groups import control_group, layout_stats, node_groups, resolved_topology
 from .join import GradientFlowJoinHook, common_rank
 from .nested import Nesting
 from .shutdown import end_groups_at_exit
@@ -70,7 +70,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         density [None = dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
         chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
         measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; named
-        recipes "fp16", "csc", "quantized" / "q3", "auto": docs/adamw.md];
+        recipes "fp16", "csc", "quantized" / "q3", "auto": docs/adamw.md], topology ["auto": torchrun's node
+        layout, two-level synchronisation with nodes of several ranks; "flat"; "MxG"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -125,6 +126,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         trace_path: str | os.PathLike | None = None,
         trace_steps: tuple[int, int] | None = None,
         compression: str = "none",
+        topology: str = "auto",
     ) -> None:
         nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
         Joinable.__init__(self)
@@ -203,6 +205,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
                 "needs at least one dense trainable parameter. Use torch DDP for this module, or sparse=False."
             )
         self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
+        self.config = resolved_topology(self.config, self.process_group)  # "auto" -> "flat" or "MxG"
         self._gf_auto = auto.AutoState(requested=self.config.compression == "auto")
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
@@ -213,22 +216,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self._gf_src = dist.get_global_rank(group, 0)
 
     def _gf_control_group(self) -> dist.ProcessGroup:
-        """A second group over the same ranks for CSC's score exchanges (created once per wrapper).
-
-        On one group, a backend runs collectives one after another: a few-KB score allreduce
-        would queue behind the previous slice's megabytes of chunks, and backward would stall
-        waiting for it.  Only the group's members take part in creating it.  Held by weak
-        reference: torch's registry owns it, so ``destroy_process_group()`` really frees it (a
-        group kept alive past that by a stray reference is torn down at interpreter exit, where
-        Gloo can abort the process).
-        """
-        ref = self.__dict__.get("_gf_control")
-        control = ref() if ref is not None else None
-        if control is None:
-            ranks = dist.get_process_group_ranks(self.process_group)
-            control = dist.new_group(ranks, timeout=self._gf_watchdog.timeout, use_local_synchronization=True)
-            self._gf_control = weakref.ref(control)
-        return control
+        """A second group over the same ranks (created once per wrapper, see :mod:`.groups`)."""
+        return control_group(self)
 
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
@@ -254,7 +243,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         if hooked:
             make_sync = self._gf_make_sync()
         else:
-            make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control)
+            make_sync = build_strategy(self.config, self.process_group, self._gf_watchdog, control, node_groups(self))
         self._gf_engine = Reducer(
             self._gf_params,
             self._gf_names,
@@ -391,9 +380,10 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     # ---- introspection ------------------------------------------------------------------
     def comm_stats(self, total: bool = False) -> dict[str, float | int | str]:
         """The last synchronised step's counters (:class:`StepStats`; ``total=True``: summed since construction,
-        with ``steps``), the active ``compression`` (under ``"auto"`` also ``compression_auto``: what picked it)."""
+        with ``steps``), the active ``compression`` (under ``"auto"`` also ``compression_auto``: what picked it) and
+        the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level)."""
         stats = self._gf_engine.totals if total else self._gf_engine.last_stats
-        return {**stats.as_dict(), **auto.describe(self)}
+        return {**stats.as_dict(), **auto.describe(self), **layout_stats(self)}
 
     @property
     def pool(self) -> GradPool:

@@ -1,0 +1,226 @@
+"""Two-level synchronisation of a bucket: inside the node, between nodes, inside the node again.
+
+For each bucket's padded wire buffer (:func:`~gradientflow.comm.topology.two_level_plan`):
+
+1. a dense SUM reduce-scatter among the ranks of the node (``reduce_scatter``): local rank j ends
+   with the node's sum of shard j;
+2. the recipe's exchange of that shard between nodes, among the ranks with the same local index
+   (``inter``): a dense allreduce (``"native"`` or ``"ring"``), or the quantised ring with error
+   feedback (supplied by the strategy as a :class:`Middle`);
+3. a dense all-gather of the shards among the ranks of the node (``all_gather``).
+
+Each stage has its own process group, and every stage is issued strictly in bucket order on every
+rank: collectives on one group are matched by issue order, so if the reduce-scatter of bucket 2 and
+the all-gather of bucket 1 shared a group, ranks polling at different moments would issue them in
+different orders.  With one group per stage, a rank may move bucket 1 to its all-gather before or
+after launching bucket 2's reduce-scatter: each group still sees bucket 1, 2, .. in order.
+
+Non-blocking: :meth:`TwoLevelPipeline.progress` moves every bucket whose stage completed to its next
+stage and never waits (the engine calls it at every gradient hook); :meth:`TwoLevelPipeline.drain`
+drives the rest, always blocking on the earliest bucket's current stage after issuing everything
+that can be issued (what a peer may be waiting for from this rank has then been issued).  Gloo's
+``reduce_scatter_single`` never reports completion to ``is_completed()``, so a waiter thread per stage
+(:mod:`.waiter`) waits on the works and sets an event; collectives are issued from the training
+thread only.  CUDA tensors on Gloo are staged through host memory for the two stages inside the node
+(as the quantised ring stages its bytes); NCCL takes device memory directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .collectives import start_allreduce
+from .topology import Topology
+from .waiter import STAGE_WAITERS, Arrival
+
+
+@dataclass
+class NodeGroups:
+    """This rank's groups for two-level synchronisation (created once per wrapper, see
+    :mod:`gradientflow.wrapper.node_groups`): ``reduce_scatter`` and ``all_gather`` hold the ranks of its
+    node (two groups over the same ranks: one per stage), ``inter`` the ranks of its local index."""
+
+    topology: Topology
+    local: int  # this rank's index inside its node (its shard)
+    node: int
+    reduce_scatter: dist.ProcessGroup
+    all_gather: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    timeout: timedelta | None = None
+
+
+class Middle(Protocol):
+    """The stage between nodes of one bucket, in flight: advanced by ``poll`` (never blocks) or ``wait``."""
+
+    def poll(self) -> bool: ...
+
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """A stage that completed as it was started (the synchronous ring)."""
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _Watched:
+    """Works handed to a stage's waiter thread: done once its event is set."""
+
+    def __init__(self, arrival: Arrival) -> None:
+        self.arrival = arrival
+
+    def poll(self) -> bool:
+        if self.arrival.event.is_set():
+            self.arrival.check()
+            return True
+        return False
+
+    def wait(self) -> None:
+        self.arrival.event.wait()
+        self.arrival.check()
+
+
+@dataclass
+class Item:
+    """One bucket on its way: ``full`` the padded wire buffer (the result lands there), ``shard`` this
+    rank's shard of the node sum (its own buffer: the all-gather reads it while writing ``full``)."""
+
+    full: torch.Tensor
+    shard: torch.Tensor
+    what: str
+    on_done: Callable[[Item], None]
+    stage: int = 0  # 0 reduce-scatter, 1 waiting for / between nodes, 2 all-gather, 3 done
+    handle: Middle | None = None
+    host: tuple[torch.Tensor, torch.Tensor] | None = None  # staged: (full, shard) in host memory
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+StartMiddle = Callable[[Item], Middle]
+"""Starts an item's exchange between nodes on ``item.shard`` (in place), returns it in flight."""
+
+
+def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
+    """A dense SUM allreduce of the shard among the nodes, with ``algorithm`` (the ring runs at once)."""
+
+    def start(item: Item) -> Middle:
+        if algorithm == "ring":
+            start_allreduce(item.shard, group=groups.inter, algorithm="ring", what=item.what)
+            return _Done()
+        work = dist.all_reduce(item.shard, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True)
+        return _Watched(STAGE_WAITERS["inter"].watch([work], groups.timeout))
+
+    return start
+
+
+class TwoLevelPipeline:
+    """Buckets through the three stages, each stage issued in submission order (see the module docstring).
+
+    ``serial``: a bucket's exchange between nodes starts only once the previous bucket's completed (the
+    quantised ring from 3 nodes posts its second round as its first arrives: one ring at a time keeps
+    the posting order the same on every rank); otherwise as soon as its reduce-scatter completed.
+    """
+
+    def __init__(self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False) -> None:
+        self.groups, self.start_middle, self.serial = groups, start_middle, serial
+        self._rs: deque[Item] = deque()  # reduce-scatter in flight (handle: its arrival)
+        self._ready: deque[Item] = deque()  # node sum in hand, waiting to go between nodes
+        self._inter: deque[Item] = deque()  # between nodes
+        self._ag: deque[Item] = deque()  # all-gather in flight
+        self._backend: str | None = None
+
+    @property
+    def idle(self) -> bool:
+        return not (self._rs or self._ready or self._inter or self._ag)
+
+    def submit(self, item: Item) -> None:
+        """Stage 1 now: the reduce-scatter of ``item.full`` into ``item.shard`` inside the node."""
+        full, shard = item.full, item.shard
+        if self._staged(full):
+            full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
+            item.host = (full, shard)
+        work = dist.reduce_scatter_single(
+            shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
+        )
+        item.handle = _Watched(STAGE_WAITERS["reduce-scatter"].watch([work] if work is not None else [], self._t))
+        self._rs.append(item)
+
+    @property
+    def _t(self) -> timedelta | None:
+        return self.groups.timeout
+
+    def progress(self) -> None:
+        """Move every bucket whose stage completed on; issue what follows, in order; never wait."""
+        moved = True
+        while moved:
+            moved = False
+            if self._rs and self._head_done(self._rs):
+                item = self._rs.popleft()
+                if item.host is not None:
+                    item.shard.copy_(item.host[1])
+                self._ready.append(item)
+                moved = True
+            if self._ready and not (self.serial and self._inter):
+                item = self._ready.popleft()
+                item.stage, item.handle = 1, self.start_middle(item)
+                self._inter.append(item)
+                moved = True
+            if self._inter and self._head_done(self._inter):
+                item = self._inter.popleft()
+                full, shard = item.full, item.shard
+                if item.host is not None:
+                    full, shard = item.host[0], shard.cpu()
+                    item.host = (full, shard)  # alive until the all-gather completed
+                work = dist.all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
+                item.stage = 2
+                item.handle = _Watched(STAGE_WAITERS["all-gather"].watch([work] if work is not None else [], self._t))
+                self._ag.append(item)
+                moved = True
+            if self._ag and self._head_done(self._ag):
+                item = self._ag.popleft()
+                if item.host is not None:
+                    item.full.copy_(item.host[0])
+                    item.host = None
+                item.stage = 3
+                item.on_done(item)
+                moved = True
+
+    def drain(self) -> None:
+        """Every submitted bucket to the end: issue what can be issued, then block on the earliest bucket."""
+        while True:
+            self.progress()
+            queues = [q for q in (self._ag, self._inter, self._rs) if q]
+            if not queues and not self._ready:
+                return
+            if not queues:  # only waiting buckets: progress() starts the next at once
+                continue
+            head = min((q[0] for q in queues), key=self._order)
+            assert head.handle is not None
+            head.handle.wait()
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        """Gloo's collectives inside the node on host memory: a CUDA tensor's bytes are staged through the
+        host there (NCCL takes device memory as it is)."""
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.groups.reduce_scatter)).lower()
+        return t.device.type != "cpu" and "nccl" not in self._backend
+
+    def _order(self, item: Item) -> float:
+        return item.started_at
+
+    @staticmethod
+    def _head_done(q: deque[Item]) -> bool:
+        handle = q[0].handle
+        assert handle is not None, "every queued item has its stage in flight"
+        return handle.poll()

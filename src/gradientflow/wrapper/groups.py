@@ -1,0 +1,101 @@
+"""The wrapper's own process groups beside the user's: CSC's control group and two-level's node groups.
+
+Both are created once per wrapper (kept across engine rebuilds: ``.to()``, ``compression="auto"``)
+and held by weak reference: torch's registry owns a group, so ``destroy_process_group()`` really
+frees it (a group kept alive past that by a stray reference is torn down at interpreter exit, where
+Gloo can abort the process).  Only a group's members take part in creating it
+(``use_local_synchronization``); every rank creates its groups in the same order, so the names torch
+derives for groups over the same ranks agree between the members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from ..comm.topology import Topology, resolve_topology
+from ..comm.two_level import NodeGroups
+from ..config import GradientFlowConfig
+
+logger = logging.getLogger(__name__)
+
+DistributedDataParallel = Any
+"""The wrapper (not imported: ddp imports this module)."""
+
+
+def resolve_layout(config: GradientFlowConfig, group: dist.ProcessGroup) -> Topology:
+    """The node layout ``config.topology`` means for ``group`` (torchrun's variables for ``"auto"``).
+
+    ``"auto"`` reads the layout only for the default (whole-world) group: torchrun's variables describe
+    the world's ranks, so a user's subgroup stays flat under ``"auto"`` (name it with ``"MxG"``, which
+    counts the subgroup's own ranks).  ``ValueError`` (raised on every rank by the construction
+    exchange) for a layout that cannot hold.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    whole = world == dist.get_world_size()
+    return resolve_topology(config.topology, world, rank, os.environ, whole)
+
+
+def resolved_topology(config: GradientFlowConfig, group: dist.ProcessGroup) -> GradientFlowConfig:
+    """``config`` with ``topology`` resolved to ``"flat"`` or ``"MxG"``: what ``model.config.topology`` shows
+    and what the construction exchange compares across ranks (so ranks that resolved different layouts
+    raise there, on every rank)."""
+    return dataclasses.replace(config, topology=resolve_layout(config, group).name)
+
+
+def layout_stats(model: DistributedDataParallel) -> dict[str, int | str]:
+    """For ``comm_stats()``: the resolved layout (flat counts every rank as its own node); the name ``topology``
+    only when two-level, so a flat run's counters stay all numbers (as ``compression`` is left out for "none")."""
+    topo = resolve_layout(model.config, model.process_group)
+    out: dict[str, int | str] = {"nodes": topo.nodes, "ranks_per_node": topo.per_node}
+    if topo.two_level:
+        out["topology"] = topo.name
+    return out
+
+
+def control_group(model: DistributedDataParallel) -> dist.ProcessGroup:
+    """A second group over the same ranks for CSC's score exchanges and the "used" exchange.
+
+    On one group, a backend runs collectives one after another: a few-KB score allreduce would queue
+    behind the previous slice's megabytes of chunks, and backward would stall waiting for it.
+    """
+    ref = model.__dict__.get("_gf_control")
+    control = ref() if ref is not None else None
+    if control is None:
+        ranks = dist.get_process_group_ranks(model.process_group)
+        control = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
+        model._gf_control = weakref.ref(control)
+    return control
+
+
+def node_groups(model: DistributedDataParallel) -> NodeGroups | None:
+    """Two-level's groups for ``model.config.topology`` (resolved), ``None`` when it is flat.
+
+    Three groups per rank, one per stage (:mod:`gradientflow.comm.two_level`): the reduce-scatter and
+    the all-gather over the ranks of its node, and the exchange between nodes over the ranks with its
+    local index.
+    """
+    topo = resolve_layout(model.config, model.process_group)
+    if not topo.two_level:
+        return None
+    refs = model.__dict__.get("_gf_node_groups")
+    held = [r() for r in refs[1:]] if refs is not None and refs[0] == topo else []
+    if len(held) != 3 or any(g is None for g in held):
+        ranks = dist.get_process_group_ranks(model.process_group)
+        rank = dist.get_rank(model.process_group)
+        g, node, local = topo.per_node, topo.node_of(rank), topo.local_of(rank)
+        mine = ranks[node * g : (node + 1) * g]
+        across = [ranks[n * g + local] for n in range(topo.nodes)]
+        timeout = model._gf_watchdog.timeout
+        held = [dist.new_group(r, timeout=timeout, use_local_synchronization=True) for r in (mine, mine, across)]
+        model._gf_node_groups = (topo, *(weakref.ref(h) for h in held))
+        logger.info("gradientflow: two-level synchronisation, %s (node %d, local rank %d)", topo.name, node, local)
+    rank = dist.get_rank(model.process_group)
+    rs, ag, inter = held
+    assert rs is not None and ag is not None and inter is not None
+    return NodeGroups(topo, topo.local_of(rank), topo.node_of(rank), rs, ag, inter, timeout=model._gf_watchdog.timeout)
