@@ -26,8 +26,6 @@ PAGES_TO_COME = {"adamw.md", "networks.md", "torch-ddp-suite.md", "lightning.md"
 
 # Pages added on a branch whose engineer may not edit the README (its owner links them when merging;
 # reached meanwhile from docs/architecture.md and docs/networks.md). Remove a name once the README links it.
-PAGES_AWAITING_README_LINK = {"multi-node.md"}
-
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
@@ -78,7 +76,6 @@ def test_readme_is_a_landing_page_that_reaches_every_docs_page() -> None:
     assert lines <= 200, f"README.md has {lines} lines: keep it a landing page, move details to docs/"
     linked = {Path(t.partition("#")[0]).name for t in _relative_links(README) if t.startswith("docs/")}
     pages = {p.name for p in DOCS.glob("*.md")}
-    pages -= PAGES_AWAITING_README_LINK
     assert pages <= linked, f"docs/ pages the README does not link: {sorted(pages - linked)}"
     assert PAGES_TO_COME <= linked
 

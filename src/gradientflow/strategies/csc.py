@@ -30,26 +30,19 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
   5. Write back, after one host read (the step's only one: is everything finite?): the pool is
      zeroed, gets the reduced chunks, and the sent chunks leave v and u (momentum factor
      masking).  ``.grad`` point at the pool again, ready for the optimizer.
-  6. Warm-up: a density ramp (:func:`~gradientflow.strategies.selection.density_at`): step t of the first
-     ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks; step 0 (density 1),
-     and any step whose chunks and scores would be no fewer bytes than a dense step
-     (:func:`~gradientflow.strategies.selection.dense_from`), is a plain dense step on the pool (v and u untouched).
+  6. Warm-up: step t of the first ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks
+     (:func:`~.selection.density_at`); a step that would be no fewer bytes than a dense one (step 0 among them,
+     :func:`~.selection.dense_from`) is a plain dense step on the pool, v and u untouched.
 
-Loss scaling: v and u are in units of the current loss scale (:class:`~.residual.Residuals`);
-``model.register_grad_scaler(scaler)`` lets CSC follow the scale (without it the scale is 1).  A
-non-finite value anywhere (a local gradient on any rank: the allreduced scores are non-finite
-everywhere; or an fp16 wire that overflowed: the reduced chunks are) makes every rank fill the pool
-with NaN, so ``GradScaler.step`` skips the step on every rank and lowers the scale; nothing is
-masked, so the chunks are sent again later.  Entries of v and u that became non-finite are reset to 0; the
-finite part of that step's local gradient stays in the residual (delayed, not lost).
+Loss scaling: v and u are in units of the loss scale of ``model.register_grad_scaler(scaler)`` (else 1).
+A non-finite value anywhere (a local gradient on any rank shows in the summed scores; an fp16 wire that
+overflowed, in the reduced chunks) makes every rank fill the pool with NaN, so ``GradScaler.step`` skips the
+step everywhere; nothing is masked (the chunks are sent again later), non-finite entries of v and u are reset
+to 0, and the finite part of the local gradient stays in the residual (delayed, not lost).
 
-Momentum correction (``momentum > 0``) is applied here, on the residual: the user's optimizer must
-NOT apply momentum again (:meth:`SparseSync.check_optimizer` warns).
-
-Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): the accumulation into v
-(scores folded in on CPU from ``None`` gradients, else a score pass after it); packing, the casts,
-the finite check, the write-back and the masking touch only the selected chunks.  With momentum
-correction add two passes (``u = g + m*u``, ``v += u``) and the pool's memset at bind.
+Momentum correction (``momentum > 0``) is applied here: the optimizer must NOT apply momentum again (warned).
+Passes over the whole pool per step: the accumulation into v (and the score pass where it cannot fold the
+scores in); everything else touches only the selected chunks (``comm_stats()``'s ``phase_*_s``).
 """
 
 from __future__ import annotations
@@ -160,17 +153,14 @@ class SparseSync(SyncStrategy):
         return self.res is not None
 
     @property
-    def _res(self) -> Residuals:
-        """The residuals, during a sparse step (allocated by its ``_begin_step``)."""
+    def _res(self) -> Residuals:  # during a sparse step
         assert self.res is not None, "CSC's residuals are allocated by the first sparse step's _begin_step"
         return self.res
 
     @property
     def last_selected(self) -> torch.Tensor:
         """Global indices (ascending per slice) of the chunks the last step sent."""
-        if not self._writer.sent:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([idx + self.offsets[k] for k, idx in self._writer.sent])
+        return self._writer.selected(self.offsets)
 
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters none of whose chunks was sent this step (a sent chunk may carry residual)."""

@@ -76,6 +76,13 @@ class PoolWriter:
         phase_end(watchdog, "csc.write-back", t_trace)
         return True
 
+    def selected(self, offsets: list[int]) -> torch.Tensor:
+        """Global indices (ascending per slice) of the chunks the last write-back sent (``offsets``: each
+        buffer's first chunk's global index)."""
+        if not self.sent:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([idx + offsets[k] for k, idx in self.sent])
+
     def clear(self, pool: GradPool, rows: list[torch.Tensor]) -> None:
         """Zero the pool: only last step's chunks if nothing else has written to it since.
 
