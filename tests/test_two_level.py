@@ -197,6 +197,10 @@ def test_layout_from_torchruns_variables_and_by_name() -> None:
     assert resolve_topology("auto", 4, 1, _env(1, 1, 4), True).name == "flat"  # one rank per node
     assert resolve_topology("auto", 2, 1, _env(2, 1, 4), False).name == "flat"  # a subgroup under "auto"
     assert resolve_topology("flat", 4, 1, _env(2, 1, 4), True).name == "flat"
+    # a launcher that sets LOCAL_RANK / LOCAL_WORLD_SIZE but not GROUP_RANK (accelerate's, SLURM scripts):
+    # node-contiguous ranks give the node
+    assert resolve_topology("auto", 4, 3, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True).name == "2x2"
+    assert resolve_topology("auto", 2, 1, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True).name == "flat"
     assert resolve_topology("2x2", 4, 3, {}, True).name == "2x2"
     assert resolve_topology("1x4", 4, 3, {}, True).name == "flat"
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 does not split the 6 ranks.*topology='flat'"):

@@ -63,7 +63,11 @@ def resolve_topology(value: str, world: int, rank: int, env: Mapping[str, str], 
     if not whole_world or "LOCAL_WORLD_SIZE" not in env:
         return flat  # not launched by torchrun (or a subgroup): every rank its own node, as before
     try:
-        g, node, local = int(env["LOCAL_WORLD_SIZE"]), int(env.get("GROUP_RANK", -1)), int(env.get("LOCAL_RANK", -1))
+        g = int(env["LOCAL_WORLD_SIZE"])
+        # torchrun sets all three; other launchers (accelerate's, SLURM scripts) may set LOCAL_* alone: then the
+        # node is the one that node-contiguous ranks give (checked below against LOCAL_RANK, if set)
+        node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else rank // max(g, 1)
+        local = int(env.get("LOCAL_RANK", rank % max(g, 1)))
         env_world, env_rank = int(env.get("WORLD_SIZE", world)), int(env.get("RANK", rank))
     except ValueError as exc:
         raise ValueError(
