@@ -139,7 +139,7 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     if not base.startswith("gf-"):  # torch DDP and its peers
         raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
     fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
-    names = fields | {"steps", "topology"}  # topology: the wrapper's keyword, checked here until the config has it
+    names = fields | {"steps"}
     overrides: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, text = (part.strip() for part in item.partition("="))
@@ -152,15 +152,10 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     factor = overrides.get("steps", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
-    try:
-        if "topology" in overrides and "topology" not in fields:
-            from gradientflow.bench.runner_spec import check_topology
-
-            check_topology(overrides["topology"])
-        # the wrapper's validation
+    try:  # the wrapper's validation
         GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
     except ValueError as exc:
-        raise ValueError(f"{recipe!r}: {'topology ' if 'must be flat' in str(exc) else ''}{exc}") from None
+        raise ValueError(f"{recipe!r}: {exc}") from None
     return base, overrides
 
 

@@ -6,7 +6,6 @@ Shared by the launcher (:mod:`gradientflow.bench.runner`) and the worker
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from gradientflow.bench.report import ALONE_SUFFIX
+from gradientflow.config import check_topology_value
 
 MODES = (
     "gf-fp32",
@@ -34,7 +34,6 @@ bench's optimizer (SGD: CSC; ``--optimizer adamw``: the quantised ring)."""
 TOPOLOGY_SUFFIX = "@"
 """``gf-fp16@flat``: a gradientflow mode with the engine's ``topology`` option (``flat``, ``auto`` or
 ``MxG``), so one table holds a mode forced flat beside the same mode on the node layout torchrun gives."""
-_TOPOLOGY = re.compile(r"flat|auto|[1-9]\d*x[1-9]\d*")
 OPTIMIZERS = ("sgd", "adamw")
 ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
@@ -69,10 +68,9 @@ def split_mode(mode: str) -> tuple[str, str | None]:
         raise ValueError(f"mode {mode!r}: the topology after @ {exc}") from None
 
 
-def check_topology(value: object) -> str:
-    """``value`` if it is a layout the engine's ``topology`` option takes (``flat``, ``auto``, ``MxG``)."""
-    if not isinstance(value, str) or not _TOPOLOGY.fullmatch(value):
-        raise ValueError(f"must be flat, auto or MxG (M nodes x G ranks, e.g. 2x4), got {value!r}")
+def check_topology(value: str) -> str:
+    """``value`` if it is a layout the engine's ``topology`` option takes (the engine's own check)."""
+    check_topology_value(value)
     return value
 
 
