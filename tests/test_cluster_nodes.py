@@ -328,3 +328,19 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
         assert node["payload_bytes"] == pytest.approx(per_node * grad, rel=0.05)  # the engine's, per rank summed
     assert rows["compute"]["link_tx_bytes"] < 64 << 10  # no gradients: the barriers' bytes alone
     assert f"| gf-fp32 | 1 | {per_node} |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_report_sets_each_mode_beside_its_flat_twin() -> None:
+    from gradientflow.bench.report_tables import layout_pairs_table
+
+    def row(name: str, step_s: float, tx: float | None) -> dict[str, Any]:
+        return {"name": name, "mode": name.split("@")[0], "status": "ok", "alone": False, "sweep": False,
+                "median_s": step_s, "link_tx_bytes": tx}  # fmt: skip
+
+    mb = 2**20
+    rows = [row("gf-fp16", 0.9, 50 * mb), row("gf-fp16@flat", 1.2, 75 * mb), row("ddp", 2.0, 150 * mb)]
+    lines = layout_pairs_table({"rows": rows})
+    # 0.9 / 1.2 = 0.75 of the step, 50 / 75 = 0.67 of the bytes; ddp has no twin and gets no row
+    assert lines[-1] == "| gf-fp16 | 900 | 1200 | 0.75 | 50.00 | 75.00 | 0.67 |"
+    assert sum(line.startswith("| gf-") for line in lines) == 1 and not any("| ddp" in line for line in lines)
+    assert layout_pairs_table({"rows": [row("gf-fp16", 0.9, None)]}) == []  # no twin: no table

@@ -100,6 +100,32 @@ def link_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def layout_pairs_table(summary: dict[str, Any]) -> list[str]:
+    """Each gradientflow mode beside its ``@flat`` twin: step time and the bytes on the busiest node's link
+    (the kernel's count, tx), two-level over flat (lines to add; none without such a pair)."""
+    rows = {r["name"]: r for r in summary["rows"] if r.get("status") == "ok" and step_table_row(r)}
+    pairs = [(name, rows[name + "@flat"]) for name in rows if not name.endswith("@flat") and name + "@flat" in rows]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "Each mode as the launch's layout gives it (two-level with nodes of several ranks) against the same mode "
+        "forced flat (`topology=\"flat\"`): step time and the bytes on the busiest node's link, the kernel's count:",
+        "",
+        "| mode | step ms | @flat step ms | step ratio | link tx MB/step | @flat link tx MB/step | bytes ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, flat in pairs:
+        two = rows[name]
+        tx, flat_tx = two.get("link_tx_bytes"), flat.get("link_tx_bytes")
+        ratio = "—" if not tx or not flat_tx else f"{tx / flat_tx:.2f}"
+        lines.append(
+            f"| {name} | {_ms(two['median_s'])} | {_ms(flat['median_s'])} | {two['median_s'] / flat['median_s']:.2f} "
+            f"| {_mb(tx)} | {_mb(flat_tx)} | {ratio} |"
+        )
+    return lines
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The tables, ready to paste into the README, with what each column means."""
     o = summary["options"]
@@ -141,6 +167,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {_mem(r)} |"
         )
     lines += link_table(summary)
+    lines += layout_pairs_table(summary)
     phased = [r for r in summary["rows"] if r.get("phases_ms") and step_table_row(r)]
     if phased:
         lines += [
