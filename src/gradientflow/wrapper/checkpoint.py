@@ -15,12 +15,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine import comm_state
 from . import auto
+from .surface import WrapperSurface
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
 _PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto"}
 
 
-class Checkpointing:
+class Checkpointing(WrapperSurface):
     def _gf_watch_optimizers(self) -> None:
         """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
         first ``step()``, so the measured pitfalls are reported without the user knowing the method.
@@ -66,7 +67,10 @@ class Checkpointing:
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
-        self._gf_attach_group(dist.group.WORLD)
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("gradientflow: unpickling a wrapped model needs an initialised default process group")
+        self._gf_attach_group(world)
         self._gf_collect_tensors()
         self._gf_build_engine(order=comm.get("layout_order"))
         self.load_comm_state_dict(comm)

@@ -77,14 +77,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     """
 
     # Set by _gf_validate / _gf_attach_group / _gf_collect_tensors (declared for the type checker).
-    config: GradientFlowConfig
-    _gf_settings: DDPSettings
-    _gf_ignored: set[str]
-    _gf_watchdog: Watchdog
+    _gf_settings: DDPSettings  # the rest: surface.py (WrapperSurface), shared by every part of the class
     _gf_src: int
-    _gf_params: list[nn.Parameter]
-    _gf_sparse_params: list[nn.Parameter]
-    _gf_module_buffers: list[torch.Tensor]
 
     def __init__(
         self,

@@ -9,14 +9,15 @@ reducer internals with no counterpart here) are listed with their reason in
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, Joinable
 
 from .comm_hooks import CommHook, builtin_hook, make_hook_sync
+from .surface import WrapperSurface
 
 
 class _ReducerView:
@@ -56,7 +57,7 @@ class _ReducerView:
         return self._ddp._gf_engine.usage.graph_static
 
 
-class TorchDDPAPI:
+class TorchDDPAPI(WrapperSurface):
     """torch DDP's methods and attributes beyond ``forward``/``no_sync`` (mixed into the wrapper)."""
 
     # torch DDP: 250 MiB per coalesced broadcast of parameters and buffers
@@ -72,7 +73,7 @@ class TorchDDPAPI:
         divided by the initial world size; ``False``: by the number of ranks still training.
         """
         self._gf_divide_by_initial_world_size = bool(divide_by_initial_world_size)
-        return Join([self], enable, throw_on_early_termination)
+        return Join([cast(Joinable, self)], enable, throw_on_early_termination)  # the wrapper is Joinable
 
     # ---- communication hooks ----------------------------------------------------------------
     def _gf_rescale_by_active(self, work: Any) -> Any:
@@ -142,10 +143,10 @@ class TorchDDPAPI:
         names = set(params_and_buffers_to_ignore)
         for name, param in module.named_parameters():
             if name in names:
-                param._ddp_ignored = True
+                param._ddp_ignored = True  # type: ignore[attr-defined]  # torch's own marker, as torch sets it
         for name, buffer in module.named_buffers():
             if name in names:
-                buffer._ddp_ignored = True
+                buffer._ddp_ignored = True  # type: ignore[attr-defined]
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction (before the first backward, as torch requires)."""
@@ -313,7 +314,7 @@ _TYPE_NAMES = {
 
 def _environment(group: dist.ProcessGroup) -> dict[str, Any]:
     """The environment torch DDP's logger records at construction (its keys; NCCL's only for NCCL)."""
-    env = {
+    env: dict[str, Any] = {
         k: os.environ.get(v, "N/A")
         for k, v in (
             ("torch_distributed_debug", "TORCH_DISTRIBUTED_DEBUG"),
@@ -325,7 +326,7 @@ def _environment(group: dist.ProcessGroup) -> dict[str, Any]:
         env["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME", "N/A")
         env["gloo_device_transport"] = os.environ.get("GLOO_DEVICE_TRANSPORT", "N/A")
         try:  # the group's own thread count, as torch reads it; Gloo's default where it cannot be read
-            env["gloo_num_threads"] = int(group._get_backend(torch.device("cpu")).options._threads)
+            env["gloo_num_threads"] = int(group._get_backend(torch.device("cpu")).options._threads)  # type: ignore[attr-defined]
         except (AttributeError, RuntimeError):
             env["gloo_num_threads"] = 2
     elif backend == "nccl":
