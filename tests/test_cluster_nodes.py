@@ -309,7 +309,7 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
     cmd = [
         sys.executable, "-m", "gradientflow.cli", "bench", "--workload", "small_cnn", "--nproc", str(nproc),
         "--nproc-per-node", str(per_node), "--bandwidth", "1gbit", "--steps", "2", "--warmup", "1",
-        "--modes", "gf-fp32", "--no-alone", "--netns-prefix", prefix, "--out", str(tmp_path),
+        "--modes", "gf-fp32", "gf-fp32@flat", "--no-alone", "--netns-prefix", prefix, "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -318,14 +318,18 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
     assert (res["world_size"], res["nodes"], res["nproc_per_node"]) == (nproc, 2, per_node)
     rows = {r["name"]: r for r in res["rows"]}
     grad = 4 * res["n_params"]
-    gf32 = rows["gf-fp32"]
-    assert [n["node"] for n in gf32["link_nodes"]] == [0, 1]
-    for node in gf32["link_nodes"]:
-        # Gloo's ring over N ranks, a node's ranks next to each other in it: each node sends on one edge
-        # between nodes 2(N-1)/N gradients (1.5 at 2 x 2, 1 at 2 x 1), headers on top
-        ring = 2 * (nproc - 1) / nproc * grad
-        assert 0.95 * ring < node["tx_bytes"] < 1.25 * ring and 0.95 * ring < node["rx_bytes"] < 1.25 * ring, node
-        assert node["payload_bytes"] == pytest.approx(per_node * grad, rel=0.05)  # the engine's, per rank summed
+    # Two-level (2 x 2, torchrun's layout): each rank's half-gradient shard in a ring over the M = 2 nodes,
+    # 2(M-1)/M shards, so one gradient per node's link; one rank per node (2 x 1) is flat's ring, the same.
+    # Forced flat: Gloo's ring over N ranks, a node's ranks next to each other in it: each node sends on one
+    # edge between nodes 2(N-1)/N gradients (1.5 at 2 x 2, 1 at 2 x 1).  Headers on top of each.
+    for mode, ring in (("gf-fp32", 2 * (2 - 1) / 2 * grad), ("gf-fp32@flat", 2 * (nproc - 1) / nproc * grad)):
+        assert [n["node"] for n in rows[mode]["link_nodes"]] == [0, 1]
+        for node in rows[mode]["link_nodes"]:
+            assert 0.95 * ring < node["tx_bytes"] < 1.25 * ring and 0.95 * ring < node["rx_bytes"] < 1.25 * ring, (
+                mode,
+                node,
+            )
+            assert node["payload_bytes"] == pytest.approx(per_node * grad, rel=0.05)  # the engine's, ranks summed
     assert rows["compute"]["link_tx_bytes"] < 64 << 10  # no gradients: the barriers' bytes alone
     assert f"| gf-fp32 | 1 | {per_node} |" in (tmp_path / "table.md").read_text()
 
