@@ -43,7 +43,7 @@ def test_adapt_reads_the_wire_from_the_config():
     new, s = adapt(cfg, LINK, 100 * MB)
     assert (new.fusion_threshold_mb, new.csc_scope) == (25.0, "slice") == (s.fusion_threshold_mb, s.csc_scope)
     assert new.schedule == "auto" and new.density == 0.1  # nothing else changes
-    with pytest.raises(ValueError, match="schedule must be 'fixed'"):
+    with pytest.raises(ValueError, match="schedule must be one of 'fixed', 'auto'"):
         GradientFlowConfig(schedule="fast")
 
 
