@@ -42,34 +42,16 @@ from ..diagnostics.runtime_log import RuntimeLog, StepTimes
 from ..diagnostics.stats import RunTotals, StepStats
 from ..diagnostics.trace import TraceRecorder
 from ..diagnostics.watchdog import Watchdog
+from .backward import Backward as _Backward
 from .binding import GradBinding
 from .consistency import FiniteCheck, StepCheck
 from .hooks import iter_tensors, remove_handles, weak_hook
 from .layout import PoolLayout
-from .pool import Layout
 from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage, UnusedSearch
 
 logger = logging.getLogger(__name__)
 _ENGINE = torch.autograd.Variable._execution_engine  # autograd's engine, for the final callback
-
-
-class _Backward:
-    """Bookkeeping of one synchronised backward."""
-
-    def __init__(self, layout: Layout, n_params: int, dense_bytes: int) -> None:
-        self.remaining = [len(b.params) for b in layout.buckets]
-        self.undivided = [0] * len(self.remaining)  # gradients that did not enter through take_fresh
-        self.next_bucket = 0
-        self.seen = bytearray(n_params)
-        self.order: list[int] = []
-        self.stats = StepStats(dense_bytes=dense_bytes)
-        self.t_start = 0.0  # perf_counter at its start (the trace's span, torch's logging data)
-        self.shadow = False  # a joined rank's zero step: no gradient is expected from it
-        # False between autograd runs while the step is open: a backward left parameters without gradient
-        # and another backward of the same forward may bring them (torch's reducer waits for them too)
-        self.queued = True
-        self.closing = False  # raise_pending closes an open step: finish it whatever is missing
 
 
 class Reducer(PoolLayout, GradBinding, UnusedSearch):

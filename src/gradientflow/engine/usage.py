@@ -25,8 +25,8 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 
 if TYPE_CHECKING:
+    from .backward import Backward as _Backward
     from .protocol import SyncStrategy
-    from .reducer import _Backward
 
 
 class ParamUsage:
