@@ -371,7 +371,9 @@ def test_exchange_by_hand_two_level_flat_and_quantised():
     assert exchange_s(4000, 4, cfg, 4, flat=True) == pytest.approx(0.01 + 2.4)
     # the quantised recipe's flat direct exchange: each node's 2 ranks send 2/4 of 1563 B twice
     q = dict(intra_wire=4, block=QUANTIZED.block, direct=True)
-    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, flat=True, **q) == pytest.approx(0.01 + 2 * 2 * 2 / 4 * 1563 / 1e4)
+    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, flat=True, **q) == pytest.approx(
+        0.01 + 2 * 2 * 2 / 4 * 1563 / 1e4
+    )
     # two-level: 32 blocks of 128 -> shards of 2048 gradients; fp32 inside, 800 quantised bytes between
     assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, **q) == pytest.approx(
         0.002 + 2 * 2048 * 4 / 1e5 + 0.01 + 2 * 800 / 1e4

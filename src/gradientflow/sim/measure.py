@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {
         "command": "python -m gradientflow.sim.measure " + " ".join(argv),
         "world_size": n,
-        "network": "loopback, one node" if args.loopback else f"emulated {args.bandwidth} per node (netns + veth + tc tbf)",
+        "network": "loopback, one node"
+        if args.loopback
+        else f"emulated {args.bandwidth} per node (netns + veth + tc tbf)",
         **net,
         "loadavg_1min": os.getloadavg()[0],
         "fits": {},

@@ -52,7 +52,16 @@ error-feedback add (measured on this project's CPU, one thread, 4M fp32: quantis
 33 ms, one ``add_`` 4-5 ms, so about 20 passes; ``--profile`` times it on the user's machine)."""
 
 QUANTIZED = Technique(
-    "ring", True, 3 / 8 + 2 / 128, True, False, "quantized", intra_wire_bytes=4, block=128, direct=True, shard_passes=True
+    "ring",
+    True,
+    3 / 8 + 2 / 128,
+    True,
+    False,
+    "quantized",
+    intra_wire_bytes=4,
+    block=128,
+    direct=True,
+    shard_passes=True,
 )
 """``compression="quantized"`` (what ``"auto"`` picks for Adam/AdamW): every gradient every step,
 3 bits plus one bf16 scale per 128 (0.39 bytes per gradient), on a ring overlapped with backward

@@ -141,7 +141,6 @@ def predict(
     prof = profile_like_the_bench(workload, opts["batch_size"], steps, bench.get("threads_per_rank") or 1, copies)
     t1 = sum(prof.times or ())
     cfg = bench_config(bench, fit, intra_fit, t1)
-    n = bench["world_size"]
     ref = next(r["median_s"] for r in bench["rows"] if r["mode"] == "compute")
     # The bench's ranks share this machine's cores and memory bandwidth, a lone profile does not:
     # the second prediction slows every local CPU cost (compute and passes) by the one factor the
