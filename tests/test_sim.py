@@ -329,6 +329,7 @@ def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
     assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
     md, rows = table(bench, preds)
     assert len(rows) == 3 and md.count("\n") == 5
+    assert preds["gf-fp32"][2].iteration_s >= preds["gf-fp32"][1].iteration_s  # no overlap: never faster
 
 
 def test_cli_token_model_gets_token_ids(capsys):

@@ -134,7 +134,7 @@ def bench_config(bench: dict, fit: dict, intra_fit: dict | None, t1: float) -> S
 
 def predict(
     bench: dict, fit: dict, steps: int = 5, copies: int = 1, intra_fit: dict | None = None
-) -> tuple[dict[str, tuple[Iteration, Iteration]], dict]:
+) -> tuple[dict[str, tuple[Iteration, Iteration, Iteration]], dict]:
     """Steps 2-3: per bench mode, the prediction from the profile and from the bench's compute time."""
     opts = bench["options"]
     workload = opts["workload"]
@@ -166,8 +166,12 @@ def predict(
 
 def predict_rows(
     bench: dict, prof: ModelProfile, scaled: ModelProfile, cfg: SimConfig
-) -> dict[str, tuple[Iteration, Iteration]]:
-    """Every row of the bench the model knows: (from ``prof``, from ``scaled``) iterations."""
+) -> dict[str, tuple[Iteration, Iteration, Iteration]]:
+    """Every row of the bench the model knows: (from ``prof``, from ``scaled``, from ``scaled`` with
+    no overlap) iterations.  The third serialises communication after backward: where the ranks
+    outnumber the cores (4 single-threaded ranks on 2 here), backward leaves no core to Gloo's threads
+    and the kernel's network stack, and the engine's own ``exposed_seconds`` shows how much of the
+    link's work waited for backward's end (docs/cost-model.md)."""
     layout = bench_layout(bench)
     optimizer = bench["options"].get("optimizer") or "sgd"
     out = {}
@@ -179,23 +183,26 @@ def predict_rows(
             out[row["name"]] = (
                 simulate(prof, cfg, gpus, row["mode"], tech, flat=flat),
                 simulate(scaled, cfg, gpus, row["mode"], tech, flat=flat),
+                simulate(scaled, cfg, gpus, row["mode"], dataclasses.replace(tech, overlap=False), flat=flat),
             )
     return out
 
 
-def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration]]) -> tuple[str, list[dict]]:
-    """Step 4's rows: measured vs predicted step time (both compute sources) and speedup, per mode."""
+def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration, Iteration]]) -> tuple[str, list[dict]]:
+    """Step 4's rows: measured vs predicted step time (both compute sources, and the bench's compute
+    without overlap) and speedup, per mode."""
     rows = []
     lines = [
         "| mode | measured step ms (p10–p90) | predicted ms, profiled compute | difference | "
-        "predicted ms, bench's compute | difference | measured speedup | predicted speedup |",
-        "|---|---|---|---|---|---|---|---|",
+        "predicted ms, bench's compute | difference | the same, no overlap | difference | "
+        "measured speedup | predicted speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in bench["rows"]:
         if r["name"] not in preds:
             continue
-        p, q = preds[r["name"]]
-        dp, dq = ((x.iteration_s - r["median_s"]) / r["median_s"] for x in (p, q))
+        p, q, z = preds[r["name"]]
+        dp, dq, dz = ((x.iteration_s - r["median_s"]) / r["median_s"] for x in (p, q, z))
         rows.append(
             {
                 "mode": r["name"],
@@ -204,6 +211,10 @@ def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration]]) -> tuple[s
                 "difference": dp,
                 "predicted_bench_compute_s": q.iteration_s,
                 "difference_bench_compute": dq,
+                "predicted_no_overlap_s": z.iteration_s,
+                "difference_no_overlap": dz,
+                "measured_exposed_s": r.get("exposed_s"),
+                "predicted_exposed_s": q.exposed_s,
                 "measured_speedup": r["speedup"],
                 "predicted_speedup": q.speedup,
             }
@@ -211,7 +222,8 @@ def table(bench: dict, preds: dict[str, tuple[Iteration, Iteration]]) -> tuple[s
         lines.append(
             f"| {r['name']} | {r['median_s'] * 1e3:.0f} ({r['p10_s'] * 1e3:.0f}–{r['p90_s'] * 1e3:.0f}) | "
             f"{p.iteration_s * 1e3:.0f} | {dp:+.0%} | {q.iteration_s * 1e3:.0f} | {dq:+.0%} | "
-            f"{r['speedup']:.2f} | {'—' if r['mode'] == 'compute' else f'{q.speedup:.2f}'} |"
+            f"{z.iteration_s * 1e3:.0f} | {dz:+.0%} | {r['speedup']:.2f} | "
+            f"{'—' if r['mode'] == 'compute' else f'{q.speedup:.2f}'} |"
         )
     return "\n".join(lines) + "\n", rows
 
@@ -250,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     a = assumptions
     head = (
         f"`python -m gradientflow.sim.validate {' '.join(argv)}`\n\n"
-        f"Bench: `{bench['command']}`. Model inputs, all measured here: α = {a['latency'] * 1e6:.0f} µs, "
+        f"Bench: `{bench.get('command') or '(not recorded)'}`. "
+        f"Model inputs, all measured here: α = {a['latency'] * 1e6:.0f} µs, "
         f"B = {a['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({args.alpha_beta}); layout {a['layout']} "
         + (
             f"(inside a node: α = {a['intra_latency'] * 1e6:.0f} µs, B = {a['intra_bandwidth'] * 8 / 1e9:.2f} Gbit/s, "
