@@ -451,3 +451,30 @@ def test_sensitivity_break_even_by_hand():
     b = break_even(HAND, cfg, 2, "ring", 1.0, "bandwidth", 1e3, 1e6)  # speedup 1: t = 2 s
     assert b == pytest.approx(16000 / 0.98, rel=1e-6)
     assert break_even(HAND, cfg, 2, "ring", 1.99, "bandwidth", 1e3, 1e6) is None  # not reached in the range
+
+
+def test_cli_validate_a_2x2_bench_end_to_end(capsys, tmp_path):
+    """`simulate --validate` on a recorded 2 x 2 results.json: without the intra-node fit it says what to
+    measure; with it, one row per mode it models, flat twins included, into --validate-out."""
+    bench = _results(2, 2)
+    bench["threads_per_rank"], bench["host"] = 1, {"cpus": 2}
+    (tmp_path / "results.json").write_text(json.dumps(bench))
+    fit = {"fits": {"native": {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}}}
+    (tmp_path / "link.json").write_text(json.dumps(fit))
+    (tmp_path / "lo.json").write_text(json.dumps({"fits": {"native": {"alpha_s": 1e-4, "bandwidth_Bps": 1e9}}}))
+    argv = ["simulate", "--validate", str(tmp_path / "results.json"), "--alpha-beta", str(tmp_path / "link.json")]
+    assert main(argv) == 2
+    assert "measure --loopback" in capsys.readouterr().err
+    assert main([*argv, "--loopback-fit", str(tmp_path / "lo.json"), "--validate-out", str(tmp_path / "v")]) == 0
+    out = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert out["assumptions"]["layout"] == "2x2" and out["assumptions"]["oversubscribed"]  # 4 ranks, 2 cores
+    assert [r["mode"] for r in out["rows"]] == [
+        "compute",
+        "gf-fp32",
+        "gf-fp32@flat",
+        "gf-fp16",
+        "gf-auto",
+        "gf-auto@flat",
+        "ddp",
+    ]
+    assert all(r["predicted_model_s"] == r["predicted_no_overlap_s"] for r in out["rows"])
