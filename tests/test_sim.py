@@ -329,6 +329,7 @@ def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
     assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
     md, rows = table(bench, preds)
     assert len(rows) == 3 and md.count("\n") == 5
+    assert preds["gf-fp32"][2].iteration_s >= preds["gf-fp32"][1].iteration_s  # no overlap: never faster
 
 
 def test_cli_token_model_gets_token_ids(capsys):
@@ -355,3 +356,125 @@ def test_flop_profile_of_a_transformer_orders_attention_weights_by_layer():
     first, last = "enc.layers.0.self_attn.in_proj_weight", "enc.layers.1.self_attn.in_proj_weight"
     assert ready["head.weight"] < ready[last] < ready[first] < 1.0
     assert ready["emb.weight"] == 1.0
+
+
+# ---- nodes of several ranks: the engine's two-level exchange, and the bench's layout --------------
+def test_exchange_by_hand_two_level_flat_and_quantised():
+    from gradientflow.sim.cost import exchange_s
+    from gradientflow.sim.schedule import QUANTIZED
+
+    cfg = _cfg(bandwidth=1e4, latency=0.01, gpus_per_node=2, intra_bandwidth=1e5, intra_latency=0.001)
+    # 2 nodes x 2, 4000 fp32 gradients: shards of 2000; inside the node a reduce-scatter and an
+    # all-gather of one shard each (2 x 8000 B at 1e5 B/s), between nodes 2 concurrent 2-rank rings of
+    # one shard (each 2 (M-1)/M x 8000 B) sharing the link
+    assert exchange_s(4000, 4, cfg, 4) == pytest.approx(2 * 0.001 + 0.16 + 0.01 + 1.6)
+    # flat: one ring over the 4 ranks, its slowest hops on the link: 2 x 3/4 x 16000 B
+    assert exchange_s(4000, 4, cfg, 4, flat=True) == pytest.approx(0.01 + 2.4)
+    # the quantised recipe's flat direct exchange: each node's 2 ranks send 2/4 of 1563 B twice
+    q = dict(intra_wire=4, block=QUANTIZED.block, direct=True)
+    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, flat=True, **q) == pytest.approx(
+        0.01 + 2 * 2 * 2 / 4 * 1563 / 1e4
+    )
+    # two-level: 32 blocks of 128 -> shards of 2048 gradients; fp32 inside, 800 quantised bytes between
+    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, **q) == pytest.approx(
+        0.002 + 2 * 2048 * 4 / 1e5 + 0.01 + 2 * 800 / 1e4
+    )
+    assert exchange_s(4000, 2, cfg, 4) == pytest.approx(0.001 + 16000 / 1e5)  # one node: its own ring
+    one = _cfg(bandwidth=1e4, latency=0.01)  # one rank per node: flat and two-level are the same ring
+    assert exchange_s(4000, 4, one, 4) == exchange_s(4000, 4, one, 4, flat=True) == pytest.approx(0.01 + 2.4)
+
+
+def _results(nodes: int | None, per_node: int | None, world: int = 4, optimizer: str = "adamw") -> dict:
+    """A bench's results.json, trimmed to what validate reads (recorded by `gradientflow bench`)."""
+    row = dict(sweep=False, alone=False, status="ok", p10_s=1.0, p90_s=4.0, speedup=1.0, median_s=2.0)
+    modes = ("compute", "gf-fp32", "gf-fp32@flat", "gf-fp16", "gf-auto", "gf-auto@flat", "ddp", "ddp-powersgd")
+    out = {
+        "options": {"workload": "small_cnn", "batch_size": 1, "fusion_mb": 1.0, "optimizer": optimizer},
+        "world_size": world,
+        "chunk_size": 1000,
+        "rows": [{**row, "name": m, "mode": m} for m in modes],
+    }
+    if nodes is not None:
+        out["nodes"], out["nproc_per_node"] = nodes, per_node
+    return out
+
+
+def test_bench_layout_and_mode_plan_from_results_json():
+    from gradientflow.sim.planner import DDP
+    from gradientflow.sim.schedule import QUANTIZED, TECHNIQUES
+    from gradientflow.sim.validate import bench_layout, mode_plan
+
+    assert bench_layout(_results(2, 2)) == (2, 2)
+    assert bench_layout(_results(None, None, world=2)) == (2, 1)  # before the layout was recorded
+    with pytest.raises(ValueError, match="world size 4"):
+        bench_layout(_results(3, 2))
+    assert mode_plan("gf-fp16@flat", "sgd", (2, 2)) == (TECHNIQUES["lazy"], True)
+    assert mode_plan("gf-fp16", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
+    assert mode_plan("gf-fp16@2x2", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
+    assert mode_plan("gf-auto", "adamw", (2, 2)) == (QUANTIZED, False)
+    assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (TECHNIQUES["csc"], True)
+    assert mode_plan("ddp", "sgd", (2, 2)) == (DDP, True)  # torch DDP: a flat ring whatever the layout
+    assert mode_plan("ddp-powersgd", "sgd", (2, 2)) is None
+    with pytest.raises(ValueError, match="layout 2x2"):
+        mode_plan("gf-fp16@1x4", "sgd", (2, 2))
+
+
+def test_validate_predicts_a_recorded_2x2_results_json_by_hand():
+    """2 nodes x 2 ranks: one bucket of 4000 gradients ready at the end of a 1 s step (forward 0.5,
+    backward 0.5), link α 0.01 s / B 1e4 B/s, inside the node α 0.001 s / B 1e5 B/s."""
+    from gradientflow.sim.validate import bench_config, predict_rows
+
+    bench = _results(2, 2)
+    prof = dataclasses.replace(HAND, times=(0.5, 0.5, 0.0))
+    with pytest.raises(ValueError, match="loopback"):
+        bench_config(bench, {"alpha_s": 0.01, "bandwidth_Bps": 1e4}, None, 1.0)
+    cfg = bench_config(bench, {"alpha_s": 0.01, "bandwidth_Bps": 1e4}, {"alpha_s": 0.001, "bandwidth_Bps": 1e5}, 1.0)
+    assert (cfg.gpus_per_node, cfg.intra_bandwidth, cfg.intra_latency) == (2, 1e5, 0.001)
+    got = {k: v[0].iteration_s for k, v in predict_rows(bench, prof, prof, cfg).items()}
+    want = {
+        "compute": 1.0,
+        "gf-fp32": 1.0 + (0.002 + 0.16) + (0.01 + 1.6),  # two-level, fp32 at both levels
+        "gf-fp32@flat": 1.0 + 0.01 + 2.4,  # one 4-rank ring: 1.5 x 16000 B over the link
+        "gf-fp16": 1.0 + (0.002 + 0.08) + (0.01 + 0.8),  # the same in fp16
+        "gf-auto": 1.0 + (0.002 + 0.16384) + (0.01 + 0.16),  # AdamW: quantised, fp32 inside the node
+        "gf-auto@flat": 1.0 + 0.01 + 0.3126,  # its direct exchange: 2 x 2 x 2/4 x 1563 B per link
+        "ddp": 1.0 + 0.01 + 2.4,  # torch DDP is flat
+    }
+    assert got == pytest.approx(want)
+
+
+def test_sensitivity_break_even_by_hand():
+    from gradientflow.sim.sensitivity import break_even
+
+    # `ring` at 2 GPUs: after backward, one ring per tensor: t = 1 + 2 x 0.01 + 16000 B / B; speedup 2 / t
+    cfg = _cfg(bandwidth=1e5, latency=0.01)
+    b = break_even(HAND, cfg, 2, "ring", 1.0, "bandwidth", 1e3, 1e6)  # speedup 1: t = 2 s
+    assert b == pytest.approx(16000 / 0.98, rel=1e-6)
+    assert break_even(HAND, cfg, 2, "ring", 1.99, "bandwidth", 1e3, 1e6) is None  # not reached in the range
+
+
+def test_cli_validate_a_2x2_bench_end_to_end(capsys, tmp_path):
+    """`simulate --validate` on a recorded 2 x 2 results.json: without the intra-node fit it says what to
+    measure; with it, one row per mode it models, flat twins included, into --validate-out."""
+    bench = _results(2, 2)
+    bench["threads_per_rank"], bench["host"] = 1, {"cpus": 2}
+    (tmp_path / "results.json").write_text(json.dumps(bench))
+    fit = {"fits": {"native": {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}}}
+    (tmp_path / "link.json").write_text(json.dumps(fit))
+    (tmp_path / "lo.json").write_text(json.dumps({"fits": {"native": {"alpha_s": 1e-4, "bandwidth_Bps": 1e9}}}))
+    argv = ["simulate", "--validate", str(tmp_path / "results.json"), "--alpha-beta", str(tmp_path / "link.json")]
+    assert main(argv) == 2
+    assert "measure --loopback" in capsys.readouterr().err
+    assert main([*argv, "--loopback-fit", str(tmp_path / "lo.json"), "--validate-out", str(tmp_path / "v")]) == 0
+    out = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert out["assumptions"]["layout"] == "2x2" and out["assumptions"]["oversubscribed"]  # 4 ranks, 2 cores
+    assert [r["mode"] for r in out["rows"]] == [
+        "compute",
+        "gf-fp32",
+        "gf-fp32@flat",
+        "gf-fp16",
+        "gf-auto",
+        "gf-auto@flat",
+        "ddp",
+    ]
+    assert all(r["predicted_model_s"] == r["predicted_no_overlap_s"] for r in out["rows"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict, is_dataclass
@@ -198,7 +199,13 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
         "chunk_size": main.get("chunk_size"),
         "threads_per_rank": main.get("threads_per_rank"),
         "base_rss_mb": main.get("base_rss_mb"),
-        "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": _torch_version()},
+        "host": {
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "torch": _torch_version(),
+            "cpus": os.cpu_count(),  # the cores every rank and the emulated network shared (sim.validate)
+            "loadavg_1min": os.getloadavg()[0],  # at the report: what else was running
+        },
         "definitions": {
             "speedup": SPEEDUP_DEF,
             "memory": MEMORY_DEF,

@@ -123,6 +123,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='with --plan: what compression="auto" runs for this optimizer (sgd: CSC; adamw, also Adam and '
         "other adaptive ones: 3-bit quantised), its step time and bytes against DDP",
     )
+    p.add_argument(
+        "--validate",
+        metavar="RESULTS_JSON",
+        help="compare the model's step time with a `gradientflow bench` run (its results.json), mode by mode, "
+        "on the run's layout (nodes x ranks per node, flat and two-level); with --alpha-beta and, for nodes "
+        "of several ranks, --loopback-fit (python -m gradientflow.sim.measure [--loopback]); "
+        "see docs/cost-model.md",
+    )
+    p.add_argument(
+        "--alpha-beta",
+        default="benchmarks/sim_validation/alpha_beta.json",
+        help="with --validate: α and B of the bench's link (default %(default)s)",
+    )
+    p.add_argument("--loopback-fit", help="with --validate: α and B inside a node, measured on loopback")
+    p.add_argument(
+        "--validate-out", help="with --validate: where validation.{md,json} go (default: beside RESULTS_JSON)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument(
         "--plot",
@@ -189,7 +206,16 @@ def latency_source(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the ablation (or the plan) as a table or JSON; write the plot if asked."""
+    """Print the ablation (or the plan) as a table or JSON; write the plot if asked (or, with
+    ``--validate``, the model against a bench's results.json: :mod:`gradientflow.sim.validate`)."""
+    if args.validate:
+        from .validate import main as validate_main  # noqa: PLC0415 — imports the bench's modules
+
+        argv = ["--bench", args.validate, "--alpha-beta", args.alpha_beta]
+        argv += ["--out", args.validate_out or str(Path(args.validate).parent / "validation")]
+        if args.loopback_fit:
+            argv += ["--loopback-fit", args.loopback_fit]
+        return validate_main(argv)
     try:
         name, profile, cfg, assumptions = build(args)
         rows = ablation(profile, cfg, args.gpus)

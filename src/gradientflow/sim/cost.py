@@ -83,3 +83,47 @@ def allreduce_s(nbytes: float, n: int, cfg: SimConfig, algorithm: str = "ring", 
     if algorithm == "tree":
         return tree_flat_s(nbytes, g, cfg.intra_latency, bi) + tree_flat_s(nbytes, m, cfg.latency, cfg.bandwidth)
     raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
+def exchange_s(
+    numel: int,
+    n: int,
+    cfg: SimConfig,
+    wire: float,
+    *,
+    intra_wire: float | None = None,
+    block: int = 1,
+    flat: bool = False,
+    direct: bool = False,
+) -> float:
+    """Seconds for one bucket of ``numel`` gradients on ``n`` GPUs, as the engine synchronises it.
+
+    ``wire``: bytes per gradient between nodes (4 fp32, 2 fp16, 3/8 + 2/128 the 3-bit quantised
+    wire); ``intra_wire``: bytes per gradient inside the node (default ``wire``; the quantised
+    recipe reduce-scatters and all-gathers fp32 inside the node); ``block``: the quantiser's block,
+    which the engine's shards are made of (:func:`~gradientflow.comm.topology.two_level_plan`).
+
+    1. One rank per node, or one node: a flat ring (:func:`allreduce_s`) at ``wire``.
+    2. ``flat`` on nodes of g > 1 ranks (``topology="flat"``): one ring over all n ranks, whose
+       slowest hops cross the node's link: ``α + 2(n-1)/n · S/B``; or, ``direct`` (the quantised
+       recipe's exchange from 3 ranks on: a direct reduce-scatter and all-gather), each of the node's
+       g ranks sends its (n-g)/n share to the other nodes twice: ``α + 2g(n-g)/n · S/B``.
+    3. Otherwise two-level on the engine's plan: ``2α_i + intra_bytes/B_i`` inside the node (the
+       reduce-scatter and the all-gather, fp32 or the wire dtype), then g concurrent inter-node
+       exchanges of one shard each, sharing the node's link: ``α + g · 2(M-1)/M · shard·wire/B``.
+    """
+    if n <= 1 or numel <= 0:
+        return 0.0
+    g, m = _levels(n, cfg)
+    nbytes = math.ceil(numel * wire)
+    if g == 1 or m == 1:
+        return allreduce_s(nbytes, n, cfg, "ring", int(wire) if float(wire).is_integer() else 1)
+    if flat:
+        share = 2.0 * g * (n - g) / n if direct and n >= 3 else 2.0 * (n - 1) / n
+        return cfg.latency + share * nbytes / cfg.bandwidth
+    iw = wire if intra_wire is None else intra_wire
+    assert cfg.intra_bandwidth is not None  # SimConfig requires it with gpus_per_node > 1
+    plan = two_level_plan(numel, m, g, block=block)  # the shard in elements; its bytes at each level's wire
+    intra = 2 * cfg.intra_latency + 2 * (g - 1) * math.ceil(plan.shard * iw) / cfg.intra_bandwidth
+    inter = cfg.latency + g * 2.0 * (m - 1) / m * math.ceil(plan.shard * wire) / cfg.bandwidth
+    return intra + inter

@@ -13,6 +13,12 @@
 3. Two points, no fit to any target: B from the slope between the smallest and the largest
    message, α = t(smallest) - x(smallest)/B, x = 2(N-1)/N · bytes (the ring's bytes per link).
 4. Write ``alpha_beta.json`` with the raw medians, α, B, and the formula's error at every size.
+
+``--loopback``: the same measurement between ``--nproc`` ranks of one node, on this machine's
+loopback (no namespace, no shaping, no root): α and B inside a node of the bench's emulated cluster,
+whose ranks of one node talk over their namespace's loopback (docs/multi-node.md).
+
+    python -m gradientflow.sim.measure --loopback --nproc 2 --out benchmarks/sim_validation/loopback
 """
 
 from __future__ import annotations
@@ -58,6 +64,27 @@ def _run(args: argparse.Namespace, result: Path) -> dict:
         "--pg-timeout",
         "120",
     ]
+    if args.loopback:
+        import socket  # noqa: PLC0415
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        argv = torchrun_argv(
+            nnodes=1,
+            node_rank=0,
+            nproc_per_node=args.nproc,
+            master_addr="127.0.0.1",
+            master_port=port,
+            args=worker,
+            module=WORKER_MODULE,
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        try:
+            code = subprocess.run(argv, env=env, timeout=args.timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"measurement did not finish in {args.timeout}s") from None
+        return {"rate_bps": None, "tcp_goodput_bps": None, "codes": [code]}
     with EmulatedCluster(nodes=args.nproc, rate=args.bandwidth, prefix=args.prefix) as cluster:
         goodput = cluster.measure_throughput(0, 1)
         procs = [
@@ -91,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--sizes-mb", type=float, nargs="+", default=list(SIZES_MB))
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="measure between --nproc ranks of one node on this machine's loopback (no shaping, no root)",
+    )
     p.add_argument("--prefix", default="gfsim", help="namespace prefix, distinct from the bench's")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="benchmarks/sim_validation")
@@ -106,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {
         "command": "python -m gradientflow.sim.measure " + " ".join(argv),
         "world_size": n,
-        "network": f"emulated {args.bandwidth} per node (netns + veth + tc tbf)",
+        "network": "loopback, one node"
+        if args.loopback
+        else f"emulated {args.bandwidth} per node (netns + veth + tc tbf)",
         **net,
         "loadavg_1min": os.getloadavg()[0],
         "fits": {},
@@ -123,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 for rec, (x, t) in zip(raw["records"], pts)
             ],
         }
+        tcp = net["tcp_goodput_bps"]
         print(
-            f"{algo}: α = {alpha * 1e6:.0f} µs, B = {bw * 8 / 1e9:.3f} Gbit/s "
-            f"(one TCP stream: {net['tcp_goodput_bps'] / 1e9:.3f} Gbit/s)"
+            f"{algo}: α = {alpha * 1e6:.0f} µs, B = {bw * 8 / 1e9:.3f} Gbit/s"
+            + (f" (one TCP stream: {tcp / 1e9:.3f} Gbit/s)" if tcp else "")
         )
         for pt in out["fits"][algo]["points"]:
             print(

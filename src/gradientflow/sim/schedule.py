@@ -20,7 +20,7 @@ from gradientflow.engine.pool import plan_layout
 from gradientflow.strategies.selection import n_selected
 
 from .config import CONFIGS, MIB, SimConfig
-from .cost import allreduce_s
+from .cost import _levels, allreduce_s, exchange_s
 from .model_profile import ModelProfile
 
 
@@ -35,6 +35,10 @@ class Technique:
     csc: bool  # coarse-grained sparse communication at cfg.density
     local: str  # the local passes of a dense step: "fp32" (pre-divide, 1 pass) or "fp16" (cast
     # out and back, 3 passes); CSC selecting k < n chunks: see PASSES
+    intra_wire_bytes: float | None = None  # bytes per gradient inside a node, two-level (None: wire_bytes)
+    block: int = 1  # the engine's two-level shards are whole blocks of this many gradients (the quantiser's)
+    direct: bool = False  # flat exchange from 3 ranks is a direct reduce-scatter + all-gather (quantised)
+    shard_passes: bool = False  # two-level: the local passes run on this rank's 1/g shard only
 
 
 PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_accumulate": 1, "csc_chunks": 4, "quantized": 20}
@@ -47,9 +51,24 @@ only, so scaled by the fraction selected (the engine's write-back touches nothin
 error-feedback add (measured on this project's CPU, one thread, 4M fp32: quantise 60 ms, decode
 33 ms, one ``add_`` 4-5 ms, so about 20 passes; ``--profile`` times it on the user's machine)."""
 
-QUANTIZED = Technique("ring", True, 3 / 8 + 2 / 128, True, False, "quantized")
+QUANTIZED = Technique(
+    "ring",
+    True,
+    3 / 8 + 2 / 128,
+    True,
+    False,
+    "quantized",
+    intra_wire_bytes=4,
+    block=128,
+    direct=True,
+    shard_passes=True,
+)
 """``compression="quantized"`` (what ``"auto"`` picks for Adam/AdamW): every gradient every step,
-3 bits plus one bf16 scale per 128 (0.39 bytes per gradient), on a ring overlapped with backward."""
+3 bits plus one bf16 scale per 128 (0.39 bytes per gradient), on a ring overlapped with backward
+(from 3 ranks a direct reduce-scatter + all-gather, ``comm/quantized_ring.py``).  Two-level
+(``strategies/quantized_nodes.py``): fp32 reduce-scatter and all-gather inside the node, the quantised
+ring on this rank's shard of whole 128-blocks between nodes, its codec and error feedback on the
+shard only."""
 
 TECHNIQUES: dict[str, Technique] = {
     "baseline": Technique("tree", False, 4, False, False, "fp32"),
@@ -108,7 +127,12 @@ def _passes_s(profile: ModelProfile, cfg: SimConfig, kind: str) -> float:
 
 
 def simulate(
-    profile: ModelProfile, cfg: SimConfig, gpus: int, config: str, technique: Technique | None = None
+    profile: ModelProfile,
+    cfg: SimConfig,
+    gpus: int,
+    config: str,
+    technique: Technique | None = None,
+    flat: bool = False,
 ) -> Iteration:
     """One iteration of ``config`` (or of ``technique``, named ``config``) on ``gpus`` GPUs.
 
@@ -125,6 +149,12 @@ def simulate(
     5. Local passes over the pool (casts; CSC's score, and its clear/pack/unpack/mask of the k
        selected chunks) run after the last collective, then the update:
        t(N) = max(backward end, link free) + passes + update.
+
+    With ``cfg.gpus_per_node`` > 1 and more than one node every bucket is synchronised two-level, on
+    the engine's plan (:func:`~gradientflow.sim.cost.exchange_s`); CSC's scores travel flat (the
+    engine's control group spans every rank), its packed chunks two-level.  ``flat``: the engine's
+    ``topology="flat"`` on the same nodes (one ring over every rank, or the quantised recipe's direct
+    exchange).
     """
     if technique is None and config not in TECHNIQUES:
         raise ValueError(f"unknown configuration {config!r}; choose one of {list(CONFIGS)}")
@@ -148,21 +178,35 @@ def simulate(
     if sparse:
         bwd_end += _passes_s(profile, cfg, "csc_accumulate")
         link_free = bwd_end
-        for nbytes in (4 * chunks, tech.wire_bytes * k * cfg.chunk_size):
-            link_free += allreduce_s(nbytes, gpus, cfg, tech.algorithm)
-            sent, count = sent + nbytes, count + 1
+        link_free += exchange_s(chunks, gpus, cfg, 4, flat=True)  # the scores, on the flat control group
+        link_free += exchange_s(k * cfg.chunk_size, gpus, cfg, tech.wire_bytes, flat=flat)
+        sent, count = sent + 4 * chunks + tech.wire_bytes * k * cfg.chunk_size, count + 2
     else:
         for b in layout.buckets:
             ready = t_fwd + max(profile.ready[i] for i in b.params) * t_bwd if tech.overlap else bwd_end
             nbytes = math.ceil(b.numel * tech.wire_bytes)
-            # whole elements: the two-level shards are the engine's (comm.topology.two_level_plan)
-            size = int(tech.wire_bytes) if float(tech.wire_bytes).is_integer() else 1
-            link_free = max(link_free, ready) + allreduce_s(nbytes, gpus, cfg, tech.algorithm, size)
+            if tech.algorithm == "ring":  # the engine's exchange: two-level shards from comm.topology.two_level_plan
+                cost = exchange_s(
+                    b.numel,
+                    gpus,
+                    cfg,
+                    tech.wire_bytes,
+                    intra_wire=tech.intra_wire_bytes,
+                    block=tech.block,
+                    flat=flat,
+                    direct=tech.direct,
+                )
+            else:
+                cost = allreduce_s(nbytes, gpus, cfg, tech.algorithm, int(tech.wire_bytes))
+            link_free = max(link_free, ready) + cost
             sent, count = sent + nbytes, count + 1
     if sparse:
         passes_s = _passes_s(profile, cfg, "csc") + k / chunks * _passes_s(profile, cfg, "csc_chunks")
     else:
         passes_s = _passes_s(profile, cfg, tech.local)
+        g, m = _levels(gpus, cfg)
+        if tech.shard_passes and not flat and g > 1 and m > 1:
+            passes_s /= g  # the codec and error feedback touch this rank's shard only
     comm_end = max(bwd_end, link_free)
     t_n = comm_end + passes_s + t_upd
     return Iteration(gpus, config, t_n, t1, gpus * t1 / t_n, round(sent), count, comm_end - bwd_end)
