@@ -80,19 +80,35 @@ class _Done:
 
 
 class _Watched:
-    """Works handed to a stage's waiter thread: done once its event is set."""
+    """Works handed to a stage's waiter thread: done once its event is set.  A blocking :meth:`wait` waits on
+    the works themselves (as the waiter does: a work may have several waiters), so the training thread wakes
+    when the backend completes them, not one thread hand-off later."""
 
     def __init__(self, arrival: Arrival) -> None:
         self.arrival = arrival
+        self._works, self._timeout = list(arrival.works), arrival.timeout
+        self._done = False  # completed, as a blocking wait saw (the waiter may not have flagged it yet)
 
     def poll(self) -> bool:
+        if self._done:
+            return True
         if self.arrival.event.is_set():
             self.arrival.check()
             return True
         return False
 
     def wait(self) -> None:
-        self.arrival.event.wait()
+        works, self._works = self._works, []
+        if not self.arrival.event.is_set():
+            try:
+                for w in works:
+                    w.wait() if self._timeout is None else w.wait(self._timeout)
+            except RuntimeError:
+                self.arrival.event.wait()  # the waiter saw the same failure: its message
+                self.arrival.check()
+                raise
+            self._done = True
+            return
         self.arrival.check()
 
 
@@ -249,7 +265,12 @@ class TwoLevelPipeline:
                 continue
             head = min((q[0] for q in queues), key=self._order)
             assert head.handle is not None
+            trace = getattr(self.watchdog, "trace", None)
+            t0 = time.perf_counter()
             head.handle.wait()
+            if trace is not None and trace.active:  # the blocking waits after backward, by stage
+                stage = ("reduce-scatter", "inter-node", "all-gather")[min(head.stage, 2)]
+                trace.complete(f"wait {stage} {head.what}", "wait", t0, time.perf_counter(), stage=stage)
 
     def _staged(self, t: torch.Tensor) -> bool:
         """Gloo's collectives inside the node on host memory: a CUDA tensor's bytes are staged through the
