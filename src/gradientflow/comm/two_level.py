@@ -80,35 +80,20 @@ class _Done:
 
 
 class _Watched:
-    """Works handed to a stage's waiter thread: done once its event is set.  A blocking :meth:`wait` waits on
-    the works themselves (as the waiter does: a work may have several waiters), so the training thread wakes
-    when the backend completes them, not one thread hand-off later."""
+    """Works handed to a stage's waiter thread: done once its event is set.  (Waiting on the works from the
+    training thread instead, to save the hand-off, made resumed runs differ on some ranks: not done.)"""
 
     def __init__(self, arrival: Arrival) -> None:
         self.arrival = arrival
-        self._works, self._timeout = list(arrival.works), arrival.timeout
-        self._done = False  # completed, as a blocking wait saw (the waiter may not have flagged it yet)
 
     def poll(self) -> bool:
-        if self._done:
-            return True
         if self.arrival.event.is_set():
             self.arrival.check()
             return True
         return False
 
     def wait(self) -> None:
-        works, self._works = self._works, []
-        if not self.arrival.event.is_set():
-            try:
-                for w in works:
-                    w.wait() if self._timeout is None else w.wait(self._timeout)
-            except RuntimeError:
-                self.arrival.event.wait()  # the waiter saw the same failure: its message
-                self.arrival.check()
-                raise
-            self._done = True
-            return
+        self.arrival.event.wait()
         self.arrival.check()
 
 
