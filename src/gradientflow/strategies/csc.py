@@ -72,10 +72,6 @@ from .selection import dense_from, density_at, n_selected, samples_chunks, selec
 from .slices import Slice, SliceQueue, pack
 from .writeback import PoolWriter, untouched_params
 
-SCORE_POLL_S = 2e-4
-"""How often a two-level step, after backward, looks at a slice's scores while earlier slices' chunks are still
-between stages (a sleep: the two levels' stages run on other threads)."""
-
 
 class SparseSync(SyncStrategy):
     """CSC synchronisation strategy plugged into :class:`gradientflow.DistributedDataParallel`."""
@@ -299,8 +295,6 @@ class SparseSync(SyncStrategy):
     def _send_slice(self, sl: Slice, stats: StepStats) -> None:
         """Wait for the slice's global scores, select its top chunks, pack them, start their allreduce."""
         t0 = time.perf_counter()
-        if self.dense.pipeline_busy():
-            self._await_scores(sl, stats)
         sl.handle.wait()
         stats.record_done(sl.handle.completed_at)
         t0 = stats.phase("wire_wait", t0)
@@ -321,14 +315,6 @@ class SparseSync(SyncStrategy):
         else:
             assert sl.packed is not None  # pack() fills wire or packed
             self.dense.send_chunks(sl.packed.view(-1), stats)
-
-    def _await_scores(self, sl: Slice, stats: StepStats) -> None:
-        """Two-level, after backward: while this slice's scores travel, move the earlier slices' chunks on
-        through their stages (a stage issued late delays it on every rank); polled every
-        :data:`SCORE_POLL_S` until the scores arrived or nothing is left in the pipeline to move."""
-        while not sl.handle.poll() and self.dense.pipeline_busy():
-            self.dense.progress(stats)
-            time.sleep(SCORE_POLL_S)
 
     def finish(self, stats: StepStats) -> None:
         """Steps 3-5 after backward: the last slices, one finite check, write-back."""

@@ -141,10 +141,6 @@ class DenseSync(SyncStrategy):
         self._two.submit(Item(full, shard, what, done))
         self.progress(stats)
 
-    def pipeline_busy(self) -> bool:
-        """Two-level: some bucket (or packed slice) is still between its stages."""
-        return self._two is not None and not self._two.idle
-
     def progress(self, stats: StepStats) -> None:
         """Two-level: move every bucket whose stage completed to its next stage; never wait."""
         if self._two is not None and not self._two.idle:
