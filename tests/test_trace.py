@@ -76,3 +76,39 @@ def test_trace_file_names_and_bad_file(tmp_path, capsys) -> None:
     bad.write_text("{}")
     assert main(["trace-summary", str(bad)]) == 2  # a usage error, as argparse exits
     assert "not a Chrome trace" in capsys.readouterr().err
+
+
+def _two_level_worker(rank: int, world_size: int, tmp: str, recipes: dict[str, dict]) -> None:
+    for name, options in recipes.items():
+        _trace_worker(rank, world_size, os.path.join(tmp, name), options)
+
+
+def test_two_level_stages_are_collectives_of_the_trace(tmp_path, capsys) -> None:
+    """2 nodes x 2 ranks: every bucket's three stages (the reduce-scatter and the all-gather inside the node, the
+    exchange between nodes) are collective events, each on a comm track, in that order per bucket."""
+    recipes = {"dense": {"comm_dtype": "fp16"}, "quantized": {"compression": "quantized"}}
+    run_distributed(_two_level_worker, 4, str(tmp_path), recipes, ranks_per_node=2, timeout=240)
+    stages = ("reduce-scatter", "inter-node", "all-gather")
+    for name in recipes:
+        for rank in range(4):
+            doc = json.loads((tmp_path / name / "run" / f"trace-{rank}.json").read_text())
+            colls = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "collective"]
+            assert {e["args"]["step"] for e in colls} == set(range(*WINDOW))
+            tracks = {m["tid"] for m in doc["traceEvents"] if m["ph"] == "M"}
+            for step in range(*WINDOW):
+                mine = [e for e in colls if e["args"]["step"] == step and e["args"].get("stage")]
+                by_what: dict[str, list[dict]] = {}
+                for e in mine:
+                    by_what.setdefault(e["name"].split(" ", 1)[1], []).append(e)
+                assert by_what, (name, rank, step, [e["name"] for e in colls])
+                for what, events in by_what.items():
+                    events.sort(key=lambda e: e["ts"])
+                    assert [e["args"]["stage"] for e in events] == list(stages), (name, what, events)
+                    assert [e["args"]["group"] for e in events] == ["intra", "inter", "intra"]
+                    for before, after in zip(events, events[1:]):  # a stage starts once the one before ended
+                        assert before["ts"] + before["dur"] <= after["ts"] + 1.0, (before, after)
+                    assert all(e["args"]["bytes"] > 0 and e["tid"] in tracks for e in events)
+        capsys.readouterr()
+        assert main(["trace-summary", str(tmp_path / name / "run" / "trace-0.json")]) == 0
+        out = capsys.readouterr().out
+        assert all(stage in out for stage in stages), out

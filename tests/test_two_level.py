@@ -92,9 +92,25 @@ def _train_all(rank: int, world: int, recipes: list[str], opts: dict) -> dict:
             opt.step()
             rec["params"].append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
         rec["stats"] = ddp.comm_stats()
+        rec["memory"] = _residual_memory(ddp)
         out[name] = _portable(rec)
         del ddp
     return out
+
+
+def _residual_memory(ddp) -> tuple[int, int, int, int, bool] | None:
+    """The quantised recipe's error-feedback memory on this rank: (residual elements, the sum of the shards the
+    plan gives this rank's buckets, the pool's elements, one block per bucket (the most whole blocks add), a fold
+    pending); None for the other recipes."""
+    from gradientflow.comm.topology import two_level_plan
+
+    sync = ddp._gf_engine.sync
+    if not hasattr(sync, "block") or sync.res is None:
+        return None
+    nodes, per_node = (int(n) for n in ddp.config.topology.split("x")) if "x" in ddp.config.topology else (1, 1)
+    shards = sum(two_level_plan(b.numel, nodes, per_node, sync.block).shard for b in ddp.pool.layout.buckets)
+    held = sum(t.numel() for t in sync.res.v)
+    return held, shards, sum(ddp.pool.layout.sizes), len(ddp.pool.layout.buckets) * sync.block, sync._fold is not None
 
 
 def _portable(obj):
@@ -177,6 +193,12 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
     assert ((got - ref).abs() <= tol).all(), (got - ref).abs().max()
     for name in ("quantized", "q2npw20"):
         _conserved(two, name)
+    # error feedback on the node-reduced shard: each rank's residual is its buckets' shards, 1/G of the pool
+    for r in two:
+        for name in ("quantized", "q2npw20", "q2npw1", "auto-adamw"):
+            held, shards, pool, slack, fold = r[name]["memory"]
+            assert held == shards and not fold, (name, r[name]["memory"])
+            assert pool / per_node <= held <= pool / per_node + slack, (name, r[name]["memory"])
     _conserved(two, "csc-fp32", per_rank_units=1 / world)  # CSC's residual: the unsent g_r, undivided
 
 

@@ -23,6 +23,10 @@ that can be issued (what a peer may be waiting for from this rank has then been 
 (:mod:`.waiter`) waits on the works and sets an event; collectives are issued from the training
 thread only.  CUDA tensors on Gloo are staged through host memory for the two stages inside the node
 (as the quantised ring stages its bytes); NCCL takes device memory directly.
+
+Tracing (``trace_path=``): each stage of each bucket is one ``collective`` event on the comm tracks,
+named ``reduce-scatter <what>``, ``inter-node <what>`` and ``all-gather <what>`` (args: ``stage``, ``bytes``
+the tensor the stage sends from, ``group``), from its issue to the moment the pipeline saw it complete.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,7 +80,8 @@ class _Done:
 
 
 class _Watched:
-    """Works handed to a stage's waiter thread: done once its event is set."""
+    """Works handed to a stage's waiter thread: done once its event is set.  (Waiting on the works from the
+    training thread instead, to save the hand-off, made resumed runs differ on some ranks: not done.)"""
 
     def __init__(self, arrival: Arrival) -> None:
         self.arrival = arrival
@@ -105,6 +110,18 @@ class Item:
     handle: Middle | None = None
     host: tuple[torch.Tensor, torch.Tensor] | None = None  # staged: (full, shard) in host memory
     started_at: float = field(default_factory=time.perf_counter)
+    span: _Span | None = None  # the current stage's trace event, when tracing
+
+
+class _Span:
+    """A stage as the trace sees it (:meth:`~gradientflow.diagnostics.trace.TraceRecorder.collective`): done
+    once the pipeline stamped ``completed_at`` (polling it never advances a collective)."""
+
+    def __init__(self) -> None:
+        self.completed_at: float | None = None
+
+    def poll(self) -> bool:
+        return self.completed_at is not None
 
 
 StartMiddle = Callable[[Item], Middle]
@@ -132,8 +149,11 @@ class TwoLevelPipeline:
     the posting order the same on every rank); otherwise as soon as its reduce-scatter completed.
     """
 
-    def __init__(self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False) -> None:
+    def __init__(
+        self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False, watchdog: Any = None
+    ) -> None:
         self.groups, self.start_middle, self.serial = groups, start_middle, serial
+        self.watchdog = watchdog  # its trace, when recording, gets every stage (see the module docstring)
         self._rs: deque[Item] = deque()  # reduce-scatter in flight (handle: its arrival)
         self._ready: deque[Item] = deque()  # node sum in hand, waiting to go between nodes
         self._inter: deque[Item] = deque()  # between nodes
@@ -150,6 +170,7 @@ class TwoLevelPipeline:
         if self._staged(full):
             full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
             item.host = (full, shard)
+        self._trace(item, "reduce-scatter", full)
         work = dist.reduce_scatter_single(
             shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
         )
@@ -160,6 +181,23 @@ class TwoLevelPipeline:
     def _t(self) -> timedelta | None:
         return self.groups.timeout
 
+    def _trace(self, item: Item, stage: str, sent: torch.Tensor) -> None:
+        """The stage starting now, as a collective event of the trace (when it records this step)."""
+        trace = getattr(self.watchdog, "trace", None)
+        if trace is None or not trace.active:
+            item.span = None
+            return
+        item.span = _Span()
+        group = "inter" if stage == "inter-node" else "intra"
+        nbytes = sent.numel() * sent.element_size()
+        trace.collective(item.span, f"{stage} {item.what}", nbytes, time.perf_counter(), stage=stage, group=group)
+
+    @staticmethod
+    def _stamp(item: Item) -> None:
+        if item.span is not None:
+            item.span.completed_at = time.perf_counter()
+            item.span = None
+
     def progress(self) -> None:
         """Move every bucket whose stage completed on; issue what follows, in order; never wait."""
         moved = True
@@ -167,21 +205,25 @@ class TwoLevelPipeline:
             moved = False
             if self._rs and self._head_done(self._rs):
                 item = self._rs.popleft()
+                self._stamp(item)
                 if item.host is not None:
                     item.shard.copy_(item.host[1])
                 self._ready.append(item)
                 moved = True
             if self._ready and not (self.serial and self._inter):
                 item = self._ready.popleft()
+                self._trace(item, "inter-node", item.shard)
                 item.stage, item.handle = 1, self.start_middle(item)
                 self._inter.append(item)
                 moved = True
             if self._inter and self._head_done(self._inter):
                 item = self._inter.popleft()
+                self._stamp(item)
                 full, shard = item.full, item.shard
                 if item.host is not None:
                     full, shard = item.host[0], shard.cpu()
                     item.host = (full, shard)  # alive until the all-gather completed
+                self._trace(item, "all-gather", shard)
                 work = dist.all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
                 item.stage = 2
                 item.handle = _Watched(STAGE_WAITERS["all-gather"].watch([work] if work is not None else [], self._t))
@@ -189,6 +231,7 @@ class TwoLevelPipeline:
                 moved = True
             if self._ag and self._head_done(self._ag):
                 item = self._ag.popleft()
+                self._stamp(item)
                 if item.host is not None:
                     item.full.copy_(item.host[0])
                     item.host = None
@@ -207,7 +250,12 @@ class TwoLevelPipeline:
                 continue
             head = min((q[0] for q in queues), key=self._order)
             assert head.handle is not None
+            trace = getattr(self.watchdog, "trace", None)
+            t0 = time.perf_counter()
             head.handle.wait()
+            if trace is not None and trace.active:  # the blocking waits after backward, by stage
+                stage = ("reduce-scatter", "inter-node", "all-gather")[min(head.stage, 2)]
+                trace.complete(f"wait {stage} {head.what}", "wait", t0, time.perf_counter(), stage=stage)
 
     def _staged(self, t: torch.Tensor) -> bool:
         """Gloo's collectives inside the node on host memory: a CUDA tensor's bytes are staged through the

@@ -47,6 +47,7 @@ scores in); everything else touches only the selected chunks (``comm_stats()``'s
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -142,6 +143,10 @@ class SparseSync(SyncStrategy):
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
         self._writer.forget()
+        # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded to whole shards)
+        self._wire_buffers = {
+            b.device: functools.partial(self.dense.wire_buffer, device=b.device) for b in pool.buffers
+        }
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
@@ -301,7 +306,8 @@ class SparseSync(SyncStrategy):
         sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
         rows = self._res.rows(sl.pool)
-        pack(sl, rows, self.dense.scratch_for(rows.device), self.dense.world_size, self._fast_wire[sl.pool])
+        take = self._wire_buffers[rows.device]
+        pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
         if sl.wire is not None:  # already divided and cast: only the allreduce is left

@@ -53,7 +53,11 @@ class DenseSync(SyncStrategy):
         self._plain_divide = wire_dtype is None and world_size > 1
         self._divisor32 = torch.tensor(float(world_size), dtype=torch.float32)
         self.groups = groups
-        self._two = TwoLevelPipeline(groups, dense_middle(groups, algorithm)) if groups is not None else None
+        # two-level: wire buffers handed out padded to whole shards (wire_buffer), by (data_ptr, numel) of the head
+        self._padded: dict[tuple[int, int], torch.Tensor] = {}
+        self._two = (
+            TwoLevelPipeline(groups, dense_middle(groups, algorithm), watchdog=watchdog) if groups is not None else None
+        )
 
     def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
         """Step 1's division, folded into the copy of a fresh gradient into the pool (one pass, not two)."""
@@ -79,10 +83,25 @@ class DenseSync(SyncStrategy):
         t0 = time.perf_counter()
         out = None
         if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
-            out = self.scratch_for(flat.device).take(flat.numel(), self.wire_dtype)
+            out = self.wire_buffer(flat.numel(), self.wire_dtype, flat.device)
         wire = to_wire(flat, self.wire_dtype, self.world_size, out=out, divided=divided)
         stats.phase("pack", t0)
         self.start(wire, flat, what, stats)
+
+    def wire_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A step's wire buffer of ``numel`` elements (dead after :meth:`finish`).  Two-level: the head of a
+        buffer padded to whole shards, its padding zeroed, so :meth:`start` hands it to the pipeline as it is
+        (no padded copy)."""
+        scratch = self.scratch_for(device)
+        if self.groups is None:
+            return scratch.take(numel, dtype)
+        topo = self.groups.topology
+        padded = two_level_plan(numel, topo.nodes, topo.per_node).padded
+        full = scratch.take(padded, dtype)
+        full[numel:].zero_()
+        head = full[:numel]
+        self._padded[(head.data_ptr(), numel)] = full
+        return head
 
     def start(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
         """2. start ``wire``'s allreduce; :meth:`finish` waits for it and copies it back into ``flat``
@@ -95,14 +114,15 @@ class DenseSync(SyncStrategy):
         self._pending.append((flat, wire, handle))
 
     def _start_two_level(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
-        """The wire buffer padded to whole shards (a copy unless it divides evenly), into the pipeline."""
+        """The wire buffer padded to whole shards (a copy unless it divides evenly or came from
+        :meth:`wire_buffer`), into the pipeline."""
         assert self._two is not None and self.groups is not None
         topo = self.groups.topology
         n = wire.numel()
         plan = two_level_plan(n, topo.nodes, topo.per_node, itemsize=wire.element_size())
         scratch = self.scratch_for(wire.device)
-        full = wire
-        if plan.padded != n:
+        full = self._padded.pop((wire.data_ptr(), n), wire)
+        if full.numel() != plan.padded:
             full = scratch.take(plan.padded, wire.dtype)
             full[:n].copy_(wire)
             full[n:].zero_()
@@ -110,7 +130,7 @@ class DenseSync(SyncStrategy):
 
         def done(item: Item) -> None:
             stats.record_done(time.perf_counter())
-            if item.full is not wire:
+            if item.full.data_ptr() != wire.data_ptr():
                 wire.copy_(item.full[:n])
             if flat is not None:
                 from_wire(flat, wire)
@@ -150,6 +170,7 @@ class DenseSync(SyncStrategy):
             if flat is not None:
                 from_wire(flat, wire)
             stats.phase("unpack", t0)
+        self._padded.clear()
         if self.scratch is not None:
             self.scratch.reset()  # every wire buffer of the step has been read back
 

@@ -53,7 +53,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
-from .quantized_nodes import NodeQuantizer
+from .quantized_nodes import NodeQuantizer, ShardResiduals
 from .residual import Residuals, residual_state, validate_residual_state
 
 PRECONDITION_BETA = 0.9
@@ -109,24 +109,30 @@ class QuantizedSync(SyncStrategy):
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
-        self.res: Residuals | None = None  # allocated at the first step
+        self.res: Residuals | None = None  # allocated at the first step (two-level: a ShardResiduals, 1/G the size)
         self.step = 0
         self._scaler: Any = None
         self._queue: deque[_Pending] = deque()
         self._in_step = False
         # Nodes of several ranks: the ring between nodes only, on each rank's shard (quantized_nodes.py)
-        self._nodes = NodeQuantizer(nodes, block) if nodes is not None else None
+        self._nodes = NodeQuantizer(nodes, block, watchdog) if nodes is not None else None
+        self._groups = nodes
         self.topology = nodes.topology.name if nodes is not None else "flat"
-        # Two-level, after the pool was re-laid out (or a residual loaded): the residual may lie outside this
-        # rank's shard, where the ring never adds it; the next step adds all of it to the contribution first.
-        self._fold_all = False
+        # Two-level, after the pool was re-laid out (or a residual loaded with some off this rank's shards): the
+        # residual in the pool's layout, added whole to the next step's contributions (before the
+        # reduce-scatter), then dropped: a full-size transient for one step.
+        self._fold: Residuals | None = None
 
     # ---- layout and state -----------------------------------------------------------------
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         self.pool = new_pool
-        if self.res is not None:
+        if isinstance(self.res, ShardResiduals):
+            # the buckets' shards now cover other elements: the residual goes into the next step's contribution
+            self._fold = self._full_residual().moved_to(new_pool.layout)
+            self.res = self._shard_residuals()
+            self.res.scale = self._fold.scale
+        elif self.res is not None:
             self.res = self.res.moved_to(new_pool.layout)
-            self._fold_all = True  # two-level: the residual now lies across other buckets' shards
         if self.sq is not None:
             self.sq = self.sq.moved_to(new_pool.layout)
 
@@ -143,17 +149,39 @@ class QuantizedSync(SyncStrategy):
         divide(grad, self.world_size, None, out=out)
         return True
 
+    def _shard_residuals(self) -> ShardResiduals:
+        assert self._groups is not None
+        return ShardResiduals(self.pool.layout, self._groups, self.block)
+
+    def _full_residual(self) -> Residuals:
+        """The residual in the pool's layout (two-level: the shards expanded, plus a pending fold); new memory."""
+        assert self.res is not None
+        if not isinstance(self.res, ShardResiduals):
+            return self.res
+        full = self.res.expanded()
+        if self._fold is not None:
+            for t, f in zip(full.v, self._fold.v):
+                t.add_(f)  # the same units: rescaled together
+        return full
+
     def _begin_step(self) -> None:
         if self.res is None:
-            self.res = Residuals(self.pool.layout, 1, False, self._shapes)
+            if self._nodes is not None:
+                self.res = self._shard_residuals()
+            else:
+                self.res = Residuals(self.pool.layout, 1, False, self._shapes)
         scale = loss_scale(self._scaler)
         self.res.rescale(scale)
+        if self._fold is not None:
+            self._fold.rescale(scale)
         if self.precondition:
             if self.sq is None:
                 self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.rescale(scale * scale)
         if self._scaler is not None:
             self.res.clean()  # an overflowed step left NaN in the blocks it touched
+            if self._fold is not None:
+                self._fold.clean()
             if self.sq is not None:
                 self.sq.clean()
         self._in_step = True
@@ -163,10 +191,10 @@ class QuantizedSync(SyncStrategy):
         if not self._in_step:
             self._begin_step()
         assert self.res is not None  # allocated by _begin_step
-        err = self.res.v[bucket.pool][bucket.start : bucket.end]
         if self._nodes is not None:
-            self._launch_two_level(bucket, flat, err, divided, stats)
+            self._launch_two_level(bucket, flat, divided, stats)
             return
+        err = self.res.v[bucket.pool][bucket.start : bucket.end]
         p = _Pending(bucket, flat, err, divided)
         self._queue.append(p)
         if self.world_size == 2:
@@ -208,18 +236,16 @@ class QuantizedSync(SyncStrategy):
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)
 
-    def _launch_two_level(
-        self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool, stats: StepStats
-    ) -> None:
+    def _launch_two_level(self, bucket: Bucket, flat: torch.Tensor, divided: bool, stats: StepStats) -> None:
         """The bucket's contribution ``g / N`` into the two-level pipeline (the residual is added to the node sum
         of its shard, between nodes)."""
-        assert self._nodes is not None
+        assert self._nodes is not None and isinstance(self.res, ShardResiduals)
+        err, _ = self.res.shard(bucket)
         x = flat if flat.dtype == torch.float32 else flat.float()
         if not divided:
             divide(x, self.world_size, None)
-        if self._fold_all:  # the whole residual into the contribution (node-summed by the reduce-scatter)
-            x.add_(err)
-            err.zero_()
+        if self._fold is not None:  # residual off the shards: into the contribution (node-summed by the reduce-scatter)
+            x.add_(self._fold.v[bucket.pool][bucket.start : bucket.end])
         r = None
         if self.precondition and self.step >= self.warmup:
             assert self.sq is not None  # allocated by _begin_step
@@ -238,7 +264,7 @@ class QuantizedSync(SyncStrategy):
             if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
                 flat.copy_(result)
 
-        intra, payload = self._nodes.start(x, err, r, args, done)
+        intra, payload = self._nodes.start(x, err, r, args, done, f"bucket {bucket.index} (quantised)")
         stats.record_collective(payload)  # the exchange between nodes: this rank's quantised shard
         stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
         self.progress(stats)
@@ -315,7 +341,7 @@ class QuantizedSync(SyncStrategy):
             self._queue.popleft()
             self._complete(p, stats)
         self._in_step = False
-        self._fold_all = False
+        self._fold = None  # every bucket launched: the folded residual went into this step's contributions
         stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
         self.step += 1
 
@@ -333,7 +359,8 @@ class QuantizedSync(SyncStrategy):
         sizes = [b.numel() for b in self.pool.buffers]
         sq = self.sq.unscaled("v") if self.sq is not None else None
         state = {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, "shard_layout": self.topology}
-        return {**state, **residual_state(self.res, 1, sizes)}
+        # two-level: flat's format, the shards expanded into the pool's layout (a transient while saving)
+        return {**state, **residual_state(self._full_residual() if self.res is not None else None, 1, sizes)}
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"step", "quantizer"} - set(state)
@@ -369,12 +396,16 @@ class QuantizedSync(SyncStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.validate_state_dict(state)
         self.res = None
+        self._fold = None
         if state["v"] is not None:
             self.res = Residuals(self.pool.layout, 1, False, self._shapes)
             self.res.load(state)
+            if self._nodes is not None:  # keep this rank's shards; anything off them goes into the next step
+                full, self.res = self.res, self._shard_residuals()
+                if self.res.take(full):
+                    self._fold = full
         self.sq = None
         if self.precondition and state["v"] is not None:
             self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.load({"v": state["sq"]})
         self.step = int(state["step"])
-        self._fold_all = self.res is not None

@@ -11,17 +11,21 @@ Per bucket (:mod:`gradientflow.comm.two_level` runs the stages, in bucket order,
 3. the decoded shards are all-gathered inside the node: every rank of every node decodes the same
    bytes, so all ranks hold identical results.
 
-The residual is only ever non-zero on this rank's shard (1/G of the bucket), so the error sources are
-the M node sums, not the N ranks.  It is kept in the pool's layout (the checkpoint keeps its format);
-the elements outside the shard stay zero (after the pool's re-layout the residual lands on other
-shards: ``QuantizedSync`` then adds all of it to the next contribution, before the reduce-scatter).
-Conservation as flat: ``sum over ranks of e + result == sum of the ranks' g / N`` elementwise, up to
-fp32 rounding.
+The residual lives on this rank's shard only, so the error sources are the M node sums, not the N
+ranks, and it takes 1/G of a flat rank's memory: :class:`ShardResiduals` holds, per pool, the shards of
+its buckets back to back (``two_level_plan(bucket).shard`` elements each, fp32; the padding past the
+bucket's end is kept at zero: its error belongs to no element and is dropped).  Checkpoints keep flat's
+format (the residual in the pool's layout, zero off the shard), expanded only while a checkpoint is
+written or read.  The pool's one-time re-layout moves the buckets' shards onto other elements: the
+residual is then expanded once into the new layout and added whole to the next step's contribution,
+before the reduce-scatter (``QuantizedSync``: a full-size transient for that one step), and the shards
+start again from zero.  Conservation as flat: ``sum over ranks of e + result == sum of the ranks' g / N``
+elementwise, up to fp32 rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,62 @@ from ..comm.quantize import wire_bytes
 from ..comm.quantized_ring import QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import Item, NodeGroups, TwoLevelPipeline
-from ..engine.pool import Scratch
+from ..engine.pool import Bucket, Layout, Scratch
+from .residual import Residuals
+
+
+class ShardResiduals(Residuals):
+    """Two-level error feedback: per pool, this rank's shard of each of its buckets, back to back.
+
+    ``v[k]`` holds pool ``k``'s buckets' shards in bucket order (fp32, ``two_level_plan(...).shard``
+    elements each, the padding included and kept at zero); :meth:`shard` is one bucket's.  Scaling
+    (:meth:`rescale`, :meth:`clean`) is :class:`Residuals`'; :meth:`expanded` / :meth:`take` convert from
+    and to the pool's layout (checkpoints, the re-layout)."""
+
+    def __init__(self, layout: Layout, groups: NodeGroups, block: int) -> None:  # noqa: D107 - no super(): no views
+        topo = groups.topology
+        self.layout, self.chunk_size, self._shapes, self.param_views = layout, 1, [], []
+        self.u = None
+        self.scale = 1.0
+        # bucket index -> (pool, offset in v[pool], shard length k, first element a in the bucket, real length m)
+        self.spans: dict[int, tuple[int, int, int, int, int]] = {}
+        sizes = [0] * len(layout.sizes)
+        for b in layout.buckets:
+            plan = two_level_plan(b.numel, topo.nodes, topo.per_node, block)
+            a, end = plan.bounds[groups.local]
+            self.spans[b.index] = (b.pool, sizes[b.pool], plan.shard, a, max(0, min(end, b.numel) - a))
+            sizes[b.pool] += plan.shard
+        self.sizes = sizes
+        self.n_chunks = list(sizes)
+        self.v = [torch.zeros(n, dtype=torch.float32, device=device) for n, (_, device) in zip(sizes, layout.keys)]
+
+    def shard(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
+        """The bucket's shard of the residual (the ring's ``err``, written in place) and its real length."""
+        k, off, n, _a, m = self.spans[bucket.index]
+        return self.v[k][off : off + n], m
+
+    def _regions(self) -> Iterator[tuple[int, int, int, int]]:
+        """Per bucket: (pool, offset in ``v``, real length m, the shard's first element in the pool)."""
+        for b in self.layout.buckets:
+            k, off, _n, a, m = self.spans[b.index]
+            yield k, off, m, b.start + a
+
+    def expanded(self) -> Residuals:
+        """The residual in the pool's layout (zero off this rank's shards), in the same units: a new buffer."""
+        full = Residuals(self.layout, 1, False, [])
+        full.scale = self.scale
+        for k, off, m, at in self._regions():
+            full.v[k][at : at + m].copy_(self.v[k][off : off + m])
+        return full
+
+    def take(self, full: Residuals) -> bool:
+        """Move this rank's shards out of ``full`` (the pool's layout, same units) into these buffers, zeroing
+        them there; return whether anything is left in ``full`` (residual off the shards: a host read)."""
+        self.scale = full.scale
+        for k, off, m, at in self._regions():
+            self.v[k][off : off + m].copy_(full.v[k][at : at + m])
+            full.v[k][at : at + m].zero_()
+        return any(bool(t.any()) for t in full.v)
 
 
 @dataclass
@@ -75,11 +134,11 @@ class NodeQuantizer:
     docstring).  ``start(x, err, r, ring_args, done)``: ``x`` the bucket's fp32 contribution (divided),
     ``err`` its residual slice, ``r`` the preconditioner's divisor (or ``None``)."""
 
-    def __init__(self, groups: NodeGroups, block: int) -> None:
+    def __init__(self, groups: NodeGroups, block: int, watchdog: Any = None) -> None:
         self.groups, self.block = groups, block
         # From 3 nodes a ring posts its second round as the first arrives: one ring at a time keeps the
         # posting order the same on every rank (as the flat recipe from 3 ranks).
-        self.pipeline = TwoLevelPipeline(groups, self._start_ring, serial=groups.topology.nodes > 2)
+        self.pipeline = TwoLevelPipeline(groups, self._start_ring, serial=groups.topology.nodes > 2, watchdog=watchdog)
         self.scratch: Scratch | None = None
 
     def start(
@@ -89,8 +148,11 @@ class NodeQuantizer:
         r: torch.Tensor | None,
         ring_args: dict[str, Any],
         done: Callable[[torch.Tensor, int], None],
+        what: str = "quantised shard",
     ) -> tuple[int, int]:
         """Stage 1 of one bucket now; ``done(result, sent_bytes)`` once its decoded average is in hand.
+        ``err``: the bucket's shard of the residual (:meth:`ShardResiduals.shard`, ``plan.shard`` elements);
+        ``what`` names it in errors and the trace.
         Returns the bytes this rank sends inside its node for it, and its shard's quantised bytes."""
         topo = self.groups.topology
         n = x.numel()
@@ -103,12 +165,13 @@ class NodeQuantizer:
             full[:n].copy_(x)
             full[n:].zero_()
         shard = self.scratch.take(plan.shard, torch.float32)
+        assert err.numel() == plan.shard, "the residual's shard is the plan's"
         a, b = plan.bounds[self.groups.local]
         m = max(0, min(b, n) - a)  # this shard's elements that are real (the rest is padding)
         item = _ShardItem(
             full,
             shard,
-            "quantised shard",
+            what,
             lambda it: done(it.full[:n], it.sent if isinstance(it, _ShardItem) else 0),
             err=err,
             m=m,
@@ -122,16 +185,8 @@ class NodeQuantizer:
     def _start_ring(self, item: Item) -> ShardRing:
         """Stage 2: the shard plus its residual through the quantised ring among the nodes."""
         assert isinstance(item, _ShardItem) and item.err is not None
-        err_all, m, a, r = item.err, item.m, item.a, item.r
+        e, m, r = item.err, item.m, item.r
         k = item.shard.numel()
-        copied = m != k
-        if not copied:
-            e = err_all[a : a + k]  # the residual's own slice: the ring writes the error straight there
-        else:  # the shard reaches past the bucket's end: a padded copy (the padding's error is dropped:
-            assert self.scratch is not None  # it belongs to no element, so conservation holds elementwise)
-            e = self.scratch.take(k, torch.float32)
-            e[:m].copy_(err_all[a : a + m])
-            e[m:].zero_()
         rs = None
         carry = True
         if r is not None:
@@ -145,8 +200,8 @@ class NodeQuantizer:
             if rs is not None:
                 item.shard.mul_(rs)
                 e.mul_(rs)
-            if copied and m:
-                err_all[a : a + m].copy_(e[:m])
+            if m < k:  # the padding's error belongs to no element: dropped (conservation holds elementwise)
+                e[m:].zero_()
             item.sent = ring.sent_bytes
 
         return ShardRing(ring, after)

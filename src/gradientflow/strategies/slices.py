@@ -23,7 +23,6 @@ import torch.distributed as dist
 from ..comm.collectives import PendingAllreduce, start_allreduce
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
-from ..engine.pool import Scratch
 from . import csc_native
 
 
@@ -90,18 +89,22 @@ class SliceQueue:
         return slices, early
 
 
-def pack(sl: Slice, rows: torch.Tensor, scratch: Scratch, world_size: int, fast: bool) -> None:
+def pack(
+    sl: Slice, rows: torch.Tensor, take: Callable[[int, torch.dtype], torch.Tensor], world_size: int, fast: bool
+) -> None:
     """Gather ``sl``'s selected rows of v (``rows``), whole, the pad of a short last chunk included
     (zeros), so no host read of the indices.  ``fast`` (fp32 CPU rows onto an fp16 wire): gathered,
     divided by ``world_size`` and cast in one pass straight into ``sl.wire``
     (:func:`~.csc_native.pack_rows`); otherwise copied into ``sl.packed`` for
     :meth:`~.dense.DenseSync.launch` to divide and cast.  The length is ``idx``'s own (metadata, no
-    host read): a selection rule may send other than the slice's quota."""
+    host read): a selection rule may send other than the slice's quota.  ``take(numel, dtype)``: the step's
+    buffer for it (:meth:`~.dense.DenseSync.wire_buffer`: two-level pads it to whole shards, so it travels
+    without a copy)."""
     idx = sl.selected
     n = idx.numel()
     if fast:
-        sl.wire = scratch.take(n * rows.shape[1], torch.float16)
+        sl.wire = take(n * rows.shape[1], torch.float16)
         csc_native.pack_rows(rows, idx, 1.0 / world_size, sl.wire)
         return
-    sl.packed = scratch.take(n * rows.shape[1], rows.dtype).view(n, -1)
+    sl.packed = take(n * rows.shape[1], rows.dtype).view(n, -1)
     torch.index_select(rows, 0, idx, out=sl.packed)
