@@ -265,14 +265,20 @@ def _two_level_worker(rank: int, world_size: int, kind: str) -> None:
         assert dense.comm_stats()["inter_node_bytes"] > 0 and quant.comm_stats()["inter_node_bytes"] > 0
     # Nothing lost across steps, through the pool's re-layout after step 0 (the residual then lies outside the
     # rank's shard and is folded into the next contribution): as the flat recipe's bound, 3 T N u A.
-    v = quant._gf_engine.sync.res.v
-    # and the error lives only on this rank's shard of each bucket (1/G of it), also after the re-layout
+    res = quant._gf_engine.sync.res
+    # and the residual holds only this rank's shard of each bucket (1/G of it), also after the re-layout:
+    # its buffers are the plan's shards back to back, the padding past a bucket's end kept at zero
     from gradientflow.comm.topology import two_level_plan
 
+    shards = 0
     for b in quant.pool.layout.buckets:
-        lo, hi = two_level_plan(b.numel, world_size // 2, 2, block=128).bounds[rank % 2]
-        bucket = v[b.pool][b.start : b.end]
-        assert not bucket[:lo].any() and not bucket[hi:].any() and bucket[lo:hi].any(), f"bucket {b.index}"
+        plan = two_level_plan(b.numel, world_size // 2, 2, block=128)
+        shard, m = res.shard(b)
+        assert shard.numel() == plan.shard and shard.device == device, f"bucket {b.index}"
+        assert shard[:m].any() and not shard[m:].any(), f"bucket {b.index}"
+        shards += plan.shard
+    assert sum(t.numel() for t in res.v) == shards
+    v = res.expanded().v  # the pool's layout, zero off this rank's shards
     for i in range(len(params)):
         s = quant.pool.layout.slots[i]
         held = v[s.pool][s.offset : s.offset + s.numel].double().cpu()
