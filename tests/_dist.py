@@ -56,7 +56,7 @@ def _worker(
 _CTX = None
 
 
-def _context():
+def rank_context():
     """A forkserver that imported torch and gradientflow once: each rank forks from it.
 
     Spawning imports torch afresh in every rank of every test (~1.5 s of CPU each); forking
@@ -80,7 +80,7 @@ def run_distributed(
     ``GROUP_RANK``, ``RANK``, ``WORLD_SIZE``) as if nodes of that many ranks were launched, so
     ``topology="auto"`` sees nodes; ``None``: none set (not launched by torchrun).
     """
-    ctx = _context()
+    ctx = rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gradientflow as gf
 
-from _dist import run_distributed
+from _dist import rank_context, run_distributed
 
 PG_TIMEOUT_S = 60  # the process group's own timeout: ours must fire long before it
 
@@ -70,7 +69,7 @@ def _faulty_worker(fn, rank: int, world_size: int, store_path: str, out_dir: str
 
 def run_faulty(fn, world_size: int, *args: Any, wait_for: list[int], timeout: float = 50) -> dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on Gloo ranks; return the results of ranks ``wait_for``."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # ranks fork from a server that imported torch once (tests/_dist.py)
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
