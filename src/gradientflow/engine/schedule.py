@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import GradientFlowConfig
+from ..config import CscScope, GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 
 SMALL_REPEATS = 15
@@ -72,7 +72,7 @@ class Schedule:
     """The derived settings and why (``reason``, for logs and ``DistributedDataParallel.schedule``)."""
 
     fusion_threshold_mb: float
-    csc_scope: str
+    csc_scope: CscScope
     latency_bound: bool
     link: LinkEstimate
     reason: str
