@@ -106,9 +106,9 @@ class Reducer:
         self.sync_this_backward = True
         self.armed_sync = False  # this forward's arm() asked for a synchronised backward
         self.bind_pending = False  # .grad is still to be bound by the first hook of the coming backward
-        # The fresh gradients of the last unbound backward, already copied into the pool (or added into CSC's
-        # residual), kept until the next forward as torch DDP keeps `.grad` (until zero_grad): freed mid-backward,
-        # glibc trimmed its heap top and the next step faulted it back in (docs/benchmarks.md#held-gradients).
+        # The last unbound backward's fresh gradients, already in the pool (or CSC's residual), kept until the next
+        # forward as torch DDP keeps `.grad`: freed mid-backward, glibc trimmed its heap top and the next step
+        # faulted it back in (docs/benchmarks.md#figures-behind-the-codes-comments).
         self.held: list[torch.Tensor] = []
         self.backward: _Backward | None = None  # the open synchronised backward's record
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
@@ -223,7 +223,7 @@ class Reducer:
         """A parameter's post-accumulate hook: step 2 for one gradient.
 
         The hot path of a step (once per parameter, in Python where torch DDP's reducer is C++): one frame
-        with the unbound copy inlined (docs/benchmarks.md#the-gradient-hook says what the frames cost)."""
+        with the unbound copy inlined (what the frames cost: docs/benchmarks.md, per-step fixed cost)."""
         g = param.grad
         if g is None:  # an undefined gradient (autograd produced none): the parameter counts as unused
             return

@@ -155,7 +155,8 @@ class UnusedSearch:
         self._control = weakref.ref(control) if control is not None else None
         self.sync, self.usage = sync, usage
         # As torch DDP: without find_unused_parameters no step sends anything but gradients (a used exchange
-        # every step made small models' steps slower than torch DDP's: docs/benchmarks.md#the-used-exchange).
+        # every step made small models' steps slower than torch DDP's:
+        # docs/benchmarks.md#figures-behind-the-codes-comments).
         self.find_unused = find_unused
         self.pending_error: RuntimeError | None = None  # raised at the next forward with grad (torch's timing)
 
