@@ -114,8 +114,7 @@ class Reducer:
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
         self.totals = totals if totals is not None else RunTotals()  # a rebuilt engine carries the run's totals
         self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
-        self.last_error = ""  # the last error this engine raised (torch DDP's logging data reports it)
-        self.runtime = RuntimeLog()  # torch DDP's runtime logging fields, sampled at synchronised forwards
+        self.runtime = RuntimeLog()  # torch DDP's runtime logging fields (at synchronised forwards), last error
         self.step_times: StepTimes | None = None  # the last completed synchronised step's stamps
         self.t_forward: float | None = None
         device = params[0].device
@@ -333,7 +332,7 @@ class Reducer:
             if used is not None or self.usage.static_unused:  # else no parameter can get None back
                 self.unused.release_unused(used)
             if not bw.shadow and not self.find_unused and not self.usage.static_graph and len(bw.order) < len(bw.seen):
-                self.last_error = str(self.unused.unsearched_unused(bw))
+                self.runtime.note_error(self.unused.unsearched_unused(bw))
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
@@ -351,7 +350,7 @@ class Reducer:
         if bw.order and (usage.graph_static or usage.static_graph):
             error = self.usage.check_static_graph(bw.order, self.names, self.rank)
             if error is not None and usage.static_graph:
-                self.last_error = str(error)
+                self.runtime.note_error(error)
                 raise error
         # torch DDP rebuilds its buckets in the observed order unless find_unused_parameters (the order may
         # change from step to step) without static_graph; so does the pool (has_rebuilt_buckets says which).

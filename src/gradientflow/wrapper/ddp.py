@@ -363,7 +363,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         """``static_graph=True`` after construction (before the first backward, as torch requires)."""
         if self._gf_engine.watchdog.step > 0:
             msg = "_set_static_graph() should be called before training loop starts (after wrapping the model)"
-            self._gf_engine.last_error = msg
+            self._gf_engine.runtime.note_error(msg)
             raise RuntimeError(msg)
         self.static_graph = True
         self._gf_engine.usage.make_static()

@@ -67,7 +67,9 @@ class TorchRegistrations:
         self.comm_hook_name: str | None = None  # a builtin hook's type, for torch's logging data
         self.buffer_hook: tuple[Any, Any, bool] | None = None  # (state, hook, runs before forward)
         self.divide_by_initial_world_size = True  # join(): joined ranks count in the divisor (torch's default)
-        self.logging_sample_rate = 1  # recorded; the engine's RuntimeLog samples at it
+        self.logging_sample_rate: int | None = (
+            None  # as set (None: torch's default); the engine's RuntimeLog samples at it
+        )
         self.sink_clone = True  # recorded only: gradientflow has no _DDPSink to clone outputs
 
     def __getstate__(self) -> dict[str, Any]:
@@ -122,7 +124,7 @@ class TorchDDPAPI(WrapperSurface):
         """
         if not callable(hook):
             msg = f"Communication hook must be callable, got {type(hook).__name__}"
-            self._gf_engine.last_error = msg  # torch DDP's logging data reports it
+            self._gf_engine.runtime.note_error(msg)  # torch DDP's logging data reports it
             raise TypeError(msg)
         if self._gf_torch.comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
@@ -247,7 +249,7 @@ class TorchDDPAPI(WrapperSurface):
                 f"{sample_rate}: set it to 1 or more."
             )
         self._gf_torch.logging_sample_rate = int(sample_rate)
-        self._gf_engine.runtime.sample_rate = int(sample_rate)
+        self._gf_engine.runtime.set_sample_rate(sample_rate)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's construction-time logging fields with this model's values, plus the last step's counters."""
@@ -287,7 +289,7 @@ class TorchDDPAPI(WrapperSurface):
         }
         if hook is not None:
             data["comm_hook"] = self._gf_torch.comm_hook_name or getattr(hook[1], "__qualname__", str(hook[1]))
-        error = self._gf_engine.last_error
+        error = self._gf_engine.runtime.last_error
         data.update({"has_error": int(bool(error)), "error": error})
         data.update({f"gradientflow_{k}": v for k, v in self.comm_stats().items()})
         return data
