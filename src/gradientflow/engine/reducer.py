@@ -21,10 +21,9 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
 
-Its parts, each owning its own state: ``layout`` (:class:`.layout.PoolLayout`: the pool, step 4),
-``binding`` (:class:`.binding.GradBinding`: where ``.grad`` points, step 1), ``unused``
-(:class:`.usage.UnusedSearch`: step 3's unused parameters); one synchronised backward's bookkeeping is its
-:class:`.backward.Backward` record.
+Its parts, each owning its state: ``layout`` (:class:`.layout.PoolLayout`, step 4), ``binding``
+(:class:`.binding.GradBinding`, step 1), ``unused`` (:class:`.usage.UnusedSearch`, step 3); a backward's record:
+:class:`.backward.Backward`.
 """
 
 from __future__ import annotations
@@ -58,14 +57,11 @@ _ENGINE = torch.autograd.Variable._execution_engine  # autograd's engine, for th
 class Reducer:
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
-    ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
-    pool's parameter order (a saved layout's, or ``None``: reverse registration, ~ backward);
-    ``control``: CSC's second group over the same ranks (``None`` for dense); ``static_graph``:
-    the set of used parameters never changes (the "used" exchange runs once); ``make_sync``: builds
-    the strategy over the pool (the wrapper's choice: :func:`gradientflow.strategies.build_strategy`);
-    ``find_unused``: torch DDP's ``find_unused_parameters`` (see step 3 above); ``layout_final``: ``order`` is
-    an observed one already (a rebuilt engine's); ``totals``: the run's totals so far (a rebuilt engine's).
-    """
+    ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the pool's
+    parameter order (a saved layout's, or ``None``: reverse registration, ~ backward); ``control``: CSC's second
+    group over the same ranks (``None`` for dense); ``static_graph``: the used parameters never change;
+    ``make_sync``: builds the strategy over the pool (:func:`gradientflow.strategies.build_strategy`);
+    ``find_unused``: torch DDP's ``find_unused_parameters``; a rebuilt engine's ``layout_final`` and ``totals``."""
 
     def __init__(
         self,
@@ -113,7 +109,7 @@ class Reducer:
         self.backward: _Backward | None = None  # the open synchronised backward's record
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
         self.totals = totals if totals is not None else RunTotals()  # a rebuilt engine carries the run's totals
-        self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
+        self.after_step: Any = None  # called once after the next synchronised step (call_after_step), then dropped
         self.runtime = RuntimeLog()  # torch DDP's runtime logging fields (at synchronised forwards), last error
         self.step_times: StepTimes | None = None  # the last completed synchronised step's stamps
         self.t_forward: float | None = None
@@ -166,6 +162,14 @@ class Reducer:
         if self.finite_check is not None:  # overflow is now the scaler's to skip, not an error
             self.finite_check.scaler_registered = True
 
+    def sync_next_backward(self) -> None:
+        """The next backward synchronises (torch's ``reducer.prepare_for_backward``, after a ``no_sync`` forward)."""
+        self.sync_this_backward = True
+
+    def call_after_step(self, fn: Any) -> None:
+        """``fn()`` once after the next synchronised step (join's rescale by the ranks still training)."""
+        self.after_step = fn
+
     # ---- backward -----------------------------------------------------------------------
     def arm(self, out: Any, sync: bool) -> None:
         """After a forward with grad enabled: the hook on its outputs starts the backward.
@@ -200,7 +204,7 @@ class Reducer:
                 self.step_check.start(self.pool.layout)
             unbound, fresh_add = self._bind(sync=True)
             bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes, unbound, fresh_add)
-            bw.t_start = t_start
+            bw.t_start = t_start  # before the binding: the step's time includes it
             _ENGINE.queue_callback(self.finish_backward)
         elif not bw.queued:  # a further backward of an open step: it ends at this backward's end, or stays open
             bw.queued = True
@@ -368,11 +372,8 @@ class Reducer:
             after()
 
     def shadow_step(self) -> None:
-        """One synchronised step with a zero local gradient (a joined rank's share of an iteration).
-
-        The step's result is not this rank's gradient: as under torch DDP, ``.grad`` is left as the
-        user left it (``None`` stays ``None``; a kept gradient reads zero), so the first backward after
-        ``join`` does not add the others' average to its own."""
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration); ``.grad`` is
+        left as the user left it, as under torch DDP (the first backward after ``join`` adds nothing of it)."""
         was_none = [p.grad is None for p in self.params]
         with torch.no_grad():
             for p in self.params:

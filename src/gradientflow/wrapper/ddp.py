@@ -288,7 +288,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         if self._join_config.enable:
             work = Join.notify_join_context(self)
             if work is not None and not self._gf_torch.divide_by_initial_world_size:
-                self._gf_engine.after_step = self._gf_rescale_by_active(work)
+                self._gf_engine.call_after_step(self._gf_rescale_by_active(work))
         auto.switch_if_chosen(self)
 
     def _gf_syncs_buffers(self) -> bool:

@@ -29,7 +29,7 @@ class _ReducerView:
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """The next backward synchronises (accelerate's ``trigger_sync_in_backward`` after a ``no_sync`` forward)."""
-        self._ddp._gf_engine.sync_this_backward = True
+        self._ddp._gf_engine.sync_next_backward()
 
     def prepare_for_forward(self) -> None:
         """Nothing to prepare: the engine arms itself at every forward."""
