@@ -76,8 +76,7 @@ class TorchRegistrations:
         return {k: v for k, v in self.__dict__.items() if k not in ("comm_hook", "comm_hook_name", "buffer_hook")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]  # the defaults, then what was pickled
-        self.__dict__.update(state)
+        self.__dict__.update({**TorchRegistrations().__dict__, **state})  # the defaults, then what was pickled
 
 
 class TorchDDPAPI(WrapperSurface):
