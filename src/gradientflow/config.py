@@ -9,13 +9,22 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
-ALGORITHMS = ("native", "ring")
+# The closed option sets, as types (mypy checks what code passes) and as the tuples validation names.
+CommDtype = Literal["fp32", "fp16", "bf16", "half"]
+Algorithm = Literal["native", "ring"]
+ChunkScore = Literal["l1", "sampled_l1"]
+CscScope = Literal["slice", "global"]
+Schedule = Literal["fixed", "auto"]
+Recipe = Literal["none", "fp16", "csc", "quantized", "auto"]
+QuantLevels = Literal["fitted", "uniform", "zeroless"]
+
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 """``algorithm``: the backend's allreduce, or gradientflow's ring (:mod:`gradientflow.comm.ring`)."""
-CHUNK_SCORES = ("l1", "sampled_l1")
+CHUNK_SCORES: tuple[ChunkScore, ...] = get_args(ChunkScore)
 """``chunk_score``: how CSC ranks chunks (:mod:`gradientflow.strategies.selection`)."""
 
 PAPER_CHUNK = 32768
@@ -42,11 +51,7 @@ def auto_chunk_size(n_elements: int) -> int:
 
 # "fp32" is full precision: no cast, the gradient travels in its own dtype (fp32 for fp32
 # parameters, fp64 for a float64 model, as torch DDP sends it).
-COMM_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # torch DDP users write dtypes as torch names them: each is the wire dtype it names.
@@ -86,13 +91,13 @@ def check_theta(name: str, value: object) -> None:
         )
 
 
-COMPRESSIONS = ("none", "fp16", "csc", "quantized", "auto")
+COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 """``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
-QUANT_LEVELS = ("fitted", "uniform", "zeroless")
+QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
 """The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or
 ``comm.quantize.ZEROLESS``."""
 ZEROLESS_BITS = (2,)
@@ -100,15 +105,25 @@ ZEROLESS_BITS = (2,)
 DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 QUANT_THETA_MB = 8.0
-"""The quantised recipe's θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): its
-wire carries 0.1 of the pool's bytes, so 25 MB buckets left a 3.2M-parameter transformer (12.9 MB of
-gradients) one message after backward; 8 MB buckets (0.8 MB on the wire) overlap it (exposed wait 10.4 ->
-5.0 ms, step 55.3 -> 50.3 ms at 1 Gbit/s, experiments/quantized_theta.py, docs/adamw.md)."""
+"""The quantised recipe's θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): its wire
+carries 0.1 of the pool's bytes, so 25 MB buckets left a small transformer one message after backward; 8 MB
+buckets overlap it (measured: docs/adamw.md, experiments/quantized_theta.py)."""
 
 
-def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, int]:
-    """``(recipe, bits, block, clip, levels, precondition, warmup)`` for a ``compression`` value; ``ValueError``
-    saying what is accepted.
+class Compression(NamedTuple):
+    """A ``compression`` value parsed: the recipe and, for ``"quantized"``, its quantiser."""
+
+    recipe: Recipe
+    bits: int = DEFAULT_QUANT[0]
+    block: int = DEFAULT_QUANT[1]
+    clip: float = 0.0  # k: each block's scale clipped at k x its RMS (0 = max-abs)
+    levels: QuantLevels = "fitted"
+    precondition: bool = False  # each coordinate quantised in units of its own RMS
+    warmup: int = 0  # the first steps at the default quantiser (3 bits)
+
+
+def parse_compression(value: object) -> Compression:
+    """The :class:`Compression` a ``compression`` value names; ``ValueError`` saying what is accepted.
 
     ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales and the non-uniform levels
     of ``comm.quantize.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
@@ -118,20 +133,20 @@ def parse_compression(value: object) -> tuple[str, int, int, float, str, bool, i
     ``strategies.quantized``); ``"w<steps>"``: the first steps at the default quantiser (3 bits); a trailing
     ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
     """
-    bits, block = DEFAULT_QUANT
     value = value.strip().lower() if isinstance(value, str) else value  # "Auto", "Quantized" as meant
-    if value in COMPRESSIONS:
-        return str(value), bits, block, 0.0, "fitted", False, 0
+    for recipe in COMPRESSIONS:
+        if value == recipe:
+            return Compression(recipe)
     if value == "quantised":  # the British spelling names the same recipe
-        return "quantized", bits, block, 0.0, "fitted", False, 0
+        return Compression("quantized")
     pattern = r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?"
     m = re.fullmatch(pattern, value) if isinstance(value, str) else None
     if m is not None:
-        bits, block = int(m[1]), int(m[2]) if m[2] else block
+        bits, block = int(m[1]), int(m[2]) if m[2] else DEFAULT_QUANT[1]
         clip = float(m[6]) if m[6] else 0.0
-        levels = {"u": "uniform", "n": "zeroless", None: "fitted"}[m[3]]
+        levels: QuantLevels = "uniform" if m[3] == "u" else "zeroless" if m[3] == "n" else "fitted"
         if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS_BITS):
-            return "quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0)
+            return Compression("quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0))
     # The short answer first: most bad values are a mistyped name; the quantiser grammar is for experiments.
     raise ValueError(
         f"compression must be a recipe's name, got {value!r}{did_you_mean(value, [*COMPRESSIONS, 'q2npw20'])}: one of "
@@ -166,89 +181,77 @@ def half_wire_dtype(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class GradientFlowConfig:
-    """Options of :class:`gradientflow.DistributedDataParallel` (see README's options table).
-
-    fusion_threshold_mb: θ of lazy allreduce.  A bucket of the gradient pool is launched once
-        θ MB of it are ready.  0 = one collective per tensor, ``inf`` = one collective after backward.
-    broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 at every forward.
-    comm_dtype: dtype on the wire: "fp32" (full precision: the gradient's own dtype, no cast),
-        "fp16", "bf16", or "half" (the fastest 16-bit for the device: bf16 on CPU, fp16 on GPUs).
-    algorithm: "native" (the backend's allreduce) or "ring" (gradientflow's ring).
-    density: CSC — fraction of chunks sent each step; ``None`` = dense.
-    chunk_size: CSC — gradients per chunk: an int, or "auto" (32768 as in the paper for models of
-        at least 200 such chunks, else a power of two giving ~2000 chunks, at least 16).
-    warmup_steps: CSC — length of the density ramp: step t < warmup_steps sends
-        ``density ** (t / warmup_steps)`` of the chunks (step 0 dense), later steps ``density``.
-        A ramp step whose chunks and scores would be no fewer bytes than a dense step is sent dense.
-    momentum: CSC — momentum correction factor (0 = off).  When > 0 the optimizer must not
-        apply momentum again.
-    dense_1d: CSC — 1-D parameters (biases, normalisation scales) are laid out together at the
-        end of the pool and their chunks are sent every step (few bytes, often decisive).
-    chunk_score: CSC — how a chunk is scored: "l1" (the paper: the L1 norm of its accumulated
-        gradient) or "sampled_l1" (8x the L1 of 16 of every 128 elements, read from 1/8 of the
-        pool; chunks under 1024 gradients are scored exactly).
-    csc_scope: CSC — where the top chunks are chosen.  "slice" (default, measured faster): a
-        top-k per fused slice as backward produces it, so the packed allreduces overlap
-        backward; every slice sends ceil(density * its chunks), so the total can exceed the
-        global count by < 1 chunk/slice.  "global" (the paper): one top-k per pool buffer after
-        backward, one packed allreduce.
-    schedule: "fixed" (θ and ``csc_scope`` as given) or "auto": both derived at construction from the
-        process group's measured per-collective cost and bulk throughput (rank 0's measurement,
-        broadcast; see :mod:`gradientflow.engine.schedule` and docs/networks.md); overrides
-        ``fusion_threshold_mb`` and ``csc_scope``.
-    timeout: seconds (or a ``timedelta``) any wait of gradientflow may take before it raises
-        ``gradientflow.CommunicationError`` naming the step, the collective and the missing ranks;
-        ``None`` = the process group's timeout.
-    check_consistency: per synchronised step, one tiny allreduce checks that every rank is
-        synchronising the same step with the same buckets (e.g. no rank alone inside ``no_sync()``).
-    check_finite: raise on every rank when a local gradient is non-finite (skipped while a GradScaler
-        is registered: overflow is then the scaler's to handle).
-    trace_path: write a Chrome trace (Perfetto) per rank; ``{rank}`` in the path is replaced by the
-        rank, otherwise ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing.
-    trace_steps: ``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when
-        ``trace_path`` is given, which the config then holds; ``None`` without it].
-    topology: the node layout ["auto"]: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` /
-        ``LOCAL_RANK``; without them, or with one node holding every rank, or for a process group that is
-        not the whole world: flat), "flat" (one exchange over every rank, as before), or "MxG" (M nodes of
-        G ranks of the process group, ranks node-contiguous: rank = node * G + local).  With more than one
-        node of more than one rank, every recipe synchronises two-level: a dense reduce-scatter inside
-        the node, the recipe's exchange between nodes on each rank's shard, a dense all-gather inside the
-        node (:mod:`gradientflow.comm.two_level`).  Resolved at construction: ``model.config.topology``
-        is then "flat" or "MxG".
-    compression: a named recipe.  "none" (default: DDP's exact behaviour, or what comm_dtype /
-        density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
-        "quantized" / "q3" (every gradient every step, 3-bit blocks of 128 with error feedback, on a
-        ring; "q<bits>", "q<bits>b<block>" for others), "auto" (dense until the first optimizer step,
-        then "csc" for SGD, "quantized" for Adam, AdamW and other optimizers).
-    quant_bits, quant_block, quant_clip, quant_levels, quant_precondition, quant_warmup: the quantiser of
-        "quantized" (set from ``compression``; quant_levels one of ``comm.quantize.LEVELS``).
-    """
+    """Options of :class:`gradientflow.DistributedDataParallel` (see README's options table), each documented
+    under its field; validated at construction (``ValueError`` saying what to do)."""
 
     fusion_threshold_mb: float = 25.0
+    """θ of lazy allreduce: a bucket of the gradient pool is launched once θ MB of it are ready.  0 = one
+    collective per tensor, ``inf`` = one collective after backward."""
     broadcast_buffers: bool = True
-    comm_dtype: str = "fp32"
-    algorithm: str = "native"
+    """Broadcast module buffers (BatchNorm statistics) from rank 0 at every forward."""
+    comm_dtype: CommDtype = "fp32"
+    """Dtype on the wire: "fp32" (full precision: the gradient's own dtype, no cast), "fp16", "bf16", or "half"
+    (the fastest 16-bit for the device: bf16 on CPU, fp16 on GPUs; :meth:`resolved` replaces it).  torch's
+    dtypes and names (``torch.float16``, ``"float16"``) are accepted and stored as these."""
+    algorithm: Algorithm = "native"
+    """"native" (the backend's allreduce) or "ring" (gradientflow's ring)."""
     density: float | None = None
+    """CSC: the fraction of chunks sent each step; ``None`` = dense."""
     chunk_size: int | str = "auto"
+    """CSC: gradients per chunk: an int, or "auto" (32768 as in the paper for models of at least 200 such
+    chunks, else a power of two giving ~2000 chunks, at least 16; :meth:`resolved` replaces it)."""
     warmup_steps: int = 100
+    """CSC: length of the density ramp: step t < warmup_steps sends ``density ** (t / warmup_steps)`` of the
+    chunks (step 0 dense), later steps ``density``.  A ramp step whose chunks and scores would be no fewer
+    bytes than a dense step is sent dense."""
     momentum: float = 0.0
+    """CSC: momentum correction factor (0 = off).  When > 0 the optimizer must not apply momentum again."""
     dense_1d: bool = True
-    chunk_score: str = "l1"
-    csc_scope: str = "slice"
-    schedule: str = "fixed"
+    """CSC: 1-D parameters (biases, normalisation scales) are laid out together at the end of the pool and
+    their chunks are sent every step (few bytes, often decisive)."""
+    chunk_score: ChunkScore = "l1"
+    """CSC: how a chunk is scored: "l1" (the paper: the L1 norm of its accumulated gradient) or "sampled_l1"
+    (8x the L1 of 16 of every 128 elements, read from 1/8 of the pool; chunks under 1024 gradients are scored
+    exactly)."""
+    csc_scope: CscScope = "slice"
+    """CSC: where the top chunks are chosen: "slice" (default, measured faster: a top-k per fused slice as
+    backward produces it, its packed allreduce overlapping backward; each slice sends ceil(density * its
+    chunks), < 1 chunk per slice over the global count) or "global" (the paper: one top-k after backward)."""
+    schedule: Schedule = "fixed"
+    """"fixed" (θ and ``csc_scope`` as given) or "auto": both derived at construction from the group's measured
+    per-collective cost and throughput (rank 0's, broadcast; :mod:`gradientflow.engine.schedule`)."""
     timeout: float | timedelta | None = None
+    """Seconds (or a ``timedelta``) any wait may take before ``gradientflow.CommunicationError`` (naming the
+    step, the collective and the missing ranks); ``None`` = the process group's timeout."""
     check_consistency: bool = False
+    """Per synchronised step, one tiny allreduce checks that every rank is synchronising the same step with
+    the same buckets (e.g. no rank alone inside ``no_sync()``)."""
     check_finite: bool = False
+    """Raise on every rank when a local gradient is non-finite (skipped while a GradScaler is registered:
+    overflow is then the scaler's to handle)."""
     trace_path: str | None = None
+    """Write a Chrome trace (Perfetto) per rank; ``{rank}`` in the path is replaced by the rank, otherwise
+    ``.rank<N>`` is inserted before the extension.  ``None`` = no tracing."""
     trace_steps: tuple[int, int] | None = None
+    """``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when ``trace_path`` is
+    given, which the config then holds; ``None`` without it]."""
     compression: str = "none"
+    """A named recipe, one of :data:`COMPRESSIONS` once validated: "none" (DDP's exact behaviour, or what
+    comm_dtype / density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
+    "quantized" / "q3" (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
+    "auto" (dense until the first optimizer step, then "csc" for SGD, "quantized" for Adam and the others)."""
     topology: str = "auto"
-    quant_bits: int = DEFAULT_QUANT[0]
-    quant_block: int = DEFAULT_QUANT[1]
-    quant_clip: float = 0.0
-    quant_levels: str = "fitted"
-    quant_precondition: bool = False
-    quant_warmup: int = 0
+    """The node layout: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK``; else,
+    with one node of every rank, or a group not the whole world: flat), "flat" (one exchange over every rank),
+    or "MxG" (M nodes of G ranks, node-contiguous: rank = node * G + local).  Several nodes of several ranks
+    synchronise two-level (:mod:`gradientflow.comm.two_level`).  Resolved at construction: "flat" or "MxG"."""
+    # The quantiser of "quantized", set from ``compression`` (the fields of :class:`Compression`):
+    quant_bits: int = DEFAULT_QUANT[0]  # bits per gradient: one of QUANT_BITS (32 = the quantiser off)
+    quant_block: int = DEFAULT_QUANT[1]  # gradients per scale: a multiple of 16
+    quant_clip: float = 0.0  # each block's scale clipped at this many times its RMS (0 = max-abs)
+    quant_levels: QuantLevels = "fitted"  # one of QUANT_LEVELS (comm.quantize.LEVELS)
+    quant_precondition: bool = False  # each coordinate quantised in units of its own RMS (strategies.quantized)
+    quant_warmup: int = 0  # the first steps at the default quantiser (3 bits)
 
     def __post_init__(self) -> None:
         check_theta("fusion_threshold_mb", self.fusion_threshold_mb)
@@ -283,14 +286,11 @@ class GradientFlowConfig:
 
         Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
         """
-        recipe, bits, block, clip, levels, precondition, warmup = parse_compression(self.compression)
+        parsed = parse_compression(self.compression)
+        recipe = parsed.recipe
         if self.compression != "quantized" and recipe == "quantized":
-            object.__setattr__(self, "quant_bits", bits)
-            object.__setattr__(self, "quant_block", block)
-            object.__setattr__(self, "quant_clip", clip)
-            object.__setattr__(self, "quant_levels", levels)
-            object.__setattr__(self, "quant_precondition", precondition)
-            object.__setattr__(self, "quant_warmup", warmup)
+            for name in ("bits", "block", "clip", "levels", "precondition", "warmup"):
+                object.__setattr__(self, f"quant_{name}", getattr(parsed, name))
         object.__setattr__(self, "compression", recipe)
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):

@@ -120,7 +120,7 @@ def _auto_check_worker(rank: int, world_size: int) -> None:
         assert "Adam-type" in str(w.message) and w.filename == __file__
     # Nothing to say: a dense wrapper (no hook at all), or an optimizer of other parameters.
     dense = gf.DistributedDataParallel(nn.Linear(6, 4))
-    assert dense._gf_optimizer_hook is None
+    assert dense._gf_optimizers.hook is None
     assert warnings_of(lambda: dense, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)) == []
     sparse = gf.DistributedDataParallel(nn.Linear(6, 4), density=0.1)
     other = nn.Linear(6, 4)

@@ -45,8 +45,8 @@ def _cpu_flags() -> set[str]:
 
 
 def flags() -> tuple[str, ...]:
-    """:data:`FLAGS`, plus 8-wide vectors where torch found AVX2 on this CPU (the codec's encode 1.7x
-    faster, measured on the bench's 3.2M transformer: 4.1 against 7.1 ms), and the fp16 conversion
+    """:data:`FLAGS`, plus 8-wide vectors where torch found AVX2 on this CPU (the codec's encode faster:
+    docs/benchmarks.md#figures-behind-the-codes-comments), and the fp16 conversion
     instructions where the CPU lists them (else ``_Float16`` casts are libgcc calls); the same bits."""
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     if not (wide and platform.machine() in ("x86_64", "AMD64")):

@@ -198,9 +198,10 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     """A reusable receive buffer of at least ``numel`` elements (``pipeline_depth`` pieces).
 
     Kept between calls because on a CPU rank a fresh buffer costs a page fault per 4 KB on
-    first touch, measured at ~1 ms per MB here, a third of the ring's time at 256 MB.  Only
-    one ring runs at a time per process (they are synchronous, from one thread), so one
-    buffer per (device, dtype) suffices.  Its size is bounded by depth * pipeline_bytes.
+    first touch, a large part of the ring's time at 256 MB (measured:
+    docs/benchmarks.md#figures-behind-the-codes-comments).  Only one ring runs at a time per process
+    (they are synchronous, from one thread), so one buffer per (device, dtype) suffices.  Its size is
+    bounded by depth * pipeline_bytes.
     """
     buf = _SCRATCH.get((device, dtype))
     if buf is None or buf.numel() < numel:

@@ -52,6 +52,15 @@ class RuntimeLog:
     fields: dict[str, int | str] = field(default_factory=dict)
     _sums: dict[str, int] = field(default_factory=dict)
     _samples: int = 0
+    last_error: str = ""  # the last error the engine or the wrapper raised (torch DDP's logging data reports it)
+
+    def note_error(self, error: object) -> None:
+        """An error about to be raised, as torch's logging data's ``error`` field shows it."""
+        self.last_error = str(error)
+
+    def set_sample_rate(self, sample_rate: int) -> None:
+        """torch's ``_set_ddp_runtime_logging_sample_rate``: sample every ``sample_rate``-th iteration."""
+        self.sample_rate = int(sample_rate)
 
     def at_forward(self, n: int, last: StepTimes | None) -> None:
         """A synchronised forward of iteration ``n``: sample ``last`` (the step before it) where torch does."""

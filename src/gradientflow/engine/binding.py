@@ -1,7 +1,7 @@
 """Where ``.grad`` points during a reducer's steps: the pool's views, or a strategy's targets.
 
-A mixin of :class:`gradientflow.engine.reducer.Reducer` (split out by idea): step 1 of the reducer's
-algorithm.  When a synchronised backward starts every ``.grad`` is bound to where this backward
+A part the :class:`gradientflow.engine.reducer.Reducer` holds (``reducer.binding``): step 1 of the
+reducer's algorithm.  When a synchronised backward starts every ``.grad`` is bound to where this backward
 accumulates (the pool, or CSC's residual), unless the backward starts from ``None`` gradients
 (then each fresh gradient is copied, or for CSC added, in at its hook); after the step ``.grad`` shows
 the pool again.
@@ -16,52 +16,61 @@ import torch
 from .pool import GradPool
 
 if TYPE_CHECKING:
+    from .layout import PoolLayout
     from .protocol import SyncStrategy
     from .usage import ParamUsage
 
 
 class GradBinding:
-    """Binding of ``.grad`` to the reducer's pool (the attributes below are the reducer's)."""
+    """Where each ``.grad`` of the reducer's parameters points (``bound``), and CSC's check that a step's result
+    was consumed before the next synchronised backward.  ``layout``: the reducer's pool (re-laid over its life);
+    ``usage``: the per-parameter marks it shares with the reducer's hooks (``fresh``)."""
 
-    params: list[torch.nn.Parameter]
-    names: list[str]
-    pool: GradPool
-    bound: list[torch.Tensor]
-    sync: SyncStrategy
-    usage: ParamUsage
-    bind_pending: bool
-    unbound: bool
-    fresh_add: bytearray | None
-    result_versions: tuple[int, ...] | None
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        layout: PoolLayout,
+        sync: SyncStrategy,
+        usage: ParamUsage,
+    ) -> None:
+        self.params, self.names, self.layout, self.sync, self.usage = params, names, layout, sync, usage
+        self.bound: list[torch.Tensor] = layout.pool.views  # the pool's views, or a strategy's targets mid-backward
+        self.result_versions: tuple[int, ...] | None = None  # CSC: the pool's versions when a step's result was left
 
-    def bind_grads(self, sync: bool) -> None:
+    @property
+    def pool(self) -> GradPool:
+        return self.layout.pool
+
+    def bind_grads(self, sync: bool) -> tuple[bool, bytearray | None]:
         """Point every ``.grad`` where this backward accumulates; a ``None`` grad starts from zero (fresh).
 
         No sync: the pool's views.  A synchronised backward: wherever the strategy asks
         (:meth:`SyncStrategy.begin_backward`; CSC: its residual, which needs no zeroing), else the pool.
         A synchronised backward from ``None`` gradients (``zero_grad()``'s default) binds
         nothing: autograd keeps each fresh gradient and the parameter's hook copies it into the pool
-        (:meth:`_param_ready`), one pass over memory where zeroing the pool and letting autograd add
+        (:meth:`Reducer._param_ready`), one pass over memory where zeroing the pool and letting autograd add
         into it takes two; the copy also
         divides by the world size, which the launch would otherwise spend a pass on.  A gradient
         whose target is the strategy's (CSC's residual) is added into it there instead
-        (:attr:`fresh_add`), the same pass autograd's accumulation into a bound ``.grad`` costs, but
+        (``fresh_add``), the same pass autograd's accumulation into a bound ``.grad`` costs, but
         autograd's tensor lives on until the next forward instead of being freed mid-backward.  A
-        pool view that got no gradient is zeroed when its bucket is launched (:meth:`_launch`); a
+        pool view that got no gradient is zeroed when its bucket is launched (:meth:`Reducer._launch`); a
         strategy's target is left as it is (nothing accumulated into it).
+
+        Returns this backward's ``unbound`` (nothing was bound: each gradient is copied in at its hook) and
+        ``fresh_add`` (unbound: 1 where the gradient is added into a strategy's target), for its
+        :class:`~gradientflow.engine.backward.Backward` record.
         """
         pool_views, fresh = self.pool.views, self.usage.fresh
         targets = self.sync.begin_backward() if sync else None
         views = self.bound = targets if targets is not None else pool_views
         params = self.params
-        self.bind_pending = False
         if sync and all(p.grad is None for p in params):
             fresh[:] = b"\x01" * len(params)  # the common step (after zero_grad()): nothing to bind
-            self.unbound = True
             # Where a strategy's target is not the pool (CSC's residual), the fresh gradient is added into it
             # at its hook, as autograd would have added it into a bound .grad (see Reducer.held for why not).
-            self.fresh_add = None if targets is None else bytearray(v is not pv for v, pv in zip(views, pool_views))
-            return
+            return True, None if targets is None else bytearray(v is not pv for v, pv in zip(views, pool_views))
         with torch.no_grad():
             if all(p.grad is None for p in params):
                 fresh[:] = b"\x01" * len(params)
@@ -74,7 +83,7 @@ class GradBinding:
                             view.zero_()
                 for p, view in zip(params, views):
                     p.grad = view
-                return
+                return False, None
             self._check_result_consumed()
             for i, (p, view) in enumerate(zip(params, views)):
                 if p.grad is None:
@@ -86,10 +95,11 @@ class GradBinding:
                     view.add_(p.grad)
                     p.grad = view
                 else:
-                    self._adopt_grad(i, p)
+                    self.adopt_grad(i, p)
+        return False, None
 
-    def _rebind_to_pool(self) -> None:
-        """After a step that accumulated outside the pool: ``.grad`` shows the pool (the result) again."""
+    def rebind_to_pool(self) -> None:
+        """After a step that accumulated outside the pool, or a re-layout: ``.grad`` shows the pool again."""
         pool_views = self.pool.views
         if self.bound is pool_views:
             return
@@ -115,10 +125,14 @@ class GradBinding:
                 "micro-batches inside model.no_sync() and synchronise once."
             )
 
+    def remember_result(self) -> None:
+        """CSC: a step's result is in ``.grad`` now (see :meth:`_check_result_consumed`)."""
+        self.result_versions = self._pool_versions()
+
     def _pool_versions(self) -> tuple[int, ...]:
         return tuple(b._version for b in self.pool.buffers)
 
-    def _adopt_grad(self, i: int, param: torch.Tensor) -> None:
+    def adopt_grad(self, i: int, param: torch.Tensor) -> None:
         """A gradient autograd created outside the bound tensor (no bind happened first) moves into it."""
         view = self.bound[i]
         g = cast(torch.Tensor, param.grad)  # set: from its post-accumulate hook, or a caller that found it set

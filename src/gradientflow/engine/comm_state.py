@@ -51,4 +51,4 @@ def load(engine: Reducer, state: dict[str, Any], world_size: int) -> None:
         engine.adopt_order(list(order))
     engine.sync.load_state_dict(state)
     if final:
-        engine.layout_final = True
+        engine.layout.mark_final()

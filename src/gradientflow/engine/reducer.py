@@ -15,16 +15,15 @@ owns the gradient pool and the strategy and decides *when* buckets go on the wir
      of the layout alone: every rank issues the same collectives in the same order, even when
      the set of used parameters differs between ranks.
   3. Autograd's final callback launches the remaining buckets, waits for all, and leaves the
-     averaged gradient in the pool (= in every ``.grad``).  As in torch DDP, unused parameters
-     are searched for only with ``find_unused_parameters=True`` (a per-parameter "used" count
-     exchange; once with ``static_graph``): a parameter no rank used, whose ``.grad`` was
-     ``None``, gets ``None`` back, so optimizers skip it.  Without it, a backward that left
-     parameters without gradient ends nothing, as torch's reducer (which finalises in the backward
-     that readies the last bucket): a further backward of the same forward continues the step
-     (``o1, o2 = model(x); l(o1).backward(); l(o2).backward()``), and if the next forward comes first
-     it ends the step and raises torch's error there (:attr:`pending_error`, ``usage.UnusedSearch``).
+     averaged gradient in the pool (= in every ``.grad``).  Parameters without gradient are torch
+     DDP's rules (:class:`.usage.UnusedSearch`): searched for only with ``find_unused_parameters``;
+     without it the step stays open for a further backward, or ends in torch's error at the next forward.
   4. After the first synchronised backward the pool is re-laid once in the order gradients
      were actually produced on rank 0 (broadcast, so all ranks agree), as DDP rebuilds buckets.
+
+Its parts, each owning its state: ``layout`` (:class:`.layout.PoolLayout`, step 4), ``binding``
+(:class:`.binding.GradBinding`, step 1), ``unused`` (:class:`.usage.UnusedSearch`, step 3); a backward's record:
+:class:`.backward.Backward`.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from .binding import GradBinding
 from .consistency import FiniteCheck, StepCheck
 from .hooks import iter_tensors, remove_handles, weak_hook
 from .layout import PoolLayout
+from .pool import GradPool
 from .protocol import MakeSync, SyncStrategy
 from .usage import ParamUsage, UnusedSearch
 
@@ -54,16 +54,14 @@ logger = logging.getLogger(__name__)
 _ENGINE = torch.autograd.Variable._execution_engine  # autograd's engine, for the final callback
 
 
-class Reducer(PoolLayout, GradBinding, UnusedSearch):
+class Reducer:
     """Pool, strategy and gradient hooks for one wrapper's parameters (rebuilt after ``.to()``).
 
-    ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the
-    pool's parameter order (a saved layout's, or ``None``: reverse registration, ~ backward);
-    ``control``: CSC's second group over the same ranks (``None`` for dense); ``static_graph``:
-    the set of used parameters never changes (the "used" exchange runs once); ``make_sync``: builds
-    the strategy over the pool (the wrapper's choice: :func:`gradientflow.strategies.build_strategy`);
-    ``find_unused``: torch DDP's ``find_unused_parameters`` (see step 3 above).
-    """
+    ``params`` / ``names``: the parameters that require a gradient and their names; ``order``: the pool's
+    parameter order (a saved layout's, or ``None``: reverse registration, ~ backward); ``control``: CSC's second
+    group over the same ranks (``None`` for dense); ``static_graph``: the used parameters never change;
+    ``make_sync``: builds the strategy over the pool (:func:`gradientflow.strategies.build_strategy`);
+    ``find_unused``: torch DDP's ``find_unused_parameters``; a rebuilt engine's ``layout_final`` and ``totals``."""
 
     def __init__(
         self,
@@ -77,6 +75,8 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         order: list[int] | None,
         make_sync: MakeSync,
         find_unused: bool = False,
+        layout_final: bool = False,
+        totals: RunTotals | None = None,
     ) -> None:
         n = len(params)
         self.params, self.names, self.config, self.group = params, names, config, group
@@ -84,16 +84,13 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.src = dist.get_global_rank(group, 0)
-        # Held weakly: torch's registry owns the group (see DistributedDataParallel._gf_control_group).
-        self._control = weakref.ref(control) if control is not None else None
         self.dense_bytes = 4 * sum(p.numel() for p in params)
-        # As torch DDP: without find_unused_parameters no step sends anything but gradients (a used
-        # exchange every step cost small models 1.3-2x torch DDP's step on loopback).
         self.find_unused = find_unused
-        self.pending_error: RuntimeError | None = None  # raised at the next forward with grad (torch's timing)
-        self.install(self.plan(order if order is not None else list(reversed(range(n)))))
-        self.layout_final = False  # True once the pool follows an observed backward order
-        self.sync: SyncStrategy = make_sync(self.pool, [p.shape for p in params])
+        self.layout = PoolLayout(params, config, order if order is not None else list(reversed(range(n))), layout_final)
+        self.sync: SyncStrategy = make_sync(self.layout.pool, [p.shape for p in params])
+        self.usage = ParamUsage(n, static_graph)
+        self.binding = GradBinding(params, names, self.layout, self.sync, self.usage)
+        self.unused = UnusedSearch(params, names, group, control, watchdog, self.sync, self.usage, find_unused)
         self.hooks = [
             p.register_post_accumulate_grad_hook(weak_hook(self, Reducer._param_ready, i)) for i, p in enumerate(params)
         ]
@@ -101,25 +98,19 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         # module is left as torch DDP leaves it (accelerate's free_memory(), a plain `del model`).
         weakref.finalize(self, remove_handles, self.hooks)
         self._output_hook = weak_hook(self, Reducer._output_grad_hook)  # a kept loss's graph holds it
+        # What the last forward armed (per forward, before any Backward record exists):
         self.sync_this_backward = True
         self.armed_sync = False  # this forward's arm() asked for a synchronised backward
-        self.bind_pending = False
-        self.unbound = False  # this backward left .grad None: each gradient is copied in at its hook
-        self.fresh_add: bytearray | None = None  # unbound: 1 where the gradient is added into a strategy's target
-        # The fresh gradients autograd made in the last unbound backward, already copied into the pool (or added
-        # into CSC's residual), kept until the next forward: torch DDP's `.grad` lives that long (until
-        # zero_grad); freed mid-backward, glibc trimmed its heap top and the next step faulted it back in: 5-177
-        # minor faults per step on a 1M-parameter MLP (torch DDP 0-5, docs/benchmarks.md), ~14K and +80 ms per
-        # ResNet-50 step under CSC (docs/networks.md).  Costs what torch DDP holds: one gradient-sized copy.
+        self.bind_pending = False  # .grad is still to be bound by the first hook of the coming backward
+        # The last unbound backward's fresh gradients, already in the pool (or CSC's residual), kept until the next
+        # forward as torch DDP keeps `.grad`: freed mid-backward, glibc trimmed its heap top and the next step
+        # faulted it back in (docs/benchmarks.md#figures-behind-the-codes-comments).
         self.held: list[torch.Tensor] = []
-        self.backward: _Backward | None = None
+        self.backward: _Backward | None = None  # the open synchronised backward's record
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
-        self.totals = RunTotals()  # the wrapper hands a rebuilt engine the run's totals
-        self.usage = ParamUsage(n, static_graph)
-        self.result_versions: tuple[int, ...] | None = None
-        self.after_step: Any = None  # called once after the next synchronised step (join's rescale), then dropped
-        self.last_error = ""  # the last error this engine raised (torch DDP's logging data reports it)
-        self.runtime = RuntimeLog()  # torch DDP's runtime logging fields, sampled at synchronised forwards
+        self.totals = totals if totals is not None else RunTotals()  # a rebuilt engine carries the run's totals
+        self.after_step: Any = None  # called once after the next synchronised step (call_after_step), then dropped
+        self.runtime = RuntimeLog()  # torch DDP's runtime logging fields (at synchronised forwards), last error
         self.step_times: StepTimes | None = None  # the last completed synchronised step's stamps
         self.t_forward: float | None = None
         device = params[0].device
@@ -132,6 +123,35 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         )
         watchdog.trace = self.trace
 
+    @property
+    def pool(self) -> GradPool:
+        """The gradient pool (the layout's, re-laid once over the reducer's life)."""
+        return self.layout.pool
+
+    @property
+    def layout_final(self) -> bool:
+        """The pool follows an observed backward order (torch's ``has_rebuilt_buckets``)."""
+        return self.layout.final
+
+    def adopt_order(self, order: list[int]) -> bool:
+        """Re-lay the pool out for ``order`` (``.grad`` and the strategy follow); False if nothing changed."""
+        old = self.layout.adopt(order)
+        if old is None:
+            return False
+        self.binding.rebind_to_pool()
+        self.sync.relayout(old, self.layout.pool)
+        return True
+
+    def raise_pending(self) -> None:
+        """At a forward with grad: the last synchronised backward's error, once (the step completed, as torch's)."""
+        bw = self.backward
+        if bw is not None and not bw.queued:  # a step left open for a further backward that never came
+            bw.closing = True
+            self.finish_backward()  # the same collectives as a rank whose backward had every gradient
+        error = self.unused.take_pending()
+        if error is not None:
+            raise error
+
     def remove_hooks(self) -> None:
         """Detach from the parameters (before a rebuild replaces this reducer)."""
         for h in self.hooks:
@@ -141,6 +161,14 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         self.sync.register_grad_scaler(scaler)
         if self.finite_check is not None:  # overflow is now the scaler's to skip, not an error
             self.finite_check.scaler_registered = True
+
+    def sync_next_backward(self) -> None:
+        """The next backward synchronises (torch's ``reducer.prepare_for_backward``, after a ``no_sync`` forward)."""
+        self.sync_this_backward = True
+
+    def call_after_step(self, fn: Any) -> None:
+        """``fn()`` once after the next synchronised step (join's rescale by the ranks still training)."""
+        self.after_step = fn
 
     # ---- backward -----------------------------------------------------------------------
     def arm(self, out: Any, sync: bool) -> None:
@@ -174,13 +202,13 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             t_start = time.perf_counter()
             if self.step_check is not None:  # before any bucket: matched with the others' check
                 self.step_check.start(self.pool.layout)
-            self.bind_grads(sync=True)
-            bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
-            bw.t_start = t_start
+            unbound, fresh_add = self._bind(sync=True)
+            bw = self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes, unbound, fresh_add)
+            bw.t_start = t_start  # before the binding: the step's time includes it
             _ENGINE.queue_callback(self.finish_backward)
         elif not bw.queued:  # a further backward of an open step: it ends at this backward's end, or stays open
             bw.queued = True
-            self.pending_error = None
+            self.unused.clear()
             _ENGINE.queue_callback(self.finish_backward)
         return bw
 
@@ -188,15 +216,17 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         if self.sync_this_backward:
             self._begin_backward()
         elif self.bind_pending:
-            self.bind_grads(sync=False)
+            self._bind(sync=False)
+
+    def _bind(self, sync: bool) -> tuple[bool, bytearray | None]:
+        self.bind_pending = False
+        return self.binding.bind_grads(sync)
 
     def _param_ready(self, i: int, param: torch.Tensor) -> None:
         """A parameter's post-accumulate hook: step 2 for one gradient.
 
-        The hot path of a step (once per parameter, in Python where torch DDP's reducer is C++), so
-        it is one frame with the unbound copy inlined: on a 6.5K-parameter model the call chain it
-        replaced (five frames and a ``no_grad`` context per gradient) was a third of the step's gap
-        to torch DDP."""
+        The hot path of a step (once per parameter, in Python where torch DDP's reducer is C++): one frame
+        with the unbound copy inlined (what the frames cost: docs/benchmarks.md, per-step fixed cost)."""
         g = param.grad
         if g is None:  # an undefined gradient (autograd produced none): the parameter counts as unused
             return
@@ -206,7 +236,7 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         bw = self.backward
         if bw is None or not bw.queued:
             if bw is None and not self.sync_this_backward:
-                self._adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
+                self.binding.adopt_grad(i, param)  # no_sync: the gradient just accumulates in the pool
                 return
             bw = self._begin_backward()
         if bw.seen[i]:
@@ -217,17 +247,18 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             )
         bw.seen[i] = 1
         bw.order.append(i)
-        b = self.bucket_of[i]
-        if self.unbound:
+        b = self.layout.bucket_of[i]
+        binding = self.binding
+        if bw.unbound:
             # Autograd's fresh gradient enters the pool through the strategy, which may fold its division
             # into the copy (SyncStrategy.take_fresh).  A gradient already in its view (same memory) goes
             # through take_fresh in place: every gradient of an unbound backward takes this one path, so a
             # bucket is never half divided.
-            view = self.bound[i]
+            view = binding.bound[i]
             if g.is_sparse:
-                self._adopt_grad(i, param)  # raises, naming the parameter
+                binding.adopt_grad(i, param)  # raises, naming the parameter
             src = view if g is view or g.data_ptr() == view.data_ptr() else g
-            add = self.fresh_add
+            add = bw.fresh_add
             if add is not None and add[i]:  # a strategy's target (CSC's residual): what autograd's += would do
                 divided = False
                 if src is not view:
@@ -244,8 +275,8 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             if not divided:
                 bw.undivided[b] += 1
         else:  # bound: autograd added into .grad in place, or (create_graph=True) replaced it by a new tensor
-            if g is not self.bound[i]:
-                self._adopt_grad(i, param)
+            if g is not binding.bound[i]:
+                binding.adopt_grad(i, param)
             bw.undivided[b] += 1
         remaining = bw.remaining
         remaining[b] -= 1
@@ -260,18 +291,19 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         pool = self.pool
         bucket = pool.layout.buckets[index]
         flat = pool.bucket_views[index]
-        if self.unbound and bw.remaining[index]:  # some gradients never came: zeros, as a bound pool holds
-            add = self.fresh_add
+        bound = self.binding.bound
+        if bw.unbound and bw.remaining[index]:  # some gradients never came: zeros, as a bound pool holds
+            add = bw.fresh_add
             with torch.no_grad():
                 for i in bucket.params:
                     p = self.params[i]
                     if p.grad is None:
                         if add is None or not add[i]:  # a strategy's target keeps what it holds (+ 0)
-                            self.bound[i].zero_()
-                        p.grad = self.bound[i]
+                            bound[i].zero_()
+                        p.grad = bound[i]
         if self.finite_check is not None:  # before the wire overwrites the local gradient
-            self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), self.bound)
-        divided = self.unbound and bw.undivided[index] == 0  # the zeros filled in above divide to zeros
+            self.finite_check.screen(bucket, self.sync.gradient_slice(bucket, flat), bound)
+        divided = bw.unbound and bw.undivided[index] == 0  # the zeros filled in above divide to zeros
         tr = self.trace
         if tr is not None and tr.active:
             with tr.span(f"launch bucket {index}", "launch", bytes=flat.numel() * flat.element_size()):
@@ -285,7 +317,8 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         bw = self.backward
         if bw is None:
             return
-        if self._stays_open(bw):
+        if self.unused.stays_open(bw):
+            bw.queued = False
             return
         tr = self.trace
         t_end = time.perf_counter()
@@ -296,14 +329,14 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             t0 = time.perf_counter()
             while bw.next_bucket < len(bw.remaining):
                 self._launch(bw, bw.next_bucket)
-            used = self._start_used_exchange(bw)
+            used = self.unused.start_used_exchange(bw)
             mismatch = self.step_check.verify() if self.step_check is not None else None
             self.sync.finish(bw.stats)  # also on a mismatch: every rank has the same verdict
-            self._rebind_to_pool()
+            self.binding.rebind_to_pool()
             if used is not None or self.usage.static_unused:  # else no parameter can get None back
-                self._release_unused(used)
+                self.unused.release_unused(used)
             if not bw.shadow and not self.find_unused and not self.usage.static_graph and len(bw.order) < len(bw.seen):
-                self._unsearched_unused(bw)
+                self.runtime.note_error(self.unused.unsearched_unused(bw))
             if mismatch is not None:
                 raise mismatch
             bw.stats.exposed_seconds = time.perf_counter() - t0
@@ -311,10 +344,8 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             comm_start, comm_end = bw.stats.comm_span()
             self.step_times = StepTimes(self.t_forward, bw.t_start, t_end, comm_start, comm_end, bw.order)
         finally:
-            self._rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
+            self.binding.rebind_to_pool()  # no-op after a clean finish; after an error, .grad leaves the residual
             self.backward = None
-            self.unbound = False
-            self.fresh_add = None
             self.usage.reset()
         self.last_stats = bw.stats
         self.totals.add(bw.stats)
@@ -323,14 +354,16 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
         if bw.order and (usage.graph_static or usage.static_graph):
             error = self.usage.check_static_graph(bw.order, self.names, self.rank)
             if error is not None and usage.static_graph:
-                self.last_error = str(error)
+                self.runtime.note_error(error)
                 raise error
         # torch DDP rebuilds its buckets in the observed order unless find_unused_parameters (the order may
         # change from step to step) without static_graph; so does the pool (has_rebuilt_buckets says which).
-        if not self.layout_final and (not self.find_unused or self.usage.static_graph):
-            self._relayout_from_observed(bw.order)
+        if not self.layout.final and (not self.find_unused or self.usage.static_graph):
+            order = self.layout.observed_order(bw.order, self.src, self.group, self.watchdog)
+            if self.adopt_order(order):
+                logger.debug("gradientflow: gradient pool re-laid in observed backward order")
         if self.config.sparse:
-            self.result_versions = self._pool_versions()
+            self.binding.remember_result()
         if t_final is not None and tr is not None:
             tr.complete("final wait", "final", t_final, time.perf_counter())
         self._end_step()
@@ -339,20 +372,16 @@ class Reducer(PoolLayout, GradBinding, UnusedSearch):
             after()
 
     def shadow_step(self) -> None:
-        """One synchronised step with a zero local gradient (a joined rank's share of an iteration).
-
-        The step's result is not this rank's gradient: as under torch DDP, ``.grad`` is left as the
-        user left it (``None`` stays ``None``; a kept gradient reads zero), so the first backward after
-        ``join`` does not add the others' average to its own."""
+        """One synchronised step with a zero local gradient (a joined rank's share of an iteration); ``.grad`` is
+        left as the user left it, as under torch DDP (the first backward after ``join`` adds nothing of it)."""
         was_none = [p.grad is None for p in self.params]
         with torch.no_grad():
             for p in self.params:
                 p.grad = None
-            self.bind_grads(sync=True)
+            unbound, fresh_add = self._bind(sync=True)
             if self.step_check is not None:  # a joined rank's counts must not weigh in
                 self.step_check.start_neutral()
-            self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes)
-            self.backward.shadow = True
+            self.backward = _Backward(self.pool.layout, len(self.params), self.dense_bytes, unbound, fresh_add, True)
             self.finish_backward()
             for buf in self.pool.buffers:
                 buf.zero_()

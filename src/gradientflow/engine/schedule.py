@@ -11,8 +11,8 @@ With ``schedule="auto"`` the wrapper measures its process group once, at constru
 
 The fastest, not the median: what another process does to this machine only ever adds time, and a
 construction that happens to run while the CPUs are busy must not turn a bandwidth-bound link into
-a "latency-bound" one for the whole run (a median of 7 under a load average of 20 on 2 cores gave
-3.26 ms for a collective whose fastest runs took 0.12 ms, and the schedule went to one collective).
+a "latency-bound" one for the whole run (a median under load once sent the schedule to one collective:
+docs/benchmarks.md#figures-behind-the-codes-comments).
 
 Both are rank 0's measurement, broadcast, so every rank derives the same schedule from the same
 bits; the rule (:func:`plan`) is a pure function of them and of the model's sizes:
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import GradientFlowConfig
+from ..config import CscScope, GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 
 SMALL_REPEATS = 15
@@ -72,7 +72,7 @@ class Schedule:
     """The derived settings and why (``reason``, for logs and ``DistributedDataParallel.schedule``)."""
 
     fusion_threshold_mb: float
-    csc_scope: str
+    csc_scope: CscScope
     latency_bound: bool
     link: LinkEstimate
     reason: str

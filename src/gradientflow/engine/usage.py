@@ -41,6 +41,10 @@ class ParamUsage:
         self.graph_static = True  # every step so far used the first step's set (torch's _ddp_graph_static)
         self.counts: torch.Tensor | None = None  # int32 per parameter: ranks that used it (the last exchange)
 
+    def make_static(self) -> None:
+        """torch's ``_set_static_graph()`` after construction: the used exchange runs once from now on."""
+        self.static_graph = True
+
     def reset(self) -> None:
         """A synchronisation ended: nothing is fresh or used any more."""
         self.fresh = bytearray(len(self.fresh))
@@ -127,28 +131,36 @@ def unused_error(unused: list[int], names: list[str], rank: int) -> RuntimeError
 
 
 class UnusedSearch:
-    """A mixin of :class:`~gradientflow.engine.reducer.Reducer`: the end of a step for parameters that got no
-    gradient (the attributes below are the reducer's).  With ``find_unused_parameters`` (or ``static_graph``)
-    the used exchange decides; without, a step whose backward left parameters without gradient stays open
-    for a further backward of the same forward, or becomes torch's error at the next forward."""
+    """The end of a step for parameters that got no gradient; a part the
+    :class:`~gradientflow.engine.reducer.Reducer` holds (``reducer.unused``).  With ``find_unused_parameters``
+    (or ``static_graph``) the used exchange decides; without, a step whose backward left parameters without
+    gradient stays open for a further backward of the same forward, or becomes torch's error at the next
+    forward (:attr:`pending_error`, which the reducer raises there).  ``control``: CSC's second group, where
+    the used exchange runs (``None``: ``group``)."""
 
-    params: list[torch.nn.Parameter]
-    names: list[str]
-    rank: int
-    group: dist.ProcessGroup
-    watchdog: Watchdog
-    sync: SyncStrategy
-    usage: ParamUsage
-    find_unused: bool
-    pending_error: RuntimeError | None
-    last_error: str
-    backward: _Backward | None
-    _control: weakref.ref[dist.ProcessGroup] | None
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        group: dist.ProcessGroup,
+        control: dist.ProcessGroup | None,
+        watchdog: Watchdog,
+        sync: SyncStrategy,
+        usage: ParamUsage,
+        find_unused: bool,
+    ) -> None:
+        self.params, self.names, self.group, self.watchdog = params, names, group, watchdog
+        self.rank = dist.get_rank(group)
+        # Held weakly: torch's registry owns the group (see wrapper.groups.control_group).
+        self._control = weakref.ref(control) if control is not None else None
+        self.sync, self.usage = sync, usage
+        # As torch DDP: without find_unused_parameters no step sends anything but gradients (a used exchange
+        # every step made small models' steps slower than torch DDP's:
+        # docs/benchmarks.md#figures-behind-the-codes-comments).
+        self.find_unused = find_unused
+        self.pending_error: RuntimeError | None = None  # raised at the next forward with grad (torch's timing)
 
-    def finish_backward(self) -> None:
-        raise NotImplementedError
-
-    def _stays_open(self, bw: _Backward) -> bool:
+    def stays_open(self, bw: _Backward) -> bool:
         """Whether this backward's end leaves the step open, as torch DDP's reducer does.
 
         torch launches a bucket once all its parameters are marked ready, across however many backwards
@@ -156,36 +168,33 @@ class UnusedSearch:
         finalises in the backward that readies the last bucket.  So, without ``find_unused_parameters``
         (with it, or with ``static_graph``, the used exchange decides which gradients will not come), a
         backward that left parameters without gradient finishes nothing: a later backward may bring
-        them.  If the next forward with grad comes first, :meth:`raise_pending` ends the step and
-        raises torch's error there, naming the parameters still missing."""
+        them.  If the next forward with grad comes first, the reducer's ``raise_pending`` ends the step
+        and raises torch's error there (:attr:`pending_error`), naming the parameters still missing."""
         if bw.closing or bw.shadow or self.find_unused or self.usage.static_graph or len(bw.order) == len(bw.seen):
             return False
-        bw.queued = False
         self.pending_error = unused_error([i for i, s in enumerate(bw.seen) if not s], self.names, self.rank)
         return True
 
-    def _unsearched_unused(self, bw: _Backward) -> None:
+    def take_pending(self) -> RuntimeError | None:
+        """The error to raise at this forward (once), or None; a further backward clears it (:meth:`clear`)."""
+        error, self.pending_error = self.pending_error, None
+        return error
+
+    def clear(self) -> None:
+        """A further backward of an open step: it may yet bring the missing gradients."""
+        self.pending_error = None
+
+    def unsearched_unused(self, bw: _Backward) -> RuntimeError:
         """Parameters this backward gave no gradient without ``find_unused_parameters``: torch's error at
-        the next forward; a ``.grad`` that was ``None`` stays ``None``, as torch leaves it (e.g. a
-        ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
+        the next forward (returned too); a ``.grad`` that was ``None`` stays ``None``, as torch leaves it
+        (e.g. a ``torch.func.functional_call`` with other tensors in place of the module's parameters)."""
         unused = [i for i, seen in enumerate(bw.seen) if not seen]
-        self.pending_error = unused_error(unused, self.names, dist.get_rank(self.group))
-        self.last_error = str(self.pending_error)
+        self.pending_error = error = unused_error(unused, self.names, self.rank)
         for i in self.sync.untouched([i for i in unused if self.usage.fresh[i]]):
             self.params[i].grad = None
+        return error
 
-    def raise_pending(self) -> None:
-        """At a forward with grad: the error of the previous synchronised backward, once (torch raises it
-        there; the step itself completed, so a caller that catches it may go on)."""
-        bw = self.backward
-        if bw is not None and not bw.queued:  # a step left open for a further backward that never came
-            bw.closing = True
-            self.finish_backward()  # the same collectives as a rank whose backward had every gradient
-        error, self.pending_error = self.pending_error, None
-        if error is not None:
-            raise error
-
-    def _start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
+    def start_used_exchange(self, bw: _Backward) -> tuple[dist.Work, torch.Tensor] | None:
         if self.find_unused and not self.usage.static_graph:
             with torch.profiler.record_function("search_unused_parameters"):  # torch's profiler event name
                 return self.usage.start_exchange(self._exchange_group, self.params[0].device, bw.stats)
@@ -201,7 +210,7 @@ class UnusedSearch:
             raise RuntimeError("gradientflow: CSC's control process group was destroyed while the model is in use")
         return group
 
-    def _release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
+    def release_unused(self, used: tuple[dist.Work, torch.Tensor] | None) -> None:
         """Give ``.grad = None`` back to parameters no rank used whose ``.grad`` was ``None``."""
         candidates = self.usage.unused_fresh(used, self.watchdog)
         if candidates:

@@ -63,7 +63,8 @@ class DenseSync(SyncStrategy):
         """Step 1's division, folded into the copy of a fresh gradient into the pool (one pass, not two)."""
         if self._plain_divide and grad.dtype is torch.float32:
             # divide()'s own first branch without its frame (once per parameter per step), by a 0-dim fp32
-            # tensor: the same fp32 quotient bit for bit (tests/test_precision.py), 1.6 us a call against 2.7
+            # tensor: the same fp32 quotient bit for bit (tests/test_precision.py), cheaper a call than a Python
+            # int divisor (measured: docs/benchmarks.md, per-step fixed cost on small models)
             torch.div(grad, self._divisor32, out=out)
         else:
             divide(grad, self.world_size, self.wire_dtype, out=out)

@@ -1,7 +1,7 @@
 """Optimizer settings CSC is measured to handle badly: what ``check_optimizer`` warns about.
 
 A pure function of the optimizer's parameter groups and two CSC options, so the wrapper can run it
-at every optimizer's first ``step()`` (see ``DistributedDataParallel._gf_watch_optimizers``) and a
+at every optimizer's first ``step()`` (see ``wrapper.checkpoint.OptimizerWatch``) and a
 test can state each rule without a process group.
 """
 

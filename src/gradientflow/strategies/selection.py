@@ -11,8 +11,8 @@ import math
 import torch
 
 # Rows of a CPU score pass handled per step: ~1M floats (4 MB) stay in cache between the abs and
-# the sum.  On ResNet-50's 25.6M-float pool, one thread, blocked abs+sum takes 5.7 ms where
-# ``vector_norm(ord=1, dim=1)`` takes 14.6 ms and ``abs().sum(1)`` 50 ms (a pool-sized temporary).
+# the sum, faster than ``vector_norm(ord=1, dim=1)`` and than ``abs().sum(1)`` (a pool-sized temporary);
+# measured: docs/benchmarks.md#figures-behind-the-codes-comments.
 _CPU_BLOCK_ELEMENTS = 1 << 20
 
 

@@ -1,7 +1,7 @@
 """``compression="auto"``: dense until the wrapper knows its optimizer, then that optimizer's recipe.
 
 1. At the first ``step()`` of an optimizer holding the model's parameters (the wrapper's optimizer
-   step pre-hook, :meth:`DistributedDataParallel._gf_watch_optimizers`), :func:`note_optimizer`
+   step pre-hook, :meth:`checkpoint.OptimizerWatch`), :func:`note_optimizer`
    records the recipe for its class (:func:`gradientflow.strategies.recipes.recipe_for_optimizer`).
    Step 0's gradients were averaged densely in fp32, exactly as torch DDP does.
 2. At the next synchronised forward (:func:`switch_if_chosen`; not inside the optimizer hook, where

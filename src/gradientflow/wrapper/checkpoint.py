@@ -1,7 +1,9 @@
 """Checkpoints of the wrapper: pickling/deepcopy (as torch DDP: the group and the engine are rebuilt),
 the communication state (CSC residuals) beside the model, and the optimizer-facing checks.
 
-A mixin of :class:`gradientflow.DistributedDataParallel`, split out of ``ddp.py`` by idea.
+A mixin of :class:`gradientflow.DistributedDataParallel`, split out of ``ddp.py`` by idea, that sets no attribute
+of the wrapper: its own state (the optimizer hook, the optimizers checked, the grad scaler) is an
+:class:`OptimizerWatch` the wrapper holds (``model._gf_optimizers``, made anew with each engine).
 """
 
 from __future__ import annotations
@@ -12,45 +14,54 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from ..engine import comm_state
 from . import auto
 from .surface import WrapperSurface
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
-_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto"}
+_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto", "_gf_torch"}
 
 
-class Checkpointing(WrapperSurface):
-    def _gf_watch_optimizers(self) -> None:
-        """CSC: run :meth:`check_optimizer` on every optimizer that steps this model's parameters, at its
-        first ``step()``, so the measured pitfalls are reported without the user knowing the method.
+class OptimizerWatch:
+    """CSC: run :meth:`Checkpointing.check_optimizer` on every optimizer that steps this model's parameters, at
+    its first ``step()``, so the measured pitfalls are reported without the user knowing the method; and the
+    grad scaler registered, which a rebuilt engine keeps.
 
-        One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it;
-        after an optimizer's first step it costs one WeakSet lookup per step.
-        """
-        old = self.__dict__.get("_gf_optimizer_hook")
-        if old is not None:
-            old.remove()
-        self._gf_optimizer_hook = None
-        self._gf_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        if not (self.config.sparse or self._gf_auto.requested):
+    One global optimizer step pre-hook (torch's), holding the wrapper weakly and removed with it (or with the
+    next engine's watch, ``old``); after an optimizer's first step it costs one WeakSet lookup per step.
+    """
+
+    def __init__(self, model: Checkpointing, old: OptimizerWatch | None) -> None:
+        if old is not None and old.hook is not None:
+            old.hook.remove()
+        self.scaler: Any = old.scaler if old is not None else None  # register_grad_scaler's
+        self.checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.hook: RemovableHandle | None = None
+        if not (model.config.sparse or model._gf_auto.requested):
             return  # check_optimizer has nothing to say about dense or quantised synchronisation
-        me = weakref.ref(self)
+        me = weakref.ref(model)
+        checked = self.checked
 
         def first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             model = me()
-            if model is None or optimizer in model._gf_checked_optimizers:
+            if model is None or optimizer in checked:
                 return
-            model._gf_checked_optimizers.add(optimizer)
+            checked.add(optimizer)
             own = {id(p) for p in model._gf_params}
             if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
                 model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
                 auto.note_optimizer(model, optimizer, stacklevel=3)  # the user's optimizer.step() line
 
-        handle = register_optimizer_step_pre_hook(first_step)
-        weakref.finalize(self, handle.remove)
-        self._gf_optimizer_hook = handle
+        self.hook = register_optimizer_step_pre_hook(first_step)
+        weakref.finalize(model, self.hook.remove)
+
+
+class Checkpointing(WrapperSurface):
+    """Pickling, the communication state, and the optimizer-facing checks (mixed into the wrapper)."""
+
+    _gf_optimizers: OptimizerWatch  # made by ddp.py with each engine
 
     def __getstate__(self) -> dict[str, Any]:
         """As torch DDP: the process group and the engine are not pickled (rebuilt on load)."""
@@ -98,7 +109,7 @@ class Checkpointing(WrapperSurface):
 
         Without it CSC assumes a loss scale of 1.  Dense communication does not need it.
         """
-        self._gf_scaler = scaler
+        self._gf_optimizers.scaler = scaler
         self._gf_engine.register_grad_scaler(scaler)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -107,5 +118,5 @@ class Checkpointing(WrapperSurface):
 
         Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
         calling it first (to see the warnings before training) keeps that from repeating them."""
-        self._gf_checked_optimizers.add(optimizer)
+        self._gf_optimizers.checked.add(optimizer)
         self._gf_engine.sync.check_optimizer(optimizer)

@@ -30,7 +30,7 @@ from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
 from . import auto, compat, nested
-from .checkpoint import Checkpointing
+from .checkpoint import Checkpointing, OptimizerWatch
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
 from .groups import control_group, layout_stats, node_groups, resolved_topology
@@ -38,7 +38,7 @@ from .join import GradientFlowJoinHook, common_rank
 from .nested import Nesting
 from .shutdown import end_groups_at_exit
 from .sparse_grads import SparseGradSync
-from .torch_api import TorchDDPAPI
+from .torch_api import TorchDDPAPI, TorchRegistrations
 from .torch_class import TorchDDPClass
 
 
@@ -181,7 +181,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self.device_mesh = a["device_mesh"]
         self.bucket_cap_mb_list = a["bucket_cap_mb_list"]
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in self.bucket_cap_mb_list or []]
-        self._gf_divide_by_initial_world_size = True
+        self._gf_torch = TorchRegistrations()
         self._gf_device = settings.device
         self._gf_ignored = nested.ignored(module)
         self._gf_settings = settings
@@ -209,10 +209,6 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self._gf_world_size = dist.get_world_size(group)
         self._gf_src = dist.get_global_rank(group, 0)
 
-    def _gf_control_group(self) -> dist.ProcessGroup:
-        """A second group over the same ranks (created once per wrapper, see :mod:`.groups`)."""
-        return control_group(self)
-
     def _gf_collect_tensors(self) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if n not in self._gf_ignored]
         sparse = sparse_gradient_params(self.module)  # torch DDP syncs these apart, one allreduce each
@@ -230,10 +226,10 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         old = self.__dict__.get("_gf_engine")
         if old is not None:
             old.remove_hooks()
-        hooked = self.__dict__.get("_gf_comm_hook") is not None
+        hooked = self._gf_torch.comm_hook is not None
         # A hook's then() callbacks issue collectives from the backend's threads (PowerSGD: P, then Q):
         # the used exchange, issued before the hooks' futures are waited for, must not share their group.
-        control = self._gf_control_group() if self.config.needs_control_group or hooked else None
+        control = control_group(self) if self.config.needs_control_group or hooked else None  # once per wrapper
         if hooked:
             make_sync = self._gf_make_sync()
         else:
@@ -249,16 +245,16 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             order,
             make_sync,
             find_unused=self.find_unused_parameters,
+            layout_final=layout_final,
+            totals=old.totals if old is not None else None,  # the run's, since construction
         )
-        self._gf_engine.layout_final = layout_final
-        self._gf_engine.totals = old.totals if old is not None else self._gf_engine.totals  # since construction
-        if getattr(self, "_gf_scaler", None) is not None:  # a rebuild (after .to()) keeps the registration
-            self._gf_engine.register_grad_scaler(self._gf_scaler)
-        self._gf_watch_optimizers()
+        self._gf_optimizers = OptimizerWatch(self, self.__dict__.get("_gf_optimizers"))
+        if self._gf_optimizers.scaler is not None:  # a rebuild (after .to()) keeps the registration
+            self._gf_engine.register_grad_scaler(self._gf_optimizers.scaler)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._gf_engine.pending_error is not None and torch.is_grad_enabled():
+        if self._gf_engine.unused.pending_error is not None and torch.is_grad_enabled():
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._gf_engine.forward_started(sync)  # frees last step's fresh gradients; torch's runtime logging
@@ -291,8 +287,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
                 )
         if self._join_config.enable:
             work = Join.notify_join_context(self)
-            if work is not None and not self._gf_divide_by_initial_world_size:
-                self._gf_engine.after_step = self._gf_rescale_by_active(work)
+            if work is not None and not self._gf_torch.divide_by_initial_world_size:
+                self._gf_engine.call_after_step(self._gf_rescale_by_active(work))
         auto.switch_if_chosen(self)
 
     def _gf_syncs_buffers(self) -> bool:
@@ -312,7 +308,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     @torch.compiler.disable
     def _gf_sync_buffers(self, post_forward: bool) -> None:
         """Before forward (or after it, with a post-forward buffer hook): the buffer broadcast, or the user's hook."""
-        hook = self.__dict__.get("_gf_buffer_hook")
+        hook = self._gf_torch.buffer_hook
         if hook is None:
             if not post_forward:
                 self._gf_broadcast_buffers(active=True)
@@ -352,6 +348,25 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     @property
     def join_process_group(self) -> Any:
         return self.process_group
+
+    # ---- torch DDP's attributes that its methods change (set here, where the others are) -------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13 DDP)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction (before the first backward, as torch requires)."""
+        if self._gf_engine.watchdog.step > 0:
+            msg = "_set_static_graph() should be called before training loop starts (after wrapping the model)"
+            self._gf_engine.runtime.note_error(msg)
+            raise RuntimeError(msg)
+        self.static_graph = True
+        self._gf_engine.usage.make_static()
 
     # ---- nn.Module plumbing: device/dtype changes, copies, pickling ------------------------
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:

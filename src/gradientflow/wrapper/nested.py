@@ -45,7 +45,7 @@ def check_wrap(module: nn.Module, config: GradientFlowConfig) -> None:
         inner_config: GradientFlowConfig = module.__dict__["config"]
         reasons = [f"the inner model's {r}" for r in _compresses(inner_config)]
         reasons += [f"the outer's {r}" for r in _compresses(config)]
-        if module.__dict__.get("_gf_comm_hook") is not None:
+        if module.__dict__["_gf_torch"].comm_hook is not None:
             reasons.append("the inner model's communication hook")
         if module.__dict__.get("_gf_ignored"):
             reasons.append("parameters the inner model ignores (torch's outer DDP would synchronise them)")

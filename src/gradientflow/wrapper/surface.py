@@ -32,6 +32,8 @@ class WrapperSurface:
     output_device: Any
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
+    forward_sync_buffers: bool
+    static_graph: bool
     # gradientflow's
     config: GradientFlowConfig
     _gf_engine: Reducer

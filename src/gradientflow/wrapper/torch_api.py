@@ -1,8 +1,9 @@
 """torch DDP's semi-private surface on gradientflow's wrapper: what tests, Lightning and accelerate call.
 
-A mixin of :class:`gradientflow.DistributedDataParallel`.  Each method keeps torch DDP's name,
-signature and meaning where this engine has the same concept; the ones left out (torch's
-reducer internals with no counterpart here) are listed with their reason in
+A mixin of :class:`gradientflow.DistributedDataParallel` that sets no attribute of the wrapper: what torch's
+registration methods record lives in the wrapper's :class:`TorchRegistrations` (``model._gf_torch``).
+Each method keeps torch DDP's name, signature and meaning where this engine has the same concept; the ones
+left out (torch's reducer internals with no counterpart here) are listed with their reason in
 ``docs/torch-ddp-suite.md``.
 """
 
@@ -28,7 +29,7 @@ class _ReducerView:
 
     def prepare_for_backward(self, outputs: Any = None) -> None:
         """The next backward synchronises (accelerate's ``trigger_sync_in_backward`` after a ``no_sync`` forward)."""
-        self._ddp._gf_engine.sync_this_backward = True
+        self._ddp._gf_engine.sync_next_backward()
 
     def prepare_for_forward(self) -> None:
         """Nothing to prepare: the engine arms itself at every forward."""
@@ -57,8 +58,31 @@ class _ReducerView:
         return self._ddp._gf_engine.usage.graph_static
 
 
+class TorchRegistrations:
+    """What torch DDP's registration methods recorded on one wrapper: communication hooks, ``join``'s divisor,
+    the logging sample rate and sink flag.  Pickled without the hooks, as torch DDP drops them with its reducer."""
+
+    def __init__(self) -> None:
+        self.comm_hook: tuple[object, CommHook] | None = None  # (state, hook) of register_comm_hook
+        self.comm_hook_name: str | None = None  # a builtin hook's type, for torch's logging data
+        self.buffer_hook: tuple[Any, Any, bool] | None = None  # (state, hook, runs before forward)
+        self.divide_by_initial_world_size = True  # join(): joined ranks count in the divisor (torch's default)
+        self.logging_sample_rate: int | None = (
+            None  # as set (None: torch's default); the engine's RuntimeLog samples at it
+        )
+        self.sink_clone = True  # recorded only: gradientflow has no _DDPSink to clone outputs
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("comm_hook", "comm_hook_name", "buffer_hook")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**TorchRegistrations().__dict__, **state})  # the defaults, then what was pickled
+
+
 class TorchDDPAPI(WrapperSurface):
     """torch DDP's methods and attributes beyond ``forward``/``no_sync`` (mixed into the wrapper)."""
+
+    _gf_torch: TorchRegistrations  # made by ddp.py at construction
 
     # torch DDP: 250 MiB per coalesced broadcast of parameters and buffers
     broadcast_bucket_size: int = int(250 * 1024 * 1024)
@@ -72,7 +96,7 @@ class TorchDDPAPI(WrapperSurface):
         ``divide_by_initial_world_size=True`` (DDP's default): joined ranks contribute zero to a sum
         divided by the initial world size; ``False``: by the number of ranks still training.
         """
-        self._gf_divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        self._gf_torch.divide_by_initial_world_size = bool(divide_by_initial_world_size)
         return Join([cast(Joinable, self)], enable, throw_on_early_termination)  # the wrapper is Joinable
 
     # ---- communication hooks ----------------------------------------------------------------
@@ -99,9 +123,9 @@ class TorchDDPAPI(WrapperSurface):
         """
         if not callable(hook):
             msg = f"Communication hook must be callable, got {type(hook).__name__}"
-            self._gf_engine.last_error = msg  # torch DDP's logging data reports it
+            self._gf_engine.runtime.note_error(msg)  # torch DDP's logging data reports it
             raise TypeError(msg)
-        if self.__dict__.get("_gf_comm_hook") is not None:
+        if self._gf_torch.comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._gf_refuse_if_nested("register_comm_hook")
         cfg = self.config
@@ -115,16 +139,17 @@ class TorchDDPAPI(WrapperSurface):
             raise RuntimeError(
                 "register_comm_hook must be called before the first synchronised backward (as in torch DDP)."
             )
-        self._gf_comm_hook = (state, hook)
+        self._gf_torch.comm_hook = (state, hook)
         self._gf_build_engine(order=None)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """``dist.BuiltinCommHookType.ALLREDUCE`` / ``FP16_COMPRESS``: torch's Python hooks of the same numerics."""
         self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
-        self._gf_comm_hook_name = str(comm_hook_type)
+        self._gf_torch.comm_hook_name = str(comm_hook_type)
 
     def _gf_make_sync(self) -> Any:
-        state, hook = self._gf_comm_hook
+        assert self._gf_torch.comm_hook is not None  # called only when a hook is registered
+        state, hook = self._gf_torch.comm_hook
         return make_hook_sync(self._gf_params, state, hook)
 
     def _register_buffer_comm_hook(self, state: Any, hook: Any, comm_hook_location: Any = None) -> None:
@@ -133,7 +158,7 @@ class TorchDDPAPI(WrapperSurface):
         from torch.nn.parallel.distributed import _BufferCommHookLocation  # noqa: PLC0415
 
         location = comm_hook_location if comm_hook_location is not None else _BufferCommHookLocation.POST_FORWARD
-        self._gf_buffer_hook = (state, hook, location == _BufferCommHookLocation.PRE_FORWARD)
+        self._gf_torch.buffer_hook = (state, hook, location == _BufferCommHookLocation.PRE_FORWARD)
 
     # ---- graph and parameters -------------------------------------------------------------
     @staticmethod
@@ -147,15 +172,6 @@ class TorchDDPAPI(WrapperSurface):
         for name, buffer in module.named_buffers():
             if name in names:
                 buffer._ddp_ignored = True  # type: ignore[attr-defined]
-
-    def _set_static_graph(self) -> None:
-        """``static_graph=True`` after construction (before the first backward, as torch requires)."""
-        if self._gf_engine.watchdog.step > 0:
-            msg = "_set_static_graph() should be called before training loop starts (after wrapping the model)"
-            self._gf_engine.last_error = msg
-            raise RuntimeError(msg)
-        self.static_graph = True
-        self._gf_engine.usage.static_graph = True
 
     def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
         """The synchronised parameters in registration order, and whether each expects a sparse gradient."""
@@ -231,14 +247,14 @@ class TorchDDPAPI(WrapperSurface):
                 "DDP runtime logging sample rate should be equal or greater than 1, but got "
                 f"{sample_rate}: set it to 1 or more."
             )
-        self._gf_logging_sample_rate = int(sample_rate)
-        self._gf_engine.runtime.sample_rate = int(sample_rate)
+        self._gf_torch.logging_sample_rate = int(sample_rate)
+        self._gf_engine.runtime.set_sample_rate(sample_rate)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's construction-time logging fields with this model's values, plus the last step's counters."""
         params = self._gf_params
         layout = self._gf_engine.pool.layout
-        hook = self.__dict__.get("_gf_comm_hook")
+        hook = self._gf_torch.comm_hook
         data: dict[str, Any] = {
             "module_name": type(self.module).__name__,
             "device_ids": ",".join(map(str, self.device_ids or [])),
@@ -271,28 +287,17 @@ class TorchDDPAPI(WrapperSurface):
             **self._gf_engine.runtime.fields,
         }
         if hook is not None:
-            data["comm_hook"] = self.__dict__.get("_gf_comm_hook_name") or getattr(
-                hook[1], "__qualname__", str(hook[1])
-            )
-        error = self._gf_engine.last_error
+            data["comm_hook"] = self._gf_torch.comm_hook_name or getattr(hook[1], "__qualname__", str(hook[1]))
+        error = self._gf_engine.runtime.last_error
         data.update({"has_error": int(bool(error)), "error": error})
         data.update({f"gradientflow_{k}": v for k, v in self.comm_stats().items()})
         return data
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Accepted: torch's ``_DDPSink`` clones outputs; gradientflow has no such autograd node (nothing to clone)."""
-        self._gf_sink_clone = bool(val)
+        self._gf_torch.sink_clone = bool(val)
 
     # ---- torch DDP properties -------------------------------------------------------------
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13 DDP)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """Read by torch DDP when it wraps a module: wrapping this wrapper again would average twice."""

@@ -66,8 +66,14 @@ def _multigpu_helper(world_size: int, backend: str) -> dict[int, list[int]]:
     return {r: [r] for r in range(world_size)}
 
 
+def _patch(owner: object, name: str, value: object) -> None:
+    """Replace ``owner.name`` at run time (torch's test modules, ``torch.cuda``): a patch, which the type
+    checker would read as an assignment to a method or a class of another type."""
+    setattr(owner, name, value)
+
+
 _dt.init_multigpu_helper = _multigpu_helper
-_barrier_sync = _dt.Barrier.sync.__func__
+_barrier_sync = _dt.Barrier.__dict__["sync"].__func__  # the classmethod's function, called with our cls
 
 
 def _patient_barrier(cls: type, wait_for: int | None = None, timeout: float = 10) -> None:
@@ -76,7 +82,7 @@ def _patient_barrier(cls: type, wait_for: int | None = None, timeout: float = 10
     _barrier_sync(cls, wait_for, max(timeout, 120))
 
 
-_dt.Barrier.sync = classmethod(_patient_barrier)
+_patch(_dt.Barrier, "sync", classmethod(_patient_barrier))
 
 
 def _cpu_device(d: Any) -> Any:
@@ -110,7 +116,7 @@ def _map_cuda_to_cpu() -> None:
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: 0
-    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
+    _patch(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
     CudaOnCpu().__enter__()  # for the rest of this rank's life
 
 
@@ -122,8 +128,8 @@ class TorchDDPOnCpu(torch.nn.parallel.DistributedDataParallel):
 
 
 def _substitute(cls: type) -> None:
-    _dt.DistributedDataParallel = cls
-    torch.nn.parallel.DistributedDataParallel = cls
+    _patch(_dt, "DistributedDataParallel", cls)
+    _patch(torch.nn.parallel, "DistributedDataParallel", cls)
 
 
 class _Base(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
@@ -139,9 +145,11 @@ class _Base(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
         _substitute(TorchDDPOnCpu)
 
     @classmethod
-    def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kwargs: Any) -> None:
+    def _run(cls, *args: Any, **kwargs: Any) -> None:
+        """A spawned rank: ``(rank, test_name, file_name, pipe)`` as torch passes them (its two bases name the
+        pipe differently), after the CPU mapping."""
         cls._prepare_rank()
-        super()._run(rank, test_name, file_name, pipe, **kwargs)
+        super()._run(*args, **kwargs)
 
 
 class TorchDDP(_Base):
