@@ -16,20 +16,17 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      own, :class:`~gradientflow.strategies.scorer.ChunkScorer`); elsewhere a score pass runs in the
      launch of the bucket that completes the chunk, so scoring runs while backward goes on.
   3. Exchange scores and select: the scores of a *slice* of chunks are SUM-allreduced, and each
-     slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower
-     index, so every rank picks the same chunks from the same global scores).
+     slice sends its top ``ceil(density * its chunks)`` (stable sort: ties go to the lower index, so
+     every rank picks the same chunks from the same global scores).
      ``csc_scope="slice"`` (default): a slice is the chunks one bucket launch completed; its
      scores travel while backward goes on, on a process group of their own (the *control*
      group: a few KB never queue behind megabytes of chunks), and its chunks are packed and
      sent at the first gradient hook that finds the scores arrived (:meth:`SparseSync.progress`,
-     called by the engine after every parameter), so the wire hides under backward
-     and backward never waits for a slower peer.  ``"global"`` (the paper): one slice per pool
-     buffer, exchanged and selected after backward, one packed allreduce.
-  4. Send: the selected rows of v are gathered into one packed buffer per slice and allreduced
-     through :class:`~gradientflow.strategies.dense.DenseSync` (pre-divided, cast to the wire dtype).
-  5. Write back, after one host read (the step's only one: is everything finite?): the pool is
-     zeroed, gets the reduced chunks, and the sent chunks leave v and u (momentum factor
-     masking).  ``.grad`` point at the pool again, ready for the optimizer.
+     called by the engine after every parameter), so the wire hides under backward and backward never
+     waits for a slower peer.  ``"global"`` (the paper): one slice per pool buffer, after backward.
+  4. Send: the selected rows of v, packed per slice, allreduced by :class:`~.dense.DenseSync` (pre-divided, cast).
+  5. Write back, after one host read (the step's only one: is everything finite?): the pool is zeroed, gets
+     the reduced chunks, the sent chunks leave v and u (momentum factor masking); ``.grad`` view the pool.
   6. Warm-up: step t of the first ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks
      (:func:`~.selection.density_at`); a step that would be no fewer bytes than a dense one (step 0 among them,
      :func:`~.selection.dense_from`) is a plain dense step on the pool, v and u untouched.
@@ -41,8 +38,8 @@ step everywhere; nothing is masked (the chunks are sent again later), non-finite
 to 0, and the finite part of the local gradient stays in the residual (delayed, not lost).
 
 Momentum correction (``momentum > 0``) is applied here: the optimizer must NOT apply momentum again (warned).
-Passes over the whole pool per step: the accumulation into v (and the score pass where it cannot fold the
-scores in); everything else touches only the selected chunks (``comm_stats()``'s ``phase_*_s``).
+Passes over the whole pool per step: the accumulation into v (and the score pass where it cannot fold the scores
+in); everything else touches only the selected chunks (``comm_stats()``'s ``phase_*_s``).
 """
 
 from __future__ import annotations
@@ -143,10 +140,6 @@ class SparseSync(SyncStrategy):
         self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
         self._in_step = False
         self._writer.forget()
-        # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded to whole shards)
-        self._wire_buffers = {
-            b.device: functools.partial(self.dense.wire_buffer, device=b.device) for b in pool.buffers
-        }
 
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         """Follow the engine's one-time re-layout: move u and v into the new pool's layout."""
@@ -306,7 +299,8 @@ class SparseSync(SyncStrategy):
         sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
         rows = self._res.rows(sl.pool)
-        take = self._wire_buffers[rows.device]
+        # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded to whole shards)
+        take = functools.partial(self.dense.wire_buffer, device=rows.device)
         pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)

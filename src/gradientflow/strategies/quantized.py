@@ -109,14 +109,13 @@ class QuantizedSync(SyncStrategy):
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
-        self.res: Residuals | None = None  # allocated at the first step (two-level: a ShardResiduals, 1/G the size)
+        self.res: Residuals | ShardResiduals | None = None  # allocated at the first step (two-level: 1/G the size)
         self.step = 0
         self._scaler: Any = None
         self._queue: deque[_Pending] = deque()
         self._in_step = False
         # Nodes of several ranks: the ring between nodes only, on each rank's shard (quantized_nodes.py)
         self._nodes = NodeQuantizer(nodes, block, watchdog) if nodes is not None else None
-        self._groups = nodes
         self.topology = nodes.topology.name if nodes is not None else "flat"
         # Two-level, after the pool was re-laid out (or a residual loaded with some off this rank's shards): the
         # residual in the pool's layout, added whole to the next step's contributions (before the
@@ -126,12 +125,12 @@ class QuantizedSync(SyncStrategy):
     # ---- layout and state -----------------------------------------------------------------
     def relayout(self, old_layout: Layout, new_pool: GradPool) -> None:
         self.pool = new_pool
-        if isinstance(self.res, ShardResiduals):
+        if isinstance(self.res, ShardResiduals) and self._nodes is not None:
             # the buckets' shards now cover other elements: the residual goes into the next step's contribution
             self._fold = self._full_residual().moved_to(new_pool.layout)
-            self.res = self._shard_residuals()
-            self.res.scale = self._fold.scale
-        elif self.res is not None:
+            self.res = self._nodes.residuals(new_pool.layout)
+            self.res.store.scale = self._fold.scale
+        elif isinstance(self.res, Residuals):
             self.res = self.res.moved_to(new_pool.layout)
         if self.sq is not None:
             self.sq = self.sq.moved_to(new_pool.layout)
@@ -149,27 +148,16 @@ class QuantizedSync(SyncStrategy):
         divide(grad, self.world_size, None, out=out)
         return True
 
-    def _shard_residuals(self) -> ShardResiduals:
-        assert self._groups is not None
-        return ShardResiduals(self.pool.layout, self._groups, self.block)
-
     def _full_residual(self) -> Residuals:
         """The residual in the pool's layout (two-level: the shards expanded, plus a pending fold); new memory."""
         assert self.res is not None
-        if not isinstance(self.res, ShardResiduals):
-            return self.res
-        full = self.res.expanded()
-        if self._fold is not None:
-            for t, f in zip(full.v, self._fold.v):
-                t.add_(f)  # the same units: rescaled together
-        return full
+        return self.res.expanded(plus=self._fold) if isinstance(self.res, ShardResiduals) else self.res
 
     def _begin_step(self) -> None:
-        if self.res is None:
-            if self._nodes is not None:
-                self.res = self._shard_residuals()
-            else:
-                self.res = Residuals(self.pool.layout, 1, False, self._shapes)
+        if self.res is None and self._nodes is not None:
+            self.res = self._nodes.residuals(self.pool.layout)
+        elif self.res is None:
+            self.res = Residuals(self.pool.layout, 1, False, self._shapes)
         scale = loss_scale(self._scaler)
         self.res.rescale(scale)
         if self._fold is not None:
@@ -401,7 +389,7 @@ class QuantizedSync(SyncStrategy):
             self.res = Residuals(self.pool.layout, 1, False, self._shapes)
             self.res.load(state)
             if self._nodes is not None:  # keep this rank's shards; anything off them goes into the next step
-                full, self.res = self.res, self._shard_residuals()
+                full, self.res = self.res, self._nodes.residuals(self.pool.layout)
                 if self.res.take(full):
                     self._fold = full
         self.sq = None

@@ -39,19 +39,17 @@ from ..engine.pool import Bucket, Layout, Scratch
 from .residual import Residuals
 
 
-class ShardResiduals(Residuals):
+class ShardResiduals:
     """Two-level error feedback: per pool, this rank's shard of each of its buckets, back to back.
 
     ``v[k]`` holds pool ``k``'s buckets' shards in bucket order (fp32, ``two_level_plan(...).shard``
-    elements each, the padding included and kept at zero); :meth:`shard` is one bucket's.  Scaling
-    (:meth:`rescale`, :meth:`clean`) is :class:`Residuals`'; :meth:`expanded` / :meth:`take` convert from
-    and to the pool's layout (checkpoints, the re-layout)."""
+    elements each, the padding included and kept at zero); :meth:`shard` is one bucket's.  The buffers are a
+    :class:`Residuals` of the shards' sizes (its loss-scale units, :meth:`rescale` and :meth:`clean`);
+    :meth:`expanded` / :meth:`take` convert from and to the pool's layout (checkpoints, the re-layout)."""
 
-    def __init__(self, layout: Layout, groups: NodeGroups, block: int) -> None:  # noqa: D107 - no super(): no views
+    def __init__(self, layout: Layout, groups: NodeGroups, block: int) -> None:  # noqa: D107
         topo = groups.topology
-        self.layout, self.chunk_size, self._shapes, self.param_views = layout, 1, [], []
-        self.u = None
-        self.scale = 1.0
+        self.layout = layout
         # bucket index -> (pool, offset in v[pool], shard length k, first element a in the bucket, real length m)
         self.spans: dict[int, tuple[int, int, int, int, int]] = {}
         sizes = [0] * len(layout.sizes)
@@ -60,9 +58,21 @@ class ShardResiduals(Residuals):
             a, end = plan.bounds[groups.local]
             self.spans[b.index] = (b.pool, sizes[b.pool], plan.shard, a, max(0, min(end, b.numel) - a))
             sizes[b.pool] += plan.shard
-        self.sizes = sizes
-        self.n_chunks = list(sizes)
-        self.v = [torch.zeros(n, dtype=torch.float32, device=device) for n, (_, device) in zip(sizes, layout.keys)]
+        self.store = Residuals(layout, 1, False, [], sizes=sizes)
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.store.v
+
+    @property
+    def scale(self) -> float | torch.Tensor:
+        return self.store.scale
+
+    def rescale(self, scale: float | torch.Tensor) -> None:
+        self.store.rescale(scale)
+
+    def clean(self) -> None:
+        self.store.clean()
 
     def shard(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
         """The bucket's shard of the residual (the ring's ``err``, written in place) and its real length."""
@@ -75,18 +85,21 @@ class ShardResiduals(Residuals):
             k, off, _n, a, m = self.spans[b.index]
             yield k, off, m, b.start + a
 
-    def expanded(self) -> Residuals:
-        """The residual in the pool's layout (zero off this rank's shards), in the same units: a new buffer."""
+    def expanded(self, plus: Residuals | None = None) -> Residuals:
+        """The residual in the pool's layout (zero off this rank's shards), in the same units: a new buffer;
+        ``plus``: a residual already in the pool's layout and these units (a pending fold), added."""
         full = Residuals(self.layout, 1, False, [])
-        full.scale = self.scale
+        full.scale = self.store.scale
         for k, off, m, at in self._regions():
             full.v[k][at : at + m].copy_(self.v[k][off : off + m])
+        for t, f in zip(full.v, plus.v if plus is not None else []):
+            t.add_(f)
         return full
 
     def take(self, full: Residuals) -> bool:
         """Move this rank's shards out of ``full`` (the pool's layout, same units) into these buffers, zeroing
         them there; return whether anything is left in ``full`` (residual off the shards: a host read)."""
-        self.scale = full.scale
+        self.store.scale = full.scale
         for k, off, m, at in self._regions():
             self.v[k][off : off + m].copy_(full.v[k][at : at + m])
             full.v[k][at : at + m].zero_()
@@ -140,6 +153,10 @@ class NodeQuantizer:
         # posting order the same on every rank (as the flat recipe from 3 ranks).
         self.pipeline = TwoLevelPipeline(groups, self._start_ring, serial=groups.topology.nodes > 2, watchdog=watchdog)
         self.scratch: Scratch | None = None
+
+    def residuals(self, layout: Layout) -> ShardResiduals:
+        """Empty error feedback for ``layout``: this rank's shard of each bucket (1/G of the pool)."""
+        return ShardResiduals(layout, self.groups, self.block)
 
     def start(
         self,

@@ -33,10 +33,19 @@ def residual_dtype(pool_dtype: torch.dtype) -> torch.dtype:
 class Residuals:
     """v (and u) for one pool layout, padded to whole chunks, in units of ``scale``."""
 
-    def __init__(self, layout: Layout, chunk_size: int, momentum: bool, shapes: Sequence[torch.Size]) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        chunk_size: int,
+        momentum: bool,
+        shapes: Sequence[torch.Size],
+        sizes: Sequence[int] | None = None,
+    ) -> None:
+        """``sizes``: elements per pool buffer, if not the layout's (two-level: this rank's shards); ``shapes``: the
+        parameters' shapes for :attr:`param_views` (empty: no views)."""
         self.layout = layout
         self.chunk_size = chunk_size
-        self.sizes = list(layout.sizes)
+        self.sizes = list(layout.sizes if sizes is None else sizes)
         self.n_chunks = [math.ceil(s / chunk_size) for s in self.sizes]
         self.v = self._zeros()
         self.u = self._zeros() if momentum else None
