@@ -32,12 +32,26 @@ import torch.nn.functional as F
 from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
 from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.quantize import CODEBOOKS, ZEROLESS
+from gradientflow.strategies.quantized import precondition_root
 
 SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?q(\d)(n)?(?:b(\d+))?")
+MEAN_SIGN = 1  # ``q1``: the sign of each element times the block's mean |x| (the L2-best 1-bit code)
 
 
 def table(bits: int, zeroless: bool) -> torch.Tensor:
     return torch.tensor(ZEROLESS[bits] if zeroless else (0.0, *CODEBOOKS[bits]))
+
+
+def sign_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Decoded values of the 1-bit code: per block of ``block`` a bf16 scale ``mean |x|``, each element
+    ``±scale`` by its sign (0 counts as +): the scaled sign of 1-bit SGD/Adam, whose scale minimises the
+    block's squared error among codes that keep only the sign."""
+    n = x.numel()
+    rows = F.pad(x, (0, (-n) % block)).view(-1, block)
+    cnt = torch.full((rows.shape[0], 1), float(block))
+    cnt[-1] = block - (-n) % block  # the padded tail of the last block is not part of its mean
+    s = (rows.abs().sum(1, keepdim=True) / cnt).bfloat16().float()
+    return torch.where(rows >= 0, s, -s).reshape(-1)[:n]
 
 
 def block_quantize(x: torch.Tensor, lv: torch.Tensor, block: int) -> torch.Tensor:
@@ -62,28 +76,32 @@ class Quant:
             assert m is not None, f"unknown quantiser {spec!r}"
             self.pre = m[1] is not None
             self.beta = float(m[1][3:-1]) if self.pre and len(m[1]) > 4 else pre_beta
-            self.lv = table(int(m[2]), m[3] is not None)
+            self.lv = table(int(m[2]), m[3] is not None) if int(m[2]) > MEAN_SIGN else torch.ones(1)
+            self.sign = int(m[2]) == MEAN_SIGN
             self.block = int(m[4]) if m[4] else 128
             self.bits = int(m[2]) + 16 / self.block
 
     def __call__(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         if self.exact:
             return x.clone()
-        if not self.pre:
-            return block_quantize(x, self.lv, self.block)
-        return (
-            block_quantize(x / r, self.lv, self.block) * r if r is not None else block_quantize(x, self.lv, self.block)
-        )
+        if self.pre and r is not None:
+            return self.code(x / r) * r
+        return self.code(x)
+
+    def code(self, x: torch.Tensor) -> torch.Tensor:
+        return sign_quantize(x, self.block) if self.sign else block_quantize(x, self.lv, self.block)
 
 
 class Variant:
     """``PHASE[>PHASE@step ...]``, a phase ``QUANT[~REGEX=QUANT ...]``: per step range, a quantiser per group of
-    parameters (names matching REGEX; the rest get the first), each group blocked on its own."""
+    parameters (names matching REGEX; the rest get the first), each group blocked on its own.  ``QUANT`` is
+    one quantiser for every message or ``A/B``: from 3 ranks, ``A`` for the reduce-scatter's contributions,
+    ``B`` for the segment sums of the all-gather (two ranks exchange contributions only: ``A``)."""
 
-    def __init__(self, name: str, pre_beta: float, names: list[str], sizes: list[int]) -> None:
-        self.name, self.dense = name, name == "dense"
+    def __init__(self, name: str, pre_beta: float, names: list[str], sizes: list[int], nproc: int = 2) -> None:
+        self.name, self.dense, self.nproc = name, name == "dense", nproc
         n = sum(sizes)
-        self.phases: list[tuple[int, list[tuple[torch.Tensor, Quant]]]] = []
+        self.phases: list[tuple[int, list[tuple[torch.Tensor, Quant, Quant]]]] = []
         for k, phase in enumerate([] if self.dense else name.split(">")):
             start = 0
             if k:
@@ -91,39 +109,61 @@ class Variant:
                 start = int(at)
             first, *rest = phase.split("~")
             owner = torch.zeros(n, dtype=torch.long)
-            quants = [Quant(first, pre_beta)]
+            quants = [self._pair(first, pre_beta)]
             for j, item in enumerate(rest, 1):
                 regex, spec = item.rsplit("=", 1)
-                quants.append(Quant(spec, pre_beta))
+                quants.append(self._pair(spec, pre_beta))
                 off = 0
                 for nm, sz in zip(names, sizes):
                     if re.search(regex, nm):
                         owner[off : off + sz] = j
                     off += sz
-            self.phases.append((start, [(torch.nonzero(owner == j)[:, 0], q) for j, q in enumerate(quants)]))
-        self.err = [torch.zeros(n) for _ in range(2)]
+            self.phases.append((start, [(torch.nonzero(owner == j)[:, 0], *q) for j, q in enumerate(quants)]))
+        self.err = [torch.zeros(n) for _ in range(nproc)]
         self.v: torch.Tensor | None = None
         self.beta = pre_beta
         self.bits_sent = 0.0
 
+    @staticmethod
+    def _pair(spec: str, pre_beta: float) -> tuple[Quant, Quant]:
+        a, _, b = spec.partition("/")
+        return Quant(a, pre_beta), Quant(b or a, pre_beta)
+
     def sync(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
-        n = grads[0].numel()
+        """The averaged gradient every rank's optimizer gets (the library's direct quantised ring)."""
+        n, world = grads[0].numel(), len(grads)
         if self.dense or step == 0:
-            total = (grads[0] + grads[1]) / 2
+            total = sum(grads) / world
             self.bits_sent += 32 * n
         else:
             groups = [g for start, g in self.phases if start <= step][-1]
+            xs = [g / world + e for g, e in zip(grads, self.err)]
+            r = precondition_root(self.v) if self.v is not None else None  # the library's (one bucket)
             total = torch.zeros_like(grads[0])
-            for i, g in enumerate(grads):
-                x = g / 2 + self.err[i]
-                dec = torch.empty_like(x)
-                r = self.v.sqrt() + 1e-12 if self.v is not None else None
-                for idx, q in groups:
-                    dec[idx] = q(x[idx], None if r is None else r[idx])
-                    if i == 0:
-                        self.bits_sent += (32 if q.exact else q.bits) * idx.numel()
-                self.err[i] = x - dec
-                total += dec
+            for idx, qa, qb in groups:
+                ri = None if r is None else r[idx]
+                if world == 2:  # one exchange of whole contributions, the sum never requantised
+                    for i, x in enumerate(xs):
+                        dec = qa(x[idx], ri)
+                        self.err[i][idx] = x[idx] - dec
+                        total[idx] += dec
+                    self.bits_sent += (32 if qa.exact else qa.bits) * idx.numel()
+                    continue
+                # direct reduce-scatter into `world` segments (each owned by one rank), then the owner's sum
+                # quantised once and sent to all (its residual keeps that error too)
+                for j, seg in enumerate(idx.tensor_split(world)):
+                    rs = None if r is None else r[seg]
+                    s = xs[j][seg].clone()
+                    for i in range(world):
+                        if i != j:
+                            dec = qa(xs[i][seg], rs)
+                            self.err[i][seg] = xs[i][seg] - dec
+                            s += dec
+                    out = qb(s, rs)
+                    self.err[j][seg] = s - out
+                    total[seg] = out
+                bits = [32 if q.exact else q.bits for q in (qa, qb)]
+                self.bits_sent += (bits[0] + bits[1]) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
             sq = total.square()
             self.v = sq if self.v is None else self.v.mul_(self.beta).add_(sq, alpha=1 - self.beta)
@@ -136,14 +176,14 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, float]:
     if args.size:
         opts.transformer_size = tuple(int(v) for v in args.size.split("x"))  # type: ignore[assignment]
     job = plan_jobs(opts)[0][0]
-    ranks = [_Data(job, args.seed, r, 2) for r in range(2)]
+    ranks = [_Data(job, args.seed, r, args.nproc) for r in range(args.nproc)]
     model = ranks[0].build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)
     sched = lr_schedule(opt, job)
     batches = [d.batches() for d in ranks]
     names = [nm for nm, p in model.named_parameters() if p.requires_grad]
-    v = Variant(variant, args.pre_beta, names, [p.numel() for p in params])
+    v = Variant(variant, args.pre_beta, names, [p.numel() for p in params], args.nproc)
     for step in range(job.steps):
         grads = []
         for it in batches:
@@ -172,6 +212,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["dense", "q2n", "pre-q2n"])
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--nproc", type=int, default=2, help="ranks emulated (each its own batches, as the bench's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=None, help="AdamW peak LR (default: the bench's)")
     ap.add_argument("--beta2", type=float, default=0.95)
@@ -191,7 +232,7 @@ def main() -> None:
         )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        tag = f"seed{args.seed}_lr{args.lr}_b2{args.beta2}_{args.size or '128x2'}"
+        tag = f"n{args.nproc}_seed{args.seed}_lr{args.lr}_b2{args.beta2}_{args.size or '128x2'}"
         (Path(args.out) / f"{tag}_{int(time.time())}.json").write_text(
             json.dumps({"args": vars(args), "loss": results}, indent=1) + "\n"
         )

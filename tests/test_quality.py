@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from gradientflow.bench.quality import Job, QualityOptions, lr_factor, parse_recipe, plan_jobs
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
@@ -265,3 +266,44 @@ def test_quality_end_to_end_tiny(tmp_path):
         assert (tmp_path / f"quality_{name}.png").stat().st_size > 0
     table = (tmp_path / "table.md").read_text()
     assert "| gf-recommended |" in table and f"| {variant} |" in table and "ratio to ddp" in table
+
+
+def test_second_half_says_whether_the_gap_to_ddp_grows():
+    from gradientflow.bench.quality_report import GAP_SLACK, second_half
+
+    steps = [0, 10, 20, 30, 40]
+    ddp = {"step": steps, "val_loss": [4.0, 2.0, 1.0, 1.0, 1.0], "val_acc": [0.5, 0.8, 0.9, 0.9, 0.9]}
+    # midpoint: step 20 (half of 40); ratios after it 1.010, 1.012, 1.020: worse by 0.010 > 0.005
+    grows = {"step": steps, "val_loss": [4.0, 2.0, 1.01, 1.012, 1.02], "val_acc": ddp["val_acc"]}
+    got = second_half(grows, ddp, "val_loss")
+    assert got["ratio_mid"] == pytest.approx(1.01) and got["ratio_worst_second_half"] == pytest.approx(1.02)
+    assert got["gap_grows"] and GAP_SLACK == 0.005
+    holds = {**grows, "val_loss": [4.0, 2.0, 1.01, 1.014, 1.008]}  # 1.014 - 1.010 = 0.004: within the slack
+    assert not second_half(holds, ddp, "val_loss")["gap_grows"]
+    # accuracy: a ratio falling after the midpoint is the growing gap (0.9/0.9 -> 0.85/0.9)
+    acc = {**grows, "val_acc": [0.5, 0.8, 0.9, 0.9, 0.85]}
+    got = second_half(acc, ddp, "val_acc")
+    assert got["ratio_mid"] == 1.0 and got["ratio_worst_second_half"] == pytest.approx(0.85 / 0.9) and got["gap_grows"]
+    assert second_half(grows, {**ddp, "step": [0, 10, 20, 30, 41]}, "val_loss") == {}  # not the same validations
+
+
+def test_the_sgd_transformer_trains_every_recipe_with_sgd_momentum(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from gradientflow.bench.quality import build_recipe
+
+    jobs, _ = plan_jobs(QualityOptions(workloads=["transformer"], transformer_optimizer="sgd", bandwidth="none"))
+    (job,) = jobs
+    assert job.optimizer == "sgd" and "ddp-sgd" not in job.recipes  # it would be ddp again
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        for recipe in ("ddp", "gf-auto"):
+            _, opt, options = build_recipe(recipe, nn.Linear(3, 2), job)
+            assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.3 and opt.defaults["momentum"] == 0.9
+            assert options["optimizer"] == "SGD(lr=0.3, momentum=0.9)"
+    finally:
+        dist.destroy_process_group()

@@ -102,6 +102,7 @@ class Job:
     probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
     model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
     beta2: float = 0.95  # the transformer's AdamW betas = (0.9, beta2)
+    optimizer: str = "adamw"  # the transformer's: "adamw", or "sgd" (momentum 0.9 at paper_lr) for SGD users
     device: str = "cpu"  # "cuda": every rank on GPU local-rank mod the GPU count (Gloo: ranks may share one)
 
 
@@ -201,6 +202,9 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         momentum = 0.0 if recipe == "gf-paper" else PAPER_MOMENTUM
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=job.paper_lr, momentum=momentum)
         options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={momentum:g})"
+    elif job.workload == "transformer" and job.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=job.paper_lr, momentum=PAPER_MOMENTUM)
+        options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={PAPER_MOMENTUM:g})"
     elif job.workload == "transformer":
         opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)
         options["optimizer"] = f"AdamW(lr={job.lr:g}, betas=(0.9, {job.beta2:g}), weight_decay=0.1)"
@@ -235,6 +239,7 @@ class QualityOptions:
     bandwidth: str = "1gbit"
     adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
+    transformer_optimizer: str = "adamw"  # "sgd": the quality transformer trained with SGD momentum by every recipe
     threads: int = 1
     seed: int = 0
     device: str = "cpu"  # "cuda": models, batches and codecs on the GPU (communication still over Gloo)
@@ -261,6 +266,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
             # AdamW: 6e-3 beat 3e-3 at d_model 128 (400 steps); scaled down for wider
             lr=opts.adamw_lr if opts.adamw_lr is not None and name == "transformer" else 6e-3 * 128 / d,
             beta2=opts.adamw_beta2,
+            optimizer=opts.transformer_optimizer if name == "transformer" else "adamw",
             paper_lr=0.3,  # SGD: 1.0 diverged dense at d_model 128, 0.5 ended best; 0.3 leaves headroom
             paper_warmup_steps=max(1, steps // 20),
             d_model=d,
@@ -292,7 +298,10 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
 
     jobs = []
     if "transformer" in opts.workloads:
-        jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(list(RECIPES))))
+        # with SGD as the user's optimizer, ddp-sgd would be ddp again
+        sgd = opts.transformer_optimizer == "sgd"
+        recipes = [r for r in RECIPES if not (sgd and r == "ddp-sgd")]
+        jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(recipes)))
     if "digits" in opts.workloads:
         # the user's optimizer is already the paper's SGD with momentum 0.9: ddp-sgd would be ddp again
         # torch's peers are measured on the AdamW transformer, the workload they are compared on

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from gradientflow.bench.link_bytes import link_summary
+from gradientflow.bench.quality_plot import plot
 from gradientflow.bench.report_tables import link_table
-from gradientflow.diagnostics.extras import can_plot
 
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -32,6 +32,8 @@ RECIPE_WHAT = {
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "
     "(above 1 = worse), validation accuracy for digits (below 1 = worse)",
+    "half": "the ratio to ddp at the validation nearest half the steps → the worst ratio at any later validation; "
+    "'grows': worse than at ½ by more than 0.005 (the gap to ddp grows over the second half)",
     "sent": "bytes one rank hands to allreduce per step, mean over all steps (gradientflow: measured, "
     "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c)",
     "sparse": "share of steps on which CSC sent fewer than all chunks (dense warm-up steps and dense recipes: 0)",
@@ -93,6 +95,27 @@ def _library_defaults() -> dict[str, Any]:
     }
 
 
+GAP_SLACK = 0.005
+"""How far the ratio to DDP may move the wrong way after the run's midpoint before the gap counts as growing."""
+
+
+def second_half(curve: dict[str, list[float]], ddp: dict[str, list[float]] | None, metric: str) -> dict[str, Any]:
+    """Whether a recipe's gap to DDP grows over the second half of the run: the ratio to DDP's metric at each
+    validation from the midpoint on, against the ratio at the midpoint (the validation nearest half the
+    steps).  ``gap_grows``: some later ratio is worse than the midpoint's by more than :data:`GAP_SLACK`
+    (loss: higher; accuracy: lower).  Empty without a DDP curve on the same steps."""
+    if not ddp or ddp["step"] != curve["step"] or len(curve["step"]) < 3:
+        return {}
+    ratios = [a / b if b else float("nan") for a, b in zip(curve[metric], ddp[metric])]
+    half = curve["step"][-1] / 2
+    mid = min(range(len(ratios)), key=lambda i: abs(curve["step"][i] - half))
+    later = ratios[mid:]
+    worse = max if metric == "val_loss" else min
+    worst = worse(later)
+    grows = worst > ratios[mid] + GAP_SLACK if metric == "val_loss" else worst < ratios[mid] - GAP_SLACK
+    return {"ratio_curve": ratios, "ratio_mid": ratios[mid], "ratio_worst_second_half": worst, "gap_grows": grows}
+
+
 def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
     job, n = raw["job"], raw["n_params"]
     metric = "val_acc" if job["workload"] == "digits" else "val_loss"
@@ -137,6 +160,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
             base = by.get(ref, {}).get(f"final_{metric}")
             mine = r[f"final_{metric}"]
             r[key] = mine / base if base and mine is not None else None
+        r.update(second_half(r["curve"], by.get("ddp", {}).get("curve"), metric))
     return {
         "name": raw["job"]["name"],
         "job": job,
@@ -247,8 +271,8 @@ def markdown(summary: dict[str, Any]) -> str:
             "",
             "| recipe | optimizer | "
             + ("final val accuracy | ratio to ddp | final val loss" if digits else "final val loss | ratio to ddp")
-            + " | MB sent/step | sparse steps |",
-            "|---|---|---|---|---|---|" + ("---|" if digits else ""),
+            + " | 2nd half: ratio at ½ → worst | MB sent/step | sparse steps |",
+            "|---|---|---|---|---|---|---|" + ("---|" if digits else ""),
         ]
         for r in w["rows"]:
             mb = _f(r["bytes_per_step"] / 1e6, ".3f") + (" c" if r["bytes_source"] == "computed" else "")
@@ -262,7 +286,14 @@ def markdown(summary: dict[str, Any]) -> str:
                 if digits
                 else f"{_f(r['final_val_loss'], '.3f')} | {ratio}"
             )
-            lines.append(f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {mb} | {r['sparse_share']:.0%} |")
+            half = (
+                f"{r['ratio_mid']:.3f} → {r['ratio_worst_second_half']:.3f}" + (" grows" if r["gap_grows"] else "")
+                if "ratio_mid" in r
+                else "—"
+            )
+            lines.append(
+                f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {half} | {mb} | {r['sparse_share']:.0%} |"
+            )
         lines.append("")
     for t in summary["tta"]:
         head = f"**time to accuracy ({t['name']})**, emulated {t['bandwidth']} per node"
@@ -298,7 +329,8 @@ def markdown(summary: dict[str, Any]) -> str:
     if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]
-    lines += [f"- ratio: {d['ratio']}", f"- MB sent/step: {d['sent']}", f"- sparse steps: {d['sparse']}"]
+    lines += [f"- ratio: {d['ratio']}", f"- 2nd half: {d['half']}", f"- MB sent/step: {d['sent']}"]
+    lines += [f"- sparse steps: {d['sparse']}"]
     if summary["tta"]:
         lines += [f"- {d['tta']}", f"- time: {d['time']}", f"- {d['exposed']}"]
     defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
@@ -309,77 +341,6 @@ def markdown(summary: dict[str, Any]) -> str:
 def _what(recipe: str) -> str:
     base, _, changed = recipe.partition(":")
     return RECIPE_WHAT.get(base, "") + (f"; variant with {changed}" if changed else "")
-
-
-def plot(summary: dict[str, Any], out: Path) -> list[Path]:
-    """``quality_<workload>.png`` (validation loss, and accuracy for digits, against steps, every recipe)
-    and ``<tta job>.png`` per time-to-accuracy job (validation loss against training wall-clock seconds);
-    none (and a line saying so) without matplotlib: the tables are written all the same."""
-    if not can_plot():
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    # recipes that train alike (ddp and gf-fp16-dense) must stay visible on top of each other
-    style: dict[str, dict[str, Any]] = {
-        "ddp": {"color": "black", "lw": 3, "alpha": 0.5},
-        "gf-fp16-dense": {"color": "tab:red", "ls": "--"},
-        "gf-recommended": {"color": "tab:orange"},
-        "gf-density-0.3": {"color": "tab:blue"},
-        "gf-paper": {"color": "tab:green"},
-        "ddp-sgd": {"color": "tab:purple", "ls": ":"},
-    }
-    for w in summary["workloads"].values():
-        digits = w["metric"] == "val_acc"
-        fig, axes = plt.subplots(1, 2 if digits else 1, figsize=(12 if digits else 7, 4.5), squeeze=False)
-        for r in w["rows"]:
-            c = r["curve"]
-            kw = {"marker": "o", "ms": 3, "label": r["recipe"], **style.get(r["recipe"], {})}
-            axes[0][0].plot(c["step"], c["val_loss"], **kw)
-            if digits:
-                axes[0][1].plot(c["step"], [100 * a for a in c["val_acc"]], **kw)
-        axes[0][0].set(xlabel="step", ylabel="validation loss", title=f"{w['name']} ({w['n_params']:,} parameters)")
-        if not digits:
-            finite = [v for r in w["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
-            if finite:  # the untrained first point would flatten the rest
-                axes[0][0].set_ylim(min(finite) - 0.05, max(finite) + 0.1)
-        else:
-            axes[0][1].set(xlabel="step", ylabel="validation accuracy, %", ylim=(80, 100), title="digits accuracy")
-            axes[0][1].legend()
-        axes[0][0].legend()
-        fig.tight_layout()
-        paths.append(out / f"quality_{w['name']}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    for t in summary["tta"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in t["rows"]:
-            c = r["curve"]
-            (line,) = ax.plot(
-                c["wall_s"], c["val_loss"], marker="o", ms=3, label=r["recipe"], **style.get(r["recipe"], {})
-            )
-            if r["time_to_target_s"] is not None:
-                ax.axvline(r["time_to_target_s"], color=line.get_color(), ls=":", lw=1)
-        ax.axhline(t["target_val_loss"], color="gray", ls="--", lw=1, label="ddp's final loss")
-        if t["common_val_loss"] != t["target_val_loss"]:
-            ax.axhline(t["common_val_loss"], color="gray", ls="-.", lw=1, label="worst final loss")
-        finite = [v for r in t["rows"] for v in r["curve"]["val_loss"][1:] if np.isfinite(v)]
-        if finite:
-            ax.set_ylim(min(finite) - 0.05, max(finite) + 0.1)
-        ax.set(
-            xlabel="training wall clock, s (validation excluded)",
-            ylabel="validation loss",
-            title=f"time to accuracy, {t['name']}: {t['n_params']:,} parameters, emulated {t['bandwidth']}",
-        )
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"{t['name']}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
 
 
 def write_all(summary: dict[str, Any], out: Path) -> None:

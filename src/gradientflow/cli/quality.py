@@ -61,6 +61,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="peak learning rate of the quality transformer's AdamW (default 6e-3 x 128 / d_model)",
     )
     q.add_argument(
+        "--transformer-optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="the quality transformer's optimizer, every recipe's (default adamw; sgd: SGD momentum 0.9, peak "
+        "LR 0.3, the language workload for SGD users)",
+    )
+    q.add_argument(
         "--adamw-beta2",
         type=types.beta,
         default=0.95,
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         adamw_lr=args.adamw_lr,
         adamw_beta2=args.adamw_beta2,
+        transformer_optimizer=args.transformer_optimizer,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
         out=args.out or "benchmarks/quality",

@@ -33,6 +33,11 @@ Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07
   Adam divides each coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative
   to that RMS, where a max-abs block leaves its small coordinates the noise of its largest.  ``q`` is
   computed from the ring's result, bit-identical on every rank, so ranks agree on ``r`` without a byte.
+  ``q`` starts at the first preconditioned step (``r = 1`` there), not in the warm-up: the warm-up's levels
+  have a zero, so a small coordinate can decode to 0 for every warm-up step while its error feedback grows;
+  with ``q = 0`` its ``r`` would be the floor and ``x / r`` would set its whole block's scale (SGD on the
+  digits CNN diverged at the switch, 2026-11-27).  The zeroless levels decode every coordinate to a non-zero
+  value, so from then on ``q > 0`` wherever something was sent.
 """
 
 from __future__ import annotations
@@ -245,7 +250,7 @@ class QuantizedSync(SyncStrategy):
         def done(result: torch.Tensor, sent: int) -> None:
             stats.record_done(time.perf_counter())
             stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
-            if self.sq is not None:
+            if self.sq is not None and r is not None:  # the preconditioned phase's results only
                 self.sq.v[bucket.pool][bucket.start : bucket.end].mul_(PRECONDITION_BETA).addcmul_(
                     result, result, value=1 - PRECONDITION_BETA
                 )
@@ -267,7 +272,7 @@ class QuantizedSync(SyncStrategy):
         if p.r is not None:  # back from x / r: the result and the error (kept in the gradient's units)
             p.x.mul_(p.r)
             p.err.mul_(p.r)
-        if self.sq is not None:
+        if self.sq is not None and self.step >= self.warmup:  # the preconditioned phase's results only (below)
             b = p.bucket
             self.sq.v[b.pool][b.start : b.end].mul_(PRECONDITION_BETA).addcmul_(p.x, p.x, value=1 - PRECONDITION_BETA)
         if p.x is not p.flat:
