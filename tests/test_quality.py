@@ -101,9 +101,12 @@ def test_plan_jobs():
         "tta_digits",
         "digits",
         "digits_wide",
-        ["ddp", "gf-recommended", "gf-auto"],  # auto with SGD momentum: today's CSC
+        ["ddp", "gf-recommended", "gf-auto"],  # auto with SGD momentum: CSC
         0.05,
     )
+    # --tta-recipes replaces the clock's recipes (ddp stays first, named once)
+    (t,) = plan_jobs(QualityOptions(workloads=["digits"], tta_recipes=["gf-auto:compression=q2nw20", "ddp"]))[1]
+    assert t.recipes == ["ddp", "gf-auto:compression=q2nw20"]
 
 
 def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():

@@ -236,6 +236,7 @@ class QualityOptions:
     transformer_size: tuple[int, int] = (128, 2)  # (d_model, layers)
     tta_size: tuple[int, int] = (256, 4)
     tta_model: str = "digits_wide"  # digits' time-to-accuracy network
+    tta_recipes: list[str] | None = None  # None: TTA_RECIPES; else these (ddp always added) for every tta job
     bandwidth: str = "1gbit"
     adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
@@ -296,6 +297,11 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         variants = [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in default]
         return plain + list(dict.fromkeys(variants))  # a variant named twice is trained once
 
+    def on_clock(workload: str) -> list[str]:
+        if opts.tta_recipes is None:
+            return list(TTA_RECIPES[workload])
+        return ["ddp", *dict.fromkeys(r for r in opts.tta_recipes if r != "ddp")]
+
     jobs = []
     if "transformer" in opts.workloads:
         # with SGD as the user's optimizer, ddp-sgd would be ddp again
@@ -313,9 +319,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
     tta = []
     if opts.bandwidth != "none":
         if "transformer" in opts.workloads:
-            tta.append(transformer("tta", opts.tta_size, opts.tta_steps, 8, list(TTA_RECIPES["transformer"])))
+            tta.append(transformer("tta", opts.tta_size, opts.tta_steps, 8, on_clock("transformer")))
         if "digits" in opts.workloads:
-            tta.append(digits("tta_digits", opts.tta_model, opts.tta_steps, list(TTA_RECIPES["digits"])))
+            tta.append(digits("tta_digits", opts.tta_model, opts.tta_steps, on_clock("digits")))
     return jobs, tta
 
 

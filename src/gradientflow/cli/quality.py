@@ -34,6 +34,15 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "(an ablation, trained beside the others on the same seed and batches)",
     )
     q.add_argument(
+        "--tta-recipes",
+        nargs="+",
+        type=types.recipe,
+        default=None,
+        metavar="RECIPE",
+        help="recipes on the time-to-accuracy clock instead of the default ones (ddp is always added), e.g. "
+        "gf-auto gf-auto:compression=q2nw20",
+    )
+    q.add_argument(
         "--transformer-size",
         type=types.size,
         default=(128, 2),
@@ -115,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         adamw_lr=args.adamw_lr,
         adamw_beta2=args.adamw_beta2,
         transformer_optimizer=args.transformer_optimizer,
+        tta_recipes=args.tta_recipes,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
         out=args.out or "benchmarks/quality",

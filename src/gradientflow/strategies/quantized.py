@@ -80,12 +80,17 @@ def precondition_root(q: torch.Tensor) -> torch.Tensor:
     mean = q.mean()
     n = q.numel()
     whole = n - n % PRECONDITION_WINDOW
-    windows = [q[:whole].view(-1, PRECONDITION_WINDOW).mean(1, keepdim=True).expand(-1, PRECONDITION_WINDOW)]
-    if whole < n:
-        windows.append(q[whole:].mean().expand(n - whole).view(1, -1))
-    local = torch.cat([w.reshape(-1) for w in windows]) if windows[0].numel() else windows[-1].reshape(-1)
-    r = torch.maximum(torch.maximum(q, mean * PRECONDITION_FLOOR), local * PRECONDITION_WINDOW_FLOOR).sqrt_()
-    return torch.where(mean > 0, r, torch.ones_like(r))
+    r = torch.empty_like(q)
+    if whole:  # each window's mean, broadcast over its coordinates, in one pass
+        head = q[:whole].view(-1, PRECONDITION_WINDOW)
+        floor = head.mean(1, keepdim=True).mul_(PRECONDITION_WINDOW_FLOOR)
+        torch.maximum(head, floor, out=r[:whole].view(-1, PRECONDITION_WINDOW))
+    if whole < n:  # the short last window
+        tail = q[whole:]
+        torch.maximum(tail, tail.mean().mul(PRECONDITION_WINDOW_FLOOR), out=r[whole:])
+    torch.maximum(r, mean * PRECONDITION_FLOOR, out=r).sqrt_()
+    # not torch.where(mean > 0, r, 1): with a 0-dim condition it took 68 ms over 8.4M coordinates, this 6
+    return r.masked_fill_(mean <= 0, 1.0)
 
 
 class _Pending:
