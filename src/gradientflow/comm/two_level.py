@@ -141,6 +141,23 @@ def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
     return start
 
 
+class StageTrace(Protocol):
+    """What the pipeline records its stages into (``diagnostics.trace.TraceRecorder``; comm/ sits below
+    diagnostics/, so it names the shape, not the class)."""
+
+    active: bool
+
+    def collective(self, handle: Any, kind: str, nbytes: int, t0: float, **args: Any) -> None: ...
+
+    def complete(self, name: str, cat: str, t0: float, t1: float, **args: Any) -> None: ...
+
+
+class Traced(Protocol):
+    """An owner of a :class:`StageTrace` that is set while a step is recorded (the engine's watchdog)."""
+
+    trace: Any  # StageTrace | None; Any so that a recorder's own class satisfies it (attributes are invariant)
+
+
 class TwoLevelPipeline:
     """Buckets through the three stages, each stage issued in submission order (see the module docstring).
 
@@ -150,7 +167,7 @@ class TwoLevelPipeline:
     """
 
     def __init__(
-        self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False, watchdog: Any = None
+        self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False, watchdog: Traced | None = None
     ) -> None:
         self.groups, self.start_middle, self.serial = groups, start_middle, serial
         self.watchdog = watchdog  # its trace, when recording, gets every stage (see the module docstring)
@@ -183,7 +200,7 @@ class TwoLevelPipeline:
 
     def _trace(self, item: Item, stage: str, sent: torch.Tensor) -> None:
         """The stage starting now, as a collective event of the trace (when it records this step)."""
-        trace = getattr(self.watchdog, "trace", None)
+        trace = self._recorder()
         if trace is None or not trace.active:
             item.span = None
             return
@@ -191,6 +208,9 @@ class TwoLevelPipeline:
         group = "inter" if stage == "inter-node" else "intra"
         nbytes = sent.numel() * sent.element_size()
         trace.collective(item.span, f"{stage} {item.what}", nbytes, time.perf_counter(), stage=stage, group=group)
+
+    def _recorder(self) -> StageTrace | None:
+        return self.watchdog.trace if self.watchdog is not None else None
 
     @staticmethod
     def _stamp(item: Item) -> None:
@@ -250,7 +270,7 @@ class TwoLevelPipeline:
                 continue
             head = min((q[0] for q in queues), key=self._order)
             assert head.handle is not None
-            trace = getattr(self.watchdog, "trace", None)
+            trace = self._recorder()
             t0 = time.perf_counter()
             head.handle.wait()
             if trace is not None and trace.active:  # the blocking waits after backward, by stage

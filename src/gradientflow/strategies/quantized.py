@@ -33,9 +33,9 @@ Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07
   Adam divides each coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative
   to that RMS, where a max-abs block leaves its small coordinates the noise of its largest.  ``q`` is
   computed from the ring's result, bit-identical on every rank, so ranks agree on ``r`` without a byte.
-  ``q`` is kept from the first quantised step on, the warm-up's included (starting it after the warm-up instead
-  ended the bench's AdamW transformer at 1.030x DDP's loss instead of 1.016x, seed 0), and floored per window
-  of coordinates (:data:`PRECONDITION_WINDOW_FLOOR`).
+  ``q`` is kept from the first quantised step on, the warm-up's included (started after the warm-up instead,
+  AdamW lost quality: docs/benchmarks.md, "Figures behind the code's comments"), and floored per window of
+  coordinates (:data:`PRECONDITION_WINDOW_FLOOR`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ PRECONDITION_WINDOW_FLOOR = 1e-2
 """...and at this fraction of the mean of its window of :data:`PRECONDITION_WINDOW` coordinates: ``r`` at least a
 tenth of the window's RMS.  The warm-up's levels have a zero, so a small coordinate can decode to 0 for every
 warm-up step (q = 0) while its error feedback grows; with the bucket's floor alone its ``x / r`` then set its
-whole block's scale at the first preconditioned step (SGD on the digits CNN diverged there, 2026-11-27)."""
+whole block's scale at the first preconditioned step (SGD on the digits CNN diverged there: docs/adamw.md)."""
 
 
 def precondition_root(q: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def precondition_root(q: torch.Tensor) -> torch.Tensor:
         tail = q[whole:]
         torch.maximum(tail, tail.mean().mul(PRECONDITION_WINDOW_FLOOR), out=r[whole:])
     torch.maximum(r, mean * PRECONDITION_FLOOR, out=r).sqrt_()
-    # not torch.where(mean > 0, r, 1): with a 0-dim condition it took 68 ms over 8.4M coordinates, this 6
+    # not torch.where(mean > 0, r, 1): with a 0-dim condition it is many times slower (docs/benchmarks.md)
     return r.masked_fill_(mean <= 0, 1.0)
 
 
