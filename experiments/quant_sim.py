@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
 from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.quantize import CODEBOOKS, ZEROLESS
-from gradientflow.strategies.quantized import precondition_root
+from gradientflow.strategies.precondition import precondition_root
 
 SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?q(\d)(n)?(?:b(\d+))?")
 MEAN_SIGN = 1  # ``q1``: the sign of each element times the block's mean |x| (the L2-best 1-bit code)

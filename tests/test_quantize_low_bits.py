@@ -22,7 +22,7 @@ from _quant_training import batches, small_net
 from gradientflow.comm import codec_native
 from gradientflow.comm.quantize import ZEROLESS, dequantize, quantize, wire_bytes
 from gradientflow.config import GradientFlowConfig
-from gradientflow.strategies.quantized import precondition_root
+from gradientflow.strategies.precondition import precondition_root
 
 from _dist import run_distributed
 

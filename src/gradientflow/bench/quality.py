@@ -5,7 +5,7 @@ same seed and on the same batches (each recipe draws its batches from its own ge
 rank), step by step interleaved after a barrier:
 
 - ``transformer``: a character-level :class:`~gradientflow.bench.models.TinyTransformer` on Python's
-  own help topics (``pydoc_data.topics``, split by topic 90/10 into train/validation), AdamW;
+  own help topics (``pydoc_data.topics``, split by topic 90/10 into train/validation), AdamW (or SGD momentum);
 - ``digits``: ``small_cnn`` on scikit-learn's digits (the demo's split), SGD with momentum 0.9;
 
 both under linear LR warm-up then cosine decay to 10%.  Recipes (:data:`RECIPES`): ``ddp`` (torch
@@ -21,8 +21,7 @@ emulated cluster and records the training wall clock at each validation point (v
 outside the clock), for time to accuracy: a bigger transformer (AdamW) and ``digits_wide`` (SGD momentum;
 AlexNet-shaped: nearly all of its 8.4M parameters in fully connected layers, so communication-bound).
 
-Worker (under torchrun): :mod:`gradientflow.bench.quality_worker`.
-Report and plots: :mod:`gradientflow.bench.quality_report`.
+Worker: :mod:`.quality_worker` (under torchrun); report: :mod:`.quality_report`; plots: :mod:`.quality_plot`.
 """
 
 from __future__ import annotations
@@ -304,8 +303,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
 
     jobs = []
     if "transformer" in opts.workloads:
-        # with SGD as the user's optimizer, ddp-sgd would be ddp again
-        sgd = opts.transformer_optimizer == "sgd"
+        sgd = opts.transformer_optimizer == "sgd"  # the user's SGD: ddp-sgd would be ddp again
         recipes = [r for r in RECIPES if not (sgd and r == "ddp-sgd")]
         jobs.append(transformer("transformer", opts.transformer_size, opts.steps, 16, chosen(recipes)))
     if "digits" in opts.workloads:

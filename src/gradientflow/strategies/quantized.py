@@ -29,13 +29,13 @@ Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07
   the early steps, while the loss falls fastest, cost most of the quality, and 3 bits there cost little of
   the run's bytes;
 - ``precondition``: each coordinate is divided by ``r = sqrt(q)`` before the ring and its result and error
-  multiplied back after, ``q`` an EMA (:data:`PRECONDITION_BETA`) of the squared synchronised gradient.
+  multiplied back after, ``q`` an EMA (``precondition.PRECONDITION_BETA``) of the squared synchronised gradient.
   Adam divides each coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative
   to that RMS, where a max-abs block leaves its small coordinates the noise of its largest.  ``q`` is
   computed from the ring's result, bit-identical on every rank, so ranks agree on ``r`` without a byte.
   ``q`` is kept from the first quantised step on, the warm-up's included (started after the warm-up instead,
   AdamW lost quality: docs/benchmarks.md, "Figures behind the code's comments"), and floored per window of
-  coordinates (:data:`PRECONDITION_WINDOW_FLOOR`).
+  coordinates (:mod:`.precondition`).
 """
 
 from __future__ import annotations
@@ -56,41 +56,9 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
+from .precondition import PRECONDITION_BETA, precondition_root
 from .quantized_nodes import NodeQuantizer, ShardResiduals
 from .residual import Residuals, residual_state, validate_residual_state
-
-PRECONDITION_BETA = 0.9
-"""EMA of the squared result behind ``precondition``'s ``r``: 0.9 ended closer to DDP's loss than 0.99 (which
-lags the gradient's scale) and than 0.7 or 0.5 (r as noisy as one step's gradient), on the bench's
-transformer with 2 bits (experiments/quant_sim.py, docs/adamw.md)."""
-PRECONDITION_FLOOR = 1e-6
-"""``q`` is clamped at this fraction of its bucket's mean before the root: a coordinate that never had a
-gradient (q = 0) would otherwise divide by 0."""
-PRECONDITION_WINDOW = 128
-PRECONDITION_WINDOW_FLOOR = 1e-2
-"""...and at this fraction of the mean of its window of :data:`PRECONDITION_WINDOW` coordinates: ``r`` at least a
-tenth of the window's RMS.  The warm-up's levels have a zero, so a small coordinate can decode to 0 for every
-warm-up step (q = 0) while its error feedback grows; with the bucket's floor alone its ``x / r`` then set its
-whole block's scale at the first preconditioned step (SGD on the digits CNN diverged there: docs/adamw.md)."""
-
-
-def precondition_root(q: torch.Tensor) -> torch.Tensor:
-    """``r = sqrt(max(q, floor x mean q, window floor x its window's mean q))``; 1 everywhere while ``q`` is
-    all zero (no history yet).  Tensor ops, no host read; the same floats on every rank for the same ``q``."""
-    mean = q.mean()
-    n = q.numel()
-    whole = n - n % PRECONDITION_WINDOW
-    r = torch.empty_like(q)
-    if whole:  # each window's mean, broadcast over its coordinates, in one pass
-        head = q[:whole].view(-1, PRECONDITION_WINDOW)
-        floor = head.mean(1, keepdim=True).mul_(PRECONDITION_WINDOW_FLOOR)
-        torch.maximum(head, floor, out=r[:whole].view(-1, PRECONDITION_WINDOW))
-    if whole < n:  # the short last window
-        tail = q[whole:]
-        torch.maximum(tail, tail.mean().mul(PRECONDITION_WINDOW_FLOOR), out=r[whole:])
-    torch.maximum(r, mean * PRECONDITION_FLOOR, out=r).sqrt_()
-    # not torch.where(mean > 0, r, 1): with a 0-dim condition it is many times slower (docs/benchmarks.md)
-    return r.masked_fill_(mean <= 0, 1.0)
 
 
 class _Pending:
