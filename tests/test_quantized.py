@@ -220,11 +220,16 @@ def _training_worker(rank: int, world: int) -> dict:
     stats = model.comm_stats()
     out["q3_bytes"] = (stats["payload_bytes"], stats["dense_bytes"], stats["compression"])
 
-    # 3. Checkpoint at step k and resume == uninterrupted (auto + AdamW: dense step 0, then quantised).
-    def run(stop: int | None, resume: dict | None) -> tuple[list[float], dict | None]:
+    # 3. Checkpoint at step k and resume == uninterrupted (auto + AdamW: dense step 0, then quantised; auto + SGD
+    # momentum: dense step 0, then CSC)
+    def run(stop: int | None, resume: dict | None, sgd: bool = False) -> tuple[list[float], dict | None]:
         net = _net()
         model = gradientflow.DistributedDataParallel(net, compression="auto")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if sgd
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
         todo = batches
         if resume is not None:
             net.load_state_dict(resume["model"])
@@ -241,12 +246,13 @@ def _training_worker(rank: int, world: int) -> dict:
         buf.seek(0)
         return _params(net), {**torch.load(buf, weights_only=True), "at": stop}
 
-    whole, _ = run(None, None)
     out["resume"] = []
-    for k in (1, 3):
-        _, ckpt = run(k, None)
-        resumed, _ = run(None, ckpt)
-        out["resume"].append(resumed == whole)
+    for sgd in (False, True):
+        whole, _ = run(None, None, sgd)
+        for k in (1, 3):
+            _, ckpt = run(k, None, sgd)
+            resumed, _ = run(None, ckpt, sgd)
+            out["resume"].append(resumed == whole)
 
     # 4. auto: the recipe by optimizer class, agreed, named in comm_stats().
     picks = {}
@@ -273,7 +279,7 @@ def test_training_full_precision_identical_ranks_resume_and_auto_picks():
         # (<= 2 ulp per averaged gradient with 3 ranks); six AdamW steps at lr 1e-2 move each
         # parameter by <= 6e-2, normalised by Adam, so the difference stays within 1e-6.
         np.testing.assert_allclose(r["q32"], r["torch"], rtol=0, atol=1e-6)
-        assert r["resume"] == [True, True]  # checkpoint after steps 1 and 3, resumed: bit for bit
+        assert r["resume"] == [True] * 4  # AdamW, SGD: checkpoint after steps 1 and 3, resumed: bit for bit
     for step in range(6):
         assert per_rank[1]["q3_history"][step] == per_rank[0]["q3_history"][step]
         assert per_rank[2]["q3_history"][step] == per_rank[0]["q3_history"][step]
