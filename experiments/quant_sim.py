@@ -1,5 +1,5 @@
-"""Screen quantiser variants below 0.07 of the bytes without the ring: the 2-rank quantised exchange
-emulated in one process on the quality bench's transformer.
+"""Screen quantiser variants below 0.07 of the bytes without the ring: the 2-rank quantised exchange (or N
+ranks') emulated in one process on the quality bench's transformer.
 
     python experiments/quant_sim.py --variants dense q2n q3 pre-q2n --seed 0 --out benchmarks/quant_sim
 
@@ -9,6 +9,11 @@ and schedule) gets the sum of the two decoded contributions, as the library's tw
 0 is dense (``compression="auto"``).  Final validation loss over the ``dense`` variant's (the same job
 trained dense fp32: torch DDP's arithmetic up to fp32 rounding).  Not the library: a screen, whose winner
 is then built in ``comm/`` and measured by ``gradientflow bench --quality``.
+
+``--nproc N`` (N > 2): N ranks' batches, and the library's N-rank ring instead of the exchange: each of N
+segments is owned by one rank, which adds the other ranks' decoded contributions to its own exact one and
+quantises the sum once (its residual keeps that error); a variant ``A/B`` quantises the contributions with A
+and the sums with B.
 
 Variants (:data:`VARIANTS`): ``q<bits>[n][b<block>]`` the library's levels (``n``: without a zero);
 ``pre-...`` the same in *preconditioned* units: every coordinate divided by ``r = sqrt(v) + eps`` before
