@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/gradientflow demo --nproc $(NPROC)
 
-# The static checks first (seconds; mypy's settings are in pyproject.toml), then the suite (16-21 minutes
+# The static checks first (seconds; mypy's settings are in pyproject.toml), then the suite (14-21 minutes
 # on 2 cores): one line per test file with its progress in %, and the 15 slowest tests at the end.
 lint: $(BIN)/.installed
 	$(BIN)/ruff format --check src tests examples experiments
