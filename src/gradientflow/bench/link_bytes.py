@@ -4,9 +4,11 @@ On an emulated cluster every node is a network namespace whose only way out is o
 "link"); the ranks of a node reach each other at the node's own address, which the kernel delivers
 through the namespace's loopback, so only traffic between nodes is counted on the link.  A worker
 reads ``/sys/class/net/<link>/statistics/{tx,rx}_bytes`` (inside its namespace, ``ip netns exec``
-mounts that namespace's sysfs) right after the barrier that starts a timed step and right after a
-barrier that follows it: setup, warm-up and the other modes' steps fall outside, and what is left is
-the step's traffic plus the closing barrier's few hundred bytes, headers and ACKs included (the
+mounts that namespace's sysfs) between two barriers before a timed step (so that no node starts sending
+before every node has read: a node leaving a barrier first would send into the other's "before" reading,
+which undercounted a node's received bytes by 8% once) and right after a barrier that follows it: setup,
+warm-up and the other modes' steps fall outside, and what is left is the step's traffic plus the
+barriers' few hundred bytes, headers and ACKs included (the
 kernel counts frames, not payload).  The engine's own count is ``comm_stats()['payload_bytes']`` (and
 ``inter_node_bytes`` where the engine reports it) summed over the node's ranks.
 """

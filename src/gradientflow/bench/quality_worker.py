@@ -239,6 +239,8 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
             x, y = next(run.batches)
             dist.barrier()
             before = link.read() if link else None
+            if counted:  # every node has read its counters before any node sends this step's first byte
+                dist.barrier()
             t0 = time.perf_counter()
             try:
                 run.opt.zero_grad(set_to_none=True)

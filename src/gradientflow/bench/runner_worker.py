@@ -280,6 +280,8 @@ def worker_main(spec_path: str) -> None:
                 continue
             dist.barrier()
             counters = link.read() if link else None
+            if spec.emulated:  # every node has read its counters before any node sends this step's first byte
+                dist.barrier()  # (else a node that leaves the barrier first sends into the other's "before")
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _step(rec["_obj"][0], rec["_obj"][1], x, y)
