@@ -77,12 +77,13 @@ class Quant:
     def __init__(self, spec: str, pre_beta: float) -> None:
         m = SPEC.fullmatch(spec)
         self.exact = spec == "q32"
+        self.bits = 32.0  # exact: fp32 on the wire
         if not self.exact:
             assert m is not None, f"unknown quantiser {spec!r}"
             self.pre = m[1] is not None
             self.beta = float(m[1][3:-1]) if self.pre and len(m[1]) > 4 else pre_beta
-            self.lv = table(int(m[2]), m[3] is not None) if int(m[2]) > MEAN_SIGN else torch.ones(1)
             self.sign = int(m[2]) == MEAN_SIGN
+            self.lv = torch.ones(1) if self.sign else table(int(m[2]), m[3] is not None)
             self.block = int(m[4]) if m[4] else 128
             self.bits = int(m[2]) + 16 / self.block
 
@@ -104,7 +105,7 @@ class Variant:
     ``B`` for the segment sums of the all-gather (two ranks exchange contributions only: ``A``)."""
 
     def __init__(self, name: str, pre_beta: float, names: list[str], sizes: list[int], nproc: int = 2) -> None:
-        self.name, self.dense, self.nproc = name, name == "dense", nproc
+        self.name, self.dense = name, name == "dense"
         n = sum(sizes)
         self.phases: list[tuple[int, list[tuple[torch.Tensor, Quant, Quant]]]] = []
         for k, phase in enumerate([] if self.dense else name.split(">")):
@@ -152,7 +153,7 @@ class Variant:
                         dec = qa(x[idx], ri)
                         self.err[i][idx] = x[idx] - dec
                         total[idx] += dec
-                    self.bits_sent += (32 if qa.exact else qa.bits) * idx.numel()
+                    self.bits_sent += qa.bits * idx.numel()
                     continue
                 # direct reduce-scatter into `world` segments (each owned by one rank), then the owner's sum
                 # quantised once and sent to all (its residual keeps that error too)
@@ -167,8 +168,7 @@ class Variant:
                     out = qb(s, rs)
                     self.err[j][seg] = s - out
                     total[seg] = out
-                bits = [32 if q.exact else q.bits for q in (qa, qb)]
-                self.bits_sent += (bits[0] + bits[1]) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
+                self.bits_sent += (qa.bits + qb.bits) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
             sq = total.square()
             self.v = sq if self.v is None else self.v.mul_(self.beta).add_(sq, alpha=1 - self.beta)

@@ -247,8 +247,9 @@ def test_preconditioning_after_a_warm_up_keeps_small_coordinates_bounded(world, 
     # The 0.05 coordinates decode to 0 throughout the warm-up (q = 0). With the bucket's floor alone their r was
     # ~1e-4, their x / r set the block's scale and the synchronised gradient's largest entry was 254 (SGD
     # diverged on that). The window floor keeps r >= 0.1 x the window's RMS >= 0.1 x r_0 / sqrt(128), so the
-    # block's scale times r_0 is at most max(x_0, 113 x_small): ~10 for an x_small of 0.09 (c / 2 plus under two
-    # steps of residual). Measured: 2.54 with the floor, 254 without it.
+    # block's scale times r_0 is at most max(x_0, 113 x_small). At 2 ranks x_small = c / 2 plus the two warm-up
+    # steps' residual = 0.075 (less at 4), so each rank's decoded entry is at most 0.54 x 113 x 0.075 = 4.6 and
+    # the sum of the two 9.2 < 10. Measured: 2.54 with the floor, 254 without it.
     per_rank = run_distributed(
         _small_coordinates_worker, world, "auto" if per_node else "flat", ranks_per_node=per_node
     )

@@ -52,6 +52,30 @@ class LinkCounter:
         return int(self._tx.read_text()), int(self._rx.read_text())
 
 
+def open_window(link: LinkCounter | None, counted: bool) -> tuple[int, int] | None:
+    """Before a timed step: a barrier, this node's counters, and where links are counted a second barrier, so that
+    no node sends the step's first byte before every node has read (a node leaving the first barrier early would
+    send into the other's reading).  Every rank calls it, with the same ``counted``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    before = link.read() if link else None
+    if counted:
+        dist.barrier()
+    return before
+
+
+def close_window(link: LinkCounter | None, counted: bool, before: tuple[int, int] | None) -> list[int] | None:
+    """After the step: where links are counted, a barrier (then every node's step is done and the link carried all
+    of its bytes) and this node's ``[tx, rx]`` since :func:`open_window`; ``None`` where nothing is counted."""
+    import torch.distributed as dist
+
+    if not counted:
+        return None
+    dist.barrier()
+    return [b - a for a, b in zip(before, link.read())] if link and before else None
+
+
 def node_of_rank() -> int:
     """This rank's node: :data:`NODE_ENV` where the launch set it, else 0 (one torchrun, one node)."""
     return int(os.environ.get(NODE_ENV, "0"))

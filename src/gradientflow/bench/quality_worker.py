@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, node_of_rank, per_node
+from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, close_window, node_of_rank, open_window, per_node
 from gradientflow.bench.quality import (
     TORCH_PEERS,
     Job,
@@ -237,10 +237,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
             if run.status != "ok" or step >= run.steps:
                 continue
             x, y = next(run.batches)
-            dist.barrier()
-            before = link.read() if link else None
-            if counted:  # every node has read its counters before any node sends this step's first byte
-                dist.barrier()
+            before = open_window(link, counted)
             t0 = time.perf_counter()
             try:
                 run.opt.zero_grad(set_to_none=True)
@@ -255,10 +252,9 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
             run.sched.step()
             run.stats.append(_comm_record(run.wrapped, run.recipe, step))
             run.train_losses.append(float(loss))  # a diverged recipe trains on: NaN shows in its evaluations
-            if counted:  # after every node's step (outside the clock): the link carried all of its bytes
-                dist.barrier()
-                if link and before:
-                    run.link.append([b - a for a, b in zip(before, link.read())])
+            crossed = close_window(link, counted, before)  # after every node's step (outside the clock)
+            if crossed is not None:
+                run.link.append(crossed)
         if any(due(r, step + 1) for r in runs):
             eval_all(step + 1)
             if rank == 0:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradientflow.bench.bench_memory import PeakRss, rss_mb, timing_allocator
-from gradientflow.bench.link_bytes import LinkCounter, node_of_rank, per_node
+from gradientflow.bench.link_bytes import LinkCounter, close_window, node_of_rank, open_window, per_node
 from gradientflow.bench.runner_spec import (
     CSC_DENSITY,
     DDP_DEFAULT_BUCKET_MB,
@@ -278,10 +278,7 @@ def worker_main(spec_path: str) -> None:
         for rec in runs:
             if rec["status"] != "ok":
                 continue
-            dist.barrier()
-            counters = link.read() if link else None
-            if spec.emulated:  # every node has read its counters before any node sends this step's first byte
-                dist.barrier()  # (else a node that leaves the barrier first sends into the other's "before")
+            counters = open_window(link, spec.emulated)
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _step(rec["_obj"][0], rec["_obj"][1], x, y)
@@ -291,10 +288,9 @@ def worker_main(spec_path: str) -> None:
                 continue
             cpu = time.thread_time() - c0  # read first: the CPU interval lies inside the wall interval
             rec["step_s"].append(time.perf_counter() - t0)
-            if spec.emulated:  # after every node's step: the link then carried this step's bytes, all of them
-                dist.barrier()
-                if link and counters:
-                    rec["link"].append([b - a for a, b in zip(counters, link.read())])
+            crossed = close_window(link, spec.emulated, counters)  # after every node's step (off the clock)
+            if crossed is not None:
+                rec["link"].append(crossed)
             rec["cpu_s"].append(cpu)  # this thread runs forward, backward (on CPU) and the optimizer
             rec["stats"].append(_stats_of(rec["_obj"][0]))
         say(f"round {step + 1}/{spec.steps} done")
