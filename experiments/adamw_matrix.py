@@ -6,6 +6,7 @@ launch per (model, lr, beta2, seed), then one table of the means.
     python experiments/adamw_matrix.py --recipe gf-auto:compression=q2npw20 --out benchmarks/adamw_matrix_q2npw20
 
 ``--recipe``: the gradientflow recipe (or variant) trained beside ``ddp`` (default ``gf-auto``).
+``--layout 2x2``: every launch at 4 ranks as 2 nodes x 2 (``--nproc 4 --nproc-per-node 2``; default 2 ranks).
 
 Each launch trains ``ddp`` and ``gf-auto`` side by side from the same seed and batches (the quality
 bench's transformer: 400 steps, 5% warm-up then cosine to 10%, AdamW weight decay 0.1, 2 ranks) and
@@ -37,7 +38,15 @@ def launch_dir(out: Path, model: str, lr: float, beta2: float, seed: int) -> Pat
     return out / f"{model}-lr{lr:g}-b{beta2:g}-s{seed}"
 
 
-def run_missing(out: Path, models: list[str], recipe: str) -> None:
+def layout_args(layout: str | None) -> list[str]:
+    """``"NxG"`` -> the bench's ``--nproc N*G --nproc-per-node G``; None -> the bench's 2 ranks."""
+    if layout is None:
+        return []
+    nodes, per_node = (int(x) for x in layout.split("x"))
+    return ["--nproc", str(nodes * per_node), "--nproc-per-node", str(per_node)]
+
+
+def run_missing(out: Path, models: list[str], recipe: str, layout: str | None = None) -> None:
     for model in models:
         for lr, beta2 in SETTINGS[model]:
             for seed in SEEDS:
@@ -48,13 +57,13 @@ def run_missing(out: Path, models: list[str], recipe: str) -> None:
                     *("gradientflow", "bench", "--quality", "--workload", "tiny_transformer"),
                     *("--recipes", "ddp", recipe, "--steps", "400", "--bandwidth", "none"),
                     *("--transformer-size", model, "--adamw-lr", f"{lr:g}", "--adamw-beta2", f"{beta2:g}"),
-                    *("--seed", str(seed), "--out", str(d)),
+                    *("--seed", str(seed), *layout_args(layout), "--out", str(d)),
                 ]
                 print(" ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def tabulate(out: Path, recipe: str = DEFAULT_RECIPE) -> str:
+def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None) -> str:
     lines = [
         f"| model | AdamW lr | beta2 | seeds | {recipe} final val loss / DDP's, per seed | mean "
         "| bytes / DDP's (mean) |",
@@ -81,11 +90,16 @@ def tabulate(out: Path, recipe: str = DEFAULT_RECIPE) -> str:
                 f"| {model} | {lr:g} | {beta2:g} | {', '.join(map(str, seeds))} | {per_seed} | "
                 f"**{statistics.mean(ratios):.4f}** | {statistics.mean(fracs):.4f} |"
             )
+    flags = ("" if recipe == DEFAULT_RECIPE else " --recipe " + recipe) + (
+        "" if layout is None else " --layout " + layout
+    )
+    launch = "".join(a + " " for a in layout_args(layout))
     head = (
-        f"`python experiments/adamw_matrix.py{'' if recipe == DEFAULT_RECIPE else ' --recipe ' + recipe} --out {out}` "
+        f"`python experiments/adamw_matrix.py{flags} --out {out}` "
         f"(launches dated {', '.join(sorted(dates))}); "
         f"each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp {recipe} --steps 400 "
-        "--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED --out DIR` "
+        f"--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED {launch}"
+        "--out DIR` "
         "with the model, lr, beta2 and seed of each row\n\n"
     )
     return head + "\n".join(lines) + "\n"
@@ -97,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--table", action="store_true", help="only tabulate what exists")
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the gradientflow recipe beside ddp (default gf-auto)")
+    p.add_argument("--layout", default=None, help="NxG: N nodes of G ranks (default: 2 ranks, one per node)")
     args = p.parse_args(argv)
     if not args.table:
-        run_missing(args.out, args.models, args.recipe)
-    table = tabulate(args.out, args.recipe)
+        run_missing(args.out, args.models, args.recipe, args.layout)
+    table = tabulate(args.out, args.recipe, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
     print(table)

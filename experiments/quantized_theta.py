@@ -7,6 +7,9 @@ torch DDP, the model without communication and ``compression="quantized"`` at se
 
     python experiments/quantized_theta.py --theta 25 4 2 1 --steps 30 --out benchmarks/quantized_theta
 
+``--compression quantized q2npw20`` times each named quantiser at each θ (``--warm 25``: medians after the
+2-bit recipe's 20 steps at 3 bits).
+
 Needs root (network namespaces, ``tc``); the namespaces (prefix ``gq``) are deleted on exit.
 """
 
@@ -22,7 +25,16 @@ from pathlib import Path
 
 
 def worker(
-    rank: int, world: int, thetas: list[float], steps: int, batch: int, size: str, out: str, device: str
+    rank: int,
+    world: int,
+    thetas: list[float],
+    steps: int,
+    batch: int,
+    size: str,
+    out: str,
+    device: str,
+    compressions: list[str],
+    warm: int,
 ) -> None:
     from datetime import timedelta
 
@@ -37,7 +49,9 @@ def worker(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     d, layers = (int(v) for v in size.split("x"))
     models: dict[str, torch.nn.Module] = {}
-    for name in ["compute", "ddp", *[f"q3 θ={t:g}" for t in thetas]]:
+    short = {"quantized": "q3"}
+    recipes = {f"{short.get(c, c)} θ={t:g}": (c, t) for c in compressions for t in thetas}
+    for name in ["compute", "ddp", *recipes]:
         torch.manual_seed(0)
         net = build_model("tiny_transformer", d_model=d, n_layers=layers).to(device)
         if name == "compute":
@@ -45,8 +59,8 @@ def worker(
         elif name == "ddp":
             models[name] = torch.nn.parallel.DistributedDataParallel(net)
         else:
-            theta = float(name.split("=")[1])
-            models[name] = gf.DistributedDataParallel(net, compression="quantized", fusion_threshold_mb=theta)
+            compression, theta = recipes[name]
+            models[name] = gf.DistributedDataParallel(net, compression=compression, fusion_threshold_mb=theta)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     exposed: dict[str, list[float]] = {k: [] for k in models}
@@ -69,7 +83,6 @@ def worker(
             if hasattr(model, "comm_stats"):
                 exposed[name].append(model.comm_stats().get("exposed_seconds", 0.0))
     if rank == 0:
-        warm = 3
         res = {
             k: {
                 "step_ms": 1e3 * statistics.median(v[warm:]),
@@ -98,11 +111,24 @@ def main() -> None:
     ap.add_argument("--size", default="256x4")
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: both ranks on one GPU over Gloo")
+    ap.add_argument("--compression", nargs="+", default=["quantized"], help="compression= of each timed recipe")
+    ap.add_argument("--warm", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--out", default="benchmarks/quantized_theta")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank is not None:
-        worker(args.rank, 2, args.theta, args.steps, args.batch, args.size, args.out, args.device)
+        worker(
+            args.rank,
+            2,
+            args.theta,
+            args.steps,
+            args.batch,
+            args.size,
+            args.out,
+            args.device,
+            args.compression,
+            args.warm,
+        )
         return
     from gradientflow.bench.cluster import EmulatedCluster
 

@@ -156,3 +156,69 @@ void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, i
         }
     }
 }
+
+/* The preconditioner's passes (strategies/precondition.py), for CPU tensors: r = sqrt(q floored) is
+ * computed where it is used instead of being written out, and the divide before the ring, the two
+ * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2).
+ * The floors come from torch (their means keep torch's summation order); per element these are the
+ * torch path's fp32 operations in its order, so the results are bit-identical (tests/test_codec.py).
+ * wf: one floor per window of `window` coordinates, coordinate i (offset + i in its bucket) in window
+ * (offset + i) / window; bf: the bucket's floor; unit: r = 1 everywhere (no history yet). */
+static inline float max_nan(float a, float b) { return (a != a || a > b) ? a : b; } /* torch.maximum */
+
+/* The windows of a range: coordinate i (offset + i in its bucket) has floor max(wf[(offset + i) / window], bf),
+ * the same as torch's max(max(q, wf), bf) (max is associative, and a NaN anywhere gives NaN either way).  The
+ * inner loops have no division and no branch, so they vectorise (sqrtf too: -fno-math-errno). */
+#define FOR_WINDOWS(n, offset, window, wf, bf, BODY)                                     \
+    for (int64_t i0 = 0; i0 < (n);) {                                                   \
+        const int64_t w = ((offset) + i0) / (window);                                   \
+        const int64_t end = (w + 1) * (window) - (offset) < (n) ? (w + 1) * (window) - (offset) : (n); \
+        const float fl = max_nan((wf)[w], (bf));                                        \
+        for (int64_t i = i0; i < end; i++) { BODY }                                     \
+        i0 = end;                                                                       \
+    }
+
+/* x = (x + e) / r */
+void gf_precondition_in(float *x, const float *e, const float *q, const float *wf, float bf, int unit, int64_t n,
+                        int64_t offset, int window) {
+    if (unit) {
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] + e[i];
+        return;
+    }
+    FOR_WINDOWS(n, offset, window, wf, bf, { x[i] = (x[i] + e[i]) / sqrtf(max_nan(q[i], fl)); })
+}
+
+/* q * beta + c * x * x as torch's mul_ then addcmul_: its AVX2 kernel computes fma(c * x, x, q * beta) (one
+ * rounding for the multiply-add), its scalar build two roundings; __FMA__ is defined where native.flags()
+ * found torch's AVX2 (-mfma beside -mavx2). */
+static inline float ema_of(float q, float x, float beta, float c) {
+#ifdef __FMA__
+    return fmaf(c * x, x, q * beta);
+#else
+    return q * beta + c * x * x;
+#endif
+}
+
+/* x *= r; e *= r; then (ema) q = ema_of(q, x) with the restored x (r from q before it). */
+void gf_precondition_out(float *x, float *e, float *q, const float *wf, float bf, int unit, int64_t n, int64_t offset,
+                         int window, int ema, float beta, float c) {
+    if (unit) {  /* r = 1: x and e unchanged */
+        if (ema)
+            for (int64_t i = 0; i < n; i++) q[i] = ema_of(q[i], x[i], beta, c);
+        return;
+    }
+    if (ema)
+        FOR_WINDOWS(n, offset, window, wf, bf, {
+            const float r = sqrtf(max_nan(q[i], fl));
+            const float xi = x[i] * r;
+            x[i] = xi;
+            e[i] = e[i] * r;
+            q[i] = ema_of(q[i], xi, beta, c);
+        })
+    else
+        FOR_WINDOWS(n, offset, window, wf, bf, {
+            const float r = sqrtf(max_nan(q[i], fl));
+            x[i] = x[i] * r;
+            e[i] = e[i] * r;
+        })
+}

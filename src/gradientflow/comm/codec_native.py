@@ -30,6 +30,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gf_quantize.restype = None
     lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32]
     lib.gf_dequantize.restype = None
+    lib.gf_precondition_in.argtypes = [p, p, p, p, f32, i32, i64, i64, i32]
+    lib.gf_precondition_in.restype = None
+    lib.gf_precondition_out.argtypes = [p, p, p, p, f32, i32, i64, i64, i32, i32, f32, f32]
+    lib.gf_precondition_out.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -97,4 +101,48 @@ def dequantize(
     assert lib is not None, "callers check applies() first"
     lib.gf_dequantize(
         codes.data_ptr(), scales.data_ptr(), m, bits, block, _floats(poly), first, out.data_ptr(), int(accumulate)
+    )
+
+
+def precondition_in(
+    x: torch.Tensor, e: torch.Tensor, q: torch.Tensor, wf: torch.Tensor, bf: float, unit: bool, offset: int, window: int
+) -> None:
+    """``codec.c``'s ``gf_precondition_in``: ``x = (x + e) / r``, ``r`` from ``q`` and the floors (``wf`` per window,
+    ``bf`` the bucket's; ``unit``: r = 1); ``offset``: ``x[0]``'s index in its bucket (which window it is in)."""
+    lib = library()
+    assert lib is not None, "callers check applies() first"
+    lib.gf_precondition_in(
+        x.data_ptr(), e.data_ptr(), q.data_ptr(), wf.data_ptr(), bf, int(unit), x.numel(), offset, window
+    )
+
+
+def precondition_out(
+    x: torch.Tensor,
+    e: torch.Tensor,
+    q: torch.Tensor,
+    wf: torch.Tensor,
+    bf: float,
+    unit: bool,
+    offset: int,
+    window: int,
+    ema: tuple[float, float] | None,
+) -> None:
+    """``codec.c``'s ``gf_precondition_out``: ``x *= r``, ``e *= r``; ``ema=(beta, c)``: then
+    ``q = q * beta + c * x * x`` (r from the ``q`` before it)."""
+    lib = library()
+    assert lib is not None, "callers check applies() first"
+    beta, c = ema if ema is not None else (0.0, 0.0)
+    lib.gf_precondition_out(
+        x.data_ptr(),
+        e.data_ptr(),
+        q.data_ptr(),
+        wf.data_ptr(),
+        bf,
+        int(unit),
+        x.numel(),
+        offset,
+        window,
+        int(ema is not None),
+        beta,
+        c,
     )

@@ -32,8 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
-"""``-ffp-contract=off``: no fused multiply-add, so every float op rounds as torch's separate ops do."""
+FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+"""``-ffp-contract=off``: no fused multiply-add, so every float op rounds as torch's separate ops do;
+``-fno-math-errno``: ``sqrtf`` vectorises (it need not set ``errno`` for a negative input; its value is NaN still)."""
 
 
 def _cpu_flags() -> set[str]:
@@ -47,11 +48,13 @@ def _cpu_flags() -> set[str]:
 def flags() -> tuple[str, ...]:
     """:data:`FLAGS`, plus 8-wide vectors where torch found AVX2 on this CPU (the codec's encode faster:
     docs/benchmarks.md#figures-behind-the-codes-comments), and the fp16 conversion
-    instructions where the CPU lists them (else ``_Float16`` casts are libgcc calls); the same bits."""
+    instructions where the CPU lists them (else ``_Float16`` casts are libgcc calls); the same bits.  ``-mfma``
+    with them: torch's AVX2 kernels fuse some multiply-adds (``addcmul_``), and a kernel that mirrors one calls
+    ``fmaf`` where ``__FMA__`` is defined (no contraction elsewhere: ``-ffp-contract=off``)."""
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     if not (wide and platform.machine() in ("x86_64", "AMD64")):
         return FLAGS
-    return (*FLAGS, "-mavx2", "-mf16c") if "f16c" in _cpu_flags() else (*FLAGS, "-mavx2")
+    return (*FLAGS, "-mavx2", "-mfma", "-mf16c") if "f16c" in _cpu_flags() else (*FLAGS, "-mavx2", "-mfma")
 
 
 _lock = threading.Lock()

@@ -56,7 +56,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
-from .precondition import PRECONDITION_BETA, precondition_root
+from .precondition import Root, ema_update
 from .quantized_nodes import NodeQuantizer, ShardResiduals
 from .residual import Residuals, residual_state, validate_residual_state
 
@@ -67,7 +67,7 @@ class _Pending:
     def __init__(self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool) -> None:
         self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
         self.x: torch.Tensor | None = None
-        self.r: torch.Tensor | None = None  # precondition's divisor, for this step and bucket
+        self.root: Root | None = None  # precondition's divisor, for this step and bucket
         self.ring: QuantizedRing | None = None
         self.started_at = 0.0
 
@@ -195,8 +195,8 @@ class QuantizedSync(SyncStrategy):
         if self.precondition and self.step >= self.warmup:
             assert self.sq is not None  # allocated by _begin_step
             b = p.bucket
-            p.r = precondition_root(self.sq.v[b.pool][b.start : b.end])
-            p.x.add_(p.err).div_(p.r)  # the ring sees x / r; its error comes back in those units
+            p.root = Root(self.sq.v[b.pool][b.start : b.end])
+            p.root.divide(p.x, p.err)  # the ring sees (x + e) / r; its error comes back in those units
             carry = False
         p.ring = QuantizedRing(
             p.x,
@@ -222,10 +222,10 @@ class QuantizedSync(SyncStrategy):
             divide(x, self.world_size, None)
         if self._fold is not None:  # residual off the shards: into the contribution (node-summed by the reduce-scatter)
             x.add_(self._fold.v[bucket.pool][bucket.start : bucket.end])
-        r = None
+        root = None
         if self.precondition and self.step >= self.warmup:
             assert self.sq is not None  # allocated by _begin_step
-            r = precondition_root(self.sq.v[bucket.pool][bucket.start : bucket.end])
+            root = Root(self.sq.v[bucket.pool][bucket.start : bucket.end])
         bits, levels = self._quantizer()
         timeout = self.watchdog.timeout if self.watchdog is not None else None
         args = {"bits": bits, "block": self.block, "timeout": timeout, "clip": self.clip, "levels": levels}
@@ -234,13 +234,11 @@ class QuantizedSync(SyncStrategy):
             stats.record_done(time.perf_counter())
             stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
             if self.sq is not None:
-                self.sq.v[bucket.pool][bucket.start : bucket.end].mul_(PRECONDITION_BETA).addcmul_(
-                    result, result, value=1 - PRECONDITION_BETA
-                )
+                ema_update(self.sq.v[bucket.pool][bucket.start : bucket.end], result)
             if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
                 flat.copy_(result)
 
-        intra, payload = self._nodes.start(x, err, r, args, done, f"bucket {bucket.index} (quantised)")
+        intra, payload = self._nodes.start(x, err, root, args, done, f"bucket {bucket.index} (quantised)")
         stats.record_collective(payload)  # the exchange between nodes: this rank's quantised shard
         stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
         self.progress(stats)
@@ -252,12 +250,11 @@ class QuantizedSync(SyncStrategy):
     def _complete(self, p: _Pending, stats: StepStats) -> None:
         stats.record_done(time.perf_counter())
         assert p.x is not None  # started by _start
-        if p.r is not None:  # back from x / r: the result and the error (kept in the gradient's units)
-            p.x.mul_(p.r)
-            p.err.mul_(p.r)
-        if self.sq is not None:
+        if p.root is not None:  # back from x / r: the result and the error (kept in the gradient's units), then q
+            p.root.restore(p.x, p.err, ema=True)
+        elif self.sq is not None:  # the warm-up: q's history starts before r is used
             b = p.bucket
-            self.sq.v[b.pool][b.start : b.end].mul_(PRECONDITION_BETA).addcmul_(p.x, p.x, value=1 - PRECONDITION_BETA)
+            ema_update(self.sq.v[b.pool][b.start : b.end], p.x)
         if p.x is not p.flat:
             p.flat.copy_(p.x)
 

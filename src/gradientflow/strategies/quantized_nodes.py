@@ -36,6 +36,7 @@ from ..comm.quantized_ring import QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import Item, NodeGroups, TwoLevelPipeline
 from ..engine.pool import Bucket, Layout, Scratch
+from .precondition import Root
 from .residual import Residuals
 
 
@@ -114,7 +115,7 @@ class _ShardItem(Item):
     err: torch.Tensor | None = None
     m: int = 0
     a: int = 0
-    r: torch.Tensor | None = None
+    root: Root | None = None
     ring_args: dict[str, Any] = field(default_factory=dict)
     sent: int = 0
 
@@ -144,8 +145,8 @@ class ShardRing:
 
 class NodeQuantizer:
     """The two-level pipeline of :class:`~gradientflow.strategies.quantized.QuantizedSync` (see the module
-    docstring).  ``start(x, err, r, ring_args, done)``: ``x`` the bucket's fp32 contribution (divided),
-    ``err`` its residual slice, ``r`` the preconditioner's divisor (or ``None``)."""
+    docstring).  ``start(x, err, root, ring_args, done)``: ``x`` the bucket's fp32 contribution (divided),
+    ``err`` its residual slice, ``root`` the preconditioner's divisor (or ``None``)."""
 
     def __init__(self, groups: NodeGroups, block: int, watchdog: Any = None) -> None:
         self.groups, self.block = groups, block
@@ -162,7 +163,7 @@ class NodeQuantizer:
         self,
         x: torch.Tensor,
         err: torch.Tensor,
-        r: torch.Tensor | None,
+        root: Root | None,
         ring_args: dict[str, Any],
         done: Callable[[torch.Tensor, int], None],
         what: str = "quantised shard",
@@ -193,7 +194,7 @@ class NodeQuantizer:
             err=err,
             m=m,
             a=a,
-            r=None if r is None else r[a : a + m],
+            root=root,
             ring_args=ring_args,
         )
         self.pipeline.submit(item)
@@ -202,21 +203,18 @@ class NodeQuantizer:
     def _start_ring(self, item: Item) -> ShardRing:
         """Stage 2: the shard plus its residual through the quantised ring among the nodes."""
         assert isinstance(item, _ShardItem) and item.err is not None
-        e, m, r = item.err, item.m, item.r
+        e, m, a, root = item.err, item.m, item.a, item.root
         k = item.shard.numel()
-        rs = None
         carry = True
-        if r is not None:
-            rs = torch.ones(k, dtype=torch.float32, device=item.shard.device)
-            rs[:m].copy_(r)
-            item.shard.add_(e).div_(rs)  # the ring sees x / r; its error comes back in those units
+        if root is not None:  # the ring sees (x + e) / r (r = 1 on the padding); its error comes back in those units
+            root.divide(item.shard[:m], e[:m], lo=a)
+            item.shard[m:].add_(e[m:])
             carry = False
         ring = QuantizedRing(item.shard, e, self.groups.inter, carry=carry, **item.ring_args)
 
         def after() -> None:
-            if rs is not None:
-                item.shard.mul_(rs)
-                e.mul_(rs)
+            if root is not None:  # before done()'s EMA moves q: r is recomputed from it
+                root.restore(item.shard[:m], e[:m], lo=a)
             if m < k:  # the padding's error belongs to no element: dropped (conservation holds elementwise)
                 e[m:].zero_()
             item.sent = ring.sent_bytes
