@@ -46,10 +46,12 @@ def layout_args(layout: str | None) -> list[str]:
     return ["--nproc", str(nodes * per_node), "--nproc-per-node", str(per_node)]
 
 
-def run_missing(out: Path, models: list[str], recipe: str, layout: str | None = None) -> None:
+def run_missing(
+    out: Path, models: list[str], recipe: str, layout: str | None = None, seeds: tuple[int, ...] = SEEDS
+) -> None:
     for model in models:
         for lr, beta2 in SETTINGS[model]:
-            for seed in SEEDS:
+            for seed in seeds:
                 d = launch_dir(out, model, lr, beta2, seed)
                 if (d / "results.json").exists():
                     continue
@@ -111,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--table", action="store_true", help="only tabulate what exists")
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the gradientflow recipe beside ddp (default gf-auto)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the seeds to run (default 0 1 2)")
     p.add_argument("--layout", default=None, help="NxG: N nodes of G ranks (default: 2 ranks, one per node)")
     args = p.parse_args(argv)
     if not args.table:
-        run_missing(args.out, args.models, args.recipe, args.layout)
+        run_missing(args.out, args.models, args.recipe, args.layout, tuple(args.seeds))
     table = tabulate(args.out, args.recipe, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
