@@ -114,7 +114,9 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
             assert sig[name].default == getattr(GradientFlowConfig(), name), name
 
 
-@pytest.mark.parametrize("name", ["adamw_matrix", "adamw_matrix_q2npw20", "adamw_matrix_q2npw20_floor"])
+@pytest.mark.parametrize(
+    "name", ["adamw_matrix", "adamw_matrix_q2npw20", "adamw_matrix_q2npw20_floor", "adamw_matrix_q2npw20_2x2"]
+)
 def test_adamw_matrix_rows_on_the_page_are_the_committed_table(name: str) -> None:
     """docs/adamw.md's AdamW matrices: every row (model, setting, per-seed ratios, mean, bytes) is the committed
     ``table.md`` row of ``experiments/adamw_matrix.py``'s output, and the page names the command's ``--out``."""
