@@ -24,7 +24,8 @@ RECIPE_WHAT = {
     "gf-paper": "gradientflow fp16 + CSC 0.1 + momentum correction 0.9, plain SGD, dense warm-up",
     "gf-fp16-dense": "gradientflow fp16 wire, dense, the user's optimizer",
     "ddp-sgd": "torch DDP, dense fp32, gf-paper's SGD with momentum 0.9 in the optimizer (gf-paper's oracle)",
-    "gf-auto": 'gradientflow compression="auto" (AdamW: 3-bit quantised ring + error feedback; SGD: fp16 + CSC 0.1)',
+    "gf-auto": 'gradientflow compression="auto" (AdamW: quantised ring + error feedback, 3 bits, or 2 where a '
+    "2-rank link is slow; SGD: fp16 + CSC 0.1)",
     "ddp-fp16-hook": "torch DDP + fp16_compress_hook, the user's optimizer",
     "ddp-powersgd": "torch DDP + PowerSGD hook (rank 4, error feedback, 10 dense steps), the user's optimizer",
     "ddp-postlocal": "torch post-local SGD: PostLocalSGDOptimizer + PeriodicModelAverager (every 8 steps after 10)",
@@ -150,6 +151,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                 "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,
                 "median_exposed_s": float(np.median(exposed)) if exposed else None,
                 "train_s": float(wall[-1]),
+                "picked": run.get("picked"),  # compression="auto": what it picked and why
                 "curve": curve,
                 **link_summary(run.get("nodes")),  # the kernel's bytes on each node's link (emulated cluster)
             }
@@ -294,7 +296,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['recipe']} | {r['options']['optimizer']} | {q} | {half} | {mb} | {r['sparse_share']:.0%} |"
             )
-        lines.append("")
+        lines += ["", *_picks(w["rows"])]
     for t in summary["tta"]:
         head = f"**time to accuracy ({t['name']})**, emulated {t['bandwidth']} per node"
         lines += [
@@ -325,7 +327,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{r['bytes_per_step'] / 1e6:.3f}{' c' if r['bytes_source'] == 'computed' else ''} | "
                 f"{r['sparse_share']:.0%} |"
             )
-        lines += [*link_table({"rows": [{**r, "name": r["recipe"]} for r in t["rows"]]}), ""]
+        lines += [*link_table({"rows": [{**r, "name": r["recipe"]} for r in t["rows"]]}), "", *_picks(t["rows"])]
     if not summary["tta"] and summary.get("tta_skipped"):
         lines += [f"Time to accuracy not run: {summary['tta_skipped']}.", ""]
     d = summary["definitions"]
@@ -336,6 +338,12 @@ def markdown(summary: dict[str, Any]) -> str:
     defaults = ", ".join(f"{k}={v!r}" for k, v in summary["library_defaults"].items())
     lines.append(f"- library defaults at run time: {defaults}")
     return "\n".join(lines).strip() + "\n"
+
+
+def _picks(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per ``compression="auto"`` run: what it picked and why (a table's note)."""
+    picks = [f'- {r["recipe"]}: `"auto"` picked {r["picked"]}' for r in rows if r.get("picked")]
+    return [*picks, ""] if picks else []
 
 
 def _what(recipe: str) -> str:

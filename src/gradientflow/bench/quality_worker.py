@@ -137,6 +137,12 @@ def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict
     return {k: float(s[k]) for k in keys if k in s}
 
 
+def _picked(wrapped: nn.Module) -> str | None:
+    """What ``compression="auto"`` picked and why (``comm_stats()["compression_auto"]``), else None."""
+    comm_stats = getattr(wrapped, "comm_stats", None)
+    return comm_stats().get("compression_auto") if comm_stats is not None else None
+
+
 @dataclass
 class _Run:
     recipe: str
@@ -282,6 +288,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 "stats": r.stats,
                 "evals": r.evals,
                 "link": r.link,
+                "picked": _picked(r.wrapped),
             }
             for r in runs
         ],

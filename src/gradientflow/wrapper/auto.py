@@ -7,6 +7,8 @@
 2. At the next synchronised forward (:func:`switch_if_chosen`; not inside the optimizer hook, where
    ``.grad`` still holds the result the optimizer is reading) the ranks check they picked the
    same recipe, and the wrapper rebuilds its engine with it (the observed pool order is kept).
+   An Adam-type optimizer on two ranks gets 3 bits or 2 (``"q2npw20"``), whichever costs less per step
+   on this link and device, measured there (:mod:`gradientflow.strategies.width`).
 3. ``comm_state_dict()`` records the active recipe; loading it into a fresh ``"auto"`` wrapper
    switches to that recipe first, so a resumed run continues exactly.
 """
@@ -19,7 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..engine.schedule import measure as measure_link
+from ..strategies import width
 from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer, unmeasured_warning
 from .compat import recipe_theta
 
@@ -34,6 +39,8 @@ class AutoState:
     requested: bool
     pending: str | None = None
     reason: str = "no optimizer step seen yet: dense fp32"
+    adam: bool = False  # the optimizer is Adam-type: the quantised recipe's width is chosen by measurement
+    picked: str | None = None  # the recipe switched to (a name the config parses: "csc", "quantized", "q2npw20")
 
 
 def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, stacklevel: int = 2) -> None:
@@ -43,6 +50,7 @@ def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimi
     if not auto.requested or auto.pending is not None or model.config.compression != "auto":
         return
     auto.pending = recipe_for_optimizer(optimizer)
+    auto.adam = isinstance(optimizer, torch.optim.Adam)  # AdamW too (a subclass)
     auto.reason = f"{type(optimizer).__name__} -> {auto.pending}"
     message = unmeasured_warning(optimizer, auto.pending)
     if message is not None:
@@ -55,13 +63,41 @@ def switch_if_chosen(model: DistributedDataParallel) -> None:
     if auto.pending is None or model.config.compression != "auto":
         return
     agree_on_recipe(auto.pending, auto.reason, model.process_group, model._gf_watchdog, model.join_device)
-    _rebuild(model, auto.pending)
+    recipe = auto.pending
+    if recipe == "quantized" and auto.adam and model._gf_world_size == 2:
+        recipe = _measured_width(model)
+    _rebuild(model, recipe)
+
+
+def _measured_width(model: DistributedDataParallel) -> str:
+    """3 bits (``"quantized"``) or 2 (``"q2npw20"``) for a two-party exchange: the link (``schedule="auto"``'s
+    measurement, or one now) and the codec's extra time (timed on the first rank, broadcast), then the pure rule
+    of :mod:`gradientflow.strategies.width`; collective, so every rank decides on the same numbers."""
+    auto, group, watchdog = model._gf_auto, model.process_group, model._gf_watchdog
+    device = model._gf_params[0].device
+    link = model.schedule.link if model.schedule is not None else measure_link(group, watchdog, device, model._gf_src)
+    n = min(width.SAMPLE, sum(p.numel() for p in model._gf_params))
+    extra = width.extra_seconds(device, n) if dist.get_rank() == model._gf_src else 0.0
+    mine = torch.tensor([extra], dtype=torch.float64, device=device)
+    watchdog.wait(dist.broadcast(mine, src=model._gf_src, group=group, async_op=True), "auto width broadcast", 8)
+    extra = float(mine.item())
+    fewer = width.fewer_bits_pay(link.bulk_Bps, extra)
+    saved_ns = width.saved_bytes() / link.bulk_Bps * 1e9
+    auto.reason += (
+        f" ({'2' if fewer else '3'} bits: 2-bit codes would save {saved_ns:.2f} ns a gradient on this "
+        f"{link.bulk_Bps * 8 / 1e6:.0f} Mbit/s link, their codec costs {extra * 1e9:.2f} ns more here)"
+    )
+    if fewer:
+        auto.reason = auto.reason.replace("-> quantized", f"-> {width.FEWER_BITS}", 1)
+        return width.FEWER_BITS
+    return "quantized"
 
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
     CSC's density ramp is where a run started with ``compression="csc"`` would be."""
     engine = model._gf_engine
+    model._gf_auto.picked = recipe
     model.config = recipe_theta(dataclasses.replace(model.config, compression=recipe), model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
     model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
@@ -71,6 +107,8 @@ def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any
     """Step 3: the active recipe goes into the communication checkpoint (and a choice not yet applied:
     a run saved between the first optimizer step and the next forward switches at that forward too)."""
     state["compression"] = model.config.compression
+    if model._gf_auto.picked is not None:  # the width too: "quantized" names the 3-bit and 2-bit recipes alike
+        state["auto_recipe"] = model._gf_auto.picked
     if model.config.compression == "auto" and model._gf_auto.pending is not None:
         state["auto_pending"] = model._gf_auto.pending
     return state
@@ -81,6 +119,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     state = dict(state)
     saved = state.pop("compression", model.config.compression)
     pending = state.pop("auto_pending", None)
+    picked = state.pop("auto_recipe", saved)
     active = model.config.compression
     if saved == active:
         if pending is not None and active == "auto":
@@ -88,8 +127,8 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
         return state
     if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
-        model._gf_auto.reason = f"{saved} (from the loaded communication state)"
-        _rebuild(model, saved)
+        model._gf_auto.reason = f"{picked} (from the loaded communication state)"
+        _rebuild(model, picked)
         return state
     raise ValueError(
         f"gradientflow: the communication state was saved with compression={saved!r}, this model runs "
@@ -102,7 +141,7 @@ def describe(model: DistributedDataParallel) -> dict[str, str]:
     whose counters stay all numbers)."""
     if model.config.compression == "none":
         return {}
-    out = {"compression": model.config.compression}
+    out = {"compression": model._gf_auto.picked or model.config.compression}  # "q2npw20", not its family
     if model._gf_auto.requested:
         out["compression_auto"] = model._gf_auto.reason
     return out

@@ -1,0 +1,94 @@
+"""How many bits ``compression="auto"`` sends an Adam-type optimizer's gradients with: 3 or 2 (``"q2npw20"``).
+
+Both keep AdamW's quality at 2 ranks (docs/adamw.md: 3 bits 1.006-1.013x DDP's final loss on the matrix,
+``"q2npw20"`` 1.007-1.020x); 2 bits send 0.068 of DDP's bytes against 0.098, but their codec (the
+preconditioner's passes, the window floors) costs more per gradient.  Which reaches DDP's loss sooner is
+which costs less per step, and that is the link's rate against the codec's speed on this device: on this
+project's CPU ranks 3 bits were sooner at 1 Gbit/s and 2 bits at 200 Mbit/s (``benchmarks/tta_adamw_q2``).
+So the choice is measured, once, when ``"auto"`` switches:
+
+* the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the
+  link (``link_Bps``: the bytes per second allreduce moved, :func:`gradientflow.engine.schedule.measure`);
+* the codec: :func:`extra_seconds`, one rank's 2-bit exchange of a sample of the gradient (preconditioner,
+  encode, decode and add, multiply back) less its 3-bit one, per gradient, on the model's device;
+
+and 2 bits are chosen where the first is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges
+(2 ranks, flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's
+seven settings ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..comm import quantize as qz
+from ..config import DEFAULT_QUANT
+from .precondition import Root
+
+FEWER_BITS = "q2npw20"
+"""The 2-bit recipe ``"auto"`` may pick (docs/adamw.md, "Below 0.07 of the bytes")."""
+SAMPLE = 1 << 22
+"""Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
+the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
+0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/adamw.md): a sample that fits the caches
+flatters the slower codec."""
+REPEATS = 5
+
+
+def saved_bytes(block: int = DEFAULT_QUANT[1]) -> float:
+    """Wire bytes per gradient 2 bits save over 3 (codes only: the scales are the same): 0.125."""
+    n = 1024 * block
+    return (qz.wire_bytes(n, DEFAULT_QUANT[0], block) - qz.wire_bytes(n, 2, block)) / n
+
+
+def fewer_bits_pay(link_Bps: float, extra_s: float, block: int = DEFAULT_QUANT[1]) -> bool:
+    """The rule: 2 bits where the time their smaller codes save on the link exceeds their codec's extra time
+    (both per gradient).  Pure: the same measurements give the same answer on every rank."""
+    if not link_Bps > 0:
+        raise ValueError(f"link_Bps must be > 0, got {link_Bps}")
+    return saved_bytes(block) / link_Bps > extra_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
+    """Seconds per gradient the 2-bit exchange's codec costs one rank over the 3-bit one (0 if it is not
+    slower), the best of :data:`REPEATS` each: what a rank does around its two-party exchange, timed on
+    ``n`` gradients of a fixed random sample on ``device`` (no collective)."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(n, generator=gen).to(device)
+    block = DEFAULT_QUANT[1]
+    out = torch.empty(qz.wire_bytes(n, 3, block), dtype=torch.uint8, device=device)
+    x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
+
+    def three() -> None:
+        x.copy_(g)
+        qz.quantize(x, out, 3, block, e, inplace=True, carry=True)
+        qz.dequantize(out, n, 3, block, out=x, add=True)  # the peer's contribution
+
+    def two() -> None:
+        x.copy_(g)
+        root = Root(q)
+        root.divide(x, e)
+        qz.quantize(x, out, 2, block, e, levels="zeroless", inplace=True)
+        qz.dequantize(out, n, 2, block, levels="zeroless", out=x, add=True)
+        root.restore(x, e, ema=True)
+
+    def best(f: object) -> float:
+        assert callable(f)
+        f()  # first use: the kernel's load, CUDA's allocations
+        times = []
+        for _ in range(REPEATS):
+            _sync(device)
+            t0 = time.perf_counter()
+            f()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return max(best(two) - best(three), 0.0) / n
