@@ -7,6 +7,8 @@ launch per (model, lr, beta2, seed), then one table of the means.
 
 ``--recipe``: the gradientflow recipe (or variant) trained beside ``ddp`` (default ``gf-auto``).
 ``--layout 2x2``: every launch at 4 ranks as 2 nodes x 2 (``--nproc 4 --nproc-per-node 2``; default 2 ranks).
+``--bandwidth 200mbit``: every launch behind the emulated link (default ``none``: loopback); the losses do not
+depend on it, but ``compression="auto"``'s choice may (it measures the link: 2 bits on a slow one, 2 ranks).
 
 Each launch trains ``ddp`` and ``gf-auto`` side by side from the same seed and batches (the quality
 bench's transformer: 400 steps, 5% warm-up then cosine to 10%, AdamW weight decay 0.1, 2 ranks) and
@@ -47,7 +49,12 @@ def layout_args(layout: str | None) -> list[str]:
 
 
 def run_missing(
-    out: Path, models: list[str], recipe: str, layout: str | None = None, seeds: tuple[int, ...] = SEEDS
+    out: Path,
+    models: list[str],
+    recipe: str,
+    layout: str | None = None,
+    seeds: tuple[int, ...] = SEEDS,
+    bandwidth: str = "none",
 ) -> None:
     for model in models:
         for lr, beta2 in SETTINGS[model]:
@@ -57,7 +64,7 @@ def run_missing(
                     continue
                 cmd = [
                     *("gradientflow", "bench", "--quality", "--workload", "tiny_transformer"),
-                    *("--recipes", "ddp", recipe, "--steps", "400", "--bandwidth", "none"),
+                    *("--recipes", "ddp", recipe, "--steps", "400", "--bandwidth", bandwidth),
                     *("--transformer-size", model, "--adamw-lr", f"{lr:g}", "--adamw-beta2", f"{beta2:g}"),
                     *("--seed", str(seed), *layout_args(layout), "--out", str(d)),
                 ]
@@ -65,13 +72,14 @@ def run_missing(
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None) -> str:
+def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None, bandwidth: str = "none") -> str:
     lines = [
         f"| model | AdamW lr | beta2 | seeds | {recipe} final val loss / DDP's, per seed | mean "
         "| bytes / DDP's (mean) |",
         "|---|---|---|---|---|---|---|",
     ]
     dates: set[str] = set()
+    picked: set[str] = set()  # what compression="auto" picked (the reasons' first words)
     for model, settings in SETTINGS.items():
         for lr, beta2 in settings:
             ratios, fracs, seeds = [], [], []
@@ -82,6 +90,8 @@ def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None)
                 res = json.loads(f.read_text())
                 dates.add(res["date"])
                 rows = {r["recipe"]: r for r in res["workloads"]["transformer"]["rows"]}
+                if rows[recipe].get("picked"):
+                    picked.add(rows[recipe]["picked"].split(" (")[0])
                 ratios.append(rows[recipe]["ratio_to_ddp"])
                 fracs.append(rows[recipe]["bytes_per_step"] / rows["ddp"]["bytes_per_step"])
                 seeds.append(seed)
@@ -95,14 +105,17 @@ def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None)
     flags = ("" if recipe == DEFAULT_RECIPE else " --recipe " + recipe) + (
         "" if layout is None else " --layout " + layout
     )
+    flags += "" if bandwidth == "none" else " --bandwidth " + bandwidth
     launch = "".join(a + " " for a in layout_args(layout))
     head = (
         f"`python experiments/adamw_matrix.py{flags} --out {out}` "
         f"(launches dated {', '.join(sorted(dates))}); "
         f"each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp {recipe} --steps 400 "
-        f"--bandwidth none --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED {launch}"
+        f"--bandwidth {bandwidth} --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED {launch}"
         "--out DIR` "
-        "with the model, lr, beta2 and seed of each row\n\n"
+        "with the model, lr, beta2 and seed of each row"
+        + (f'; `"auto"` picked: {", ".join(sorted(picked))}' if picked else "")
+        + "\n\n"
     )
     return head + "\n".join(lines) + "\n"
 
@@ -115,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the gradientflow recipe beside ddp (default gf-auto)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the seeds to run (default 0 1 2)")
     p.add_argument("--layout", default=None, help="NxG: N nodes of G ranks (default: 2 ranks, one per node)")
+    p.add_argument("--bandwidth", default="none", help="the emulated link of every launch (default none: loopback)")
     args = p.parse_args(argv)
     if not args.table:
-        run_missing(args.out, args.models, args.recipe, args.layout, tuple(args.seeds))
-    table = tabulate(args.out, args.recipe, args.layout)
+        run_missing(args.out, args.models, args.recipe, args.layout, tuple(args.seeds), args.bandwidth)
+    table = tabulate(args.out, args.recipe, args.layout, args.bandwidth)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
     print(table)
