@@ -7,8 +7,9 @@ launch per (model, lr, beta2, seed), then one table of the means.
 
 ``--recipe``: the gradientflow recipe (or variant) trained beside ``ddp`` (default ``gf-auto``).
 ``--layout 2x2``: every launch at 4 ranks as 2 nodes x 2 (``--nproc 4 --nproc-per-node 2``; default 2 ranks).
-``--bandwidth 200mbit``: every launch behind the emulated link (default ``none``: loopback); the losses do not
-depend on it, but ``compression="auto"``'s choice may (it measures the link: 2 bits on a slow one, 2 ranks).
+``--bandwidth 200mbit``: every launch's training behind the emulated link (the bench's ``--quality-on-link``;
+default ``none``: loopback); the losses do not depend on the link, but ``compression="auto"``'s choice may (it
+measures the link: 2 bits on a slow one, 2 ranks).
 
 Each launch trains ``ddp`` and ``gf-auto`` side by side from the same seed and batches (the quality
 bench's transformer: 400 steps, 5% warm-up then cosine to 10%, AdamW weight decay 0.1, 2 ranks) and
@@ -65,6 +66,7 @@ def run_missing(
                 cmd = [
                     *("gradientflow", "bench", "--quality", "--workload", "tiny_transformer"),
                     *("--recipes", "ddp", recipe, "--steps", "400", "--bandwidth", bandwidth),
+                    *(["--quality-on-link"] if bandwidth != "none" else []),
                     *("--transformer-size", model, "--adamw-lr", f"{lr:g}", "--adamw-beta2", f"{beta2:g}"),
                     *("--seed", str(seed), *layout_args(layout), "--out", str(d)),
                 ]
@@ -107,11 +109,13 @@ def tabulate(out: Path, recipe: str = DEFAULT_RECIPE, layout: str | None = None,
     )
     flags += "" if bandwidth == "none" else " --bandwidth " + bandwidth
     launch = "".join(a + " " for a in layout_args(layout))
+    on_link = "--quality-on-link " if bandwidth != "none" else ""
     head = (
         f"`python experiments/adamw_matrix.py{flags} --out {out}` "
         f"(launches dated {', '.join(sorted(dates))}); "
         f"each launch: `gradientflow bench --quality --workload tiny_transformer --recipes ddp {recipe} --steps 400 "
-        f"--bandwidth {bandwidth} --transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 --seed SEED {launch}"
+        f"--bandwidth {bandwidth} {on_link}--transformer-size MODEL --adamw-lr LR --adamw-beta2 BETA2 "
+        f"--seed SEED {launch}"
         "--out DIR` "
         "with the model, lr, beta2 and seed of each row"
         + (f'; `"auto"` picked: {", ".join(sorted(picked))}' if picked else "")

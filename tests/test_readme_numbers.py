@@ -120,8 +120,9 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
         ("adamw_matrix", 7),  # 5 settings of the 0.43M model, 2 of the 1.4M one
         ("adamw_matrix_q2npw20", 7),
         ("adamw_matrix_q2npw20_floor", 7),
+        ("adamw_matrix_q2npw20_2r", 7),  # the same on the fused code (28f688b)
         ("adamw_matrix_q2npw20_2x2", 7),
-        ("adamw_matrix_2x2", 6),  # the 1.4M model's lr 1e-3 setting not run (docs/adamw.md says so)
+        ("adamw_matrix_2x2", 7),
     ],
 )
 def test_adamw_matrix_rows_on_the_page_are_the_committed_table(name: str, settings: int) -> None:

@@ -237,6 +237,7 @@ class QualityOptions:
     tta_model: str = "digits_wide"  # digits' time-to-accuracy network
     tta_recipes: list[str] | None = None  # None: TTA_RECIPES; else these (ddp always added) for every tta job
     bandwidth: str = "1gbit"
+    quality_on_link: bool = False  # the quality launch behind the link (what "auto" measures), no time-to-accuracy
     adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
     transformer_optimizer: str = "adamw"  # "sgd": the quality transformer trained with SGD momentum by every recipe
@@ -315,7 +316,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         if "ddp" not in job.recipes:
             job.recipes.insert(0, "ddp")  # the oracle every ratio is taken against
     tta = []
-    if opts.bandwidth != "none":
+    if opts.bandwidth != "none" and not opts.quality_on_link:
         if "transformer" in opts.workloads:
             tta.append(transformer("tta", opts.tta_size, opts.tta_steps, 8, on_clock("transformer")))
         if "digits" in opts.workloads:
@@ -356,8 +357,8 @@ def _launch_jobs(name: str, jobs: list[Job], opts: QualityOptions, out: Path, cl
 
 
 def run_quality(opts: QualityOptions) -> dict[str, Any]:
-    """Run the quality launch (loopback) and, with a bandwidth, the time-to-accuracy launch on an
-    emulated cluster; write ``results.json``, ``table.md`` and the plots to ``opts.out``."""
+    """Run the quality launch (loopback, or behind the link with ``quality_on_link``) and, with a bandwidth, the
+    time-to-accuracy launch on an emulated cluster; write ``results.json``, ``table.md`` and the plots to ``out``."""
     from gradientflow.bench import quality_report
     from gradientflow.bench.cluster import EmulatedCluster, can_emulate
 
@@ -366,35 +367,33 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     jobs, tta = plan_jobs(opts)
     t0 = time.monotonic()
     launches: dict[str, Any] = {}
-    if jobs:
+    on_link = opts.quality_on_link and opts.bandwidth != "none"
+    skipped = None
+    for name, todo in (("quality", jobs), ("tta", tta)):
+        if not todo:
+            continue
+        where, steps = "on loopback", opts.steps if name == "quality" else opts.tta_steps
+        if name == "tta" or on_link:
+            ok, why = can_emulate()
+            if not ok:
+                skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
+                print(f"gradientflow bench --quality: {skipped}; no {name} run behind it", file=sys.stderr)
+                continue
+            where = f"behind an emulated {opts.bandwidth} link per node"
         logger.info(
-            "quality: %s, %d ranks (%d per node) on loopback, %d steps, recipes %s",
-            " + ".join(j.name for j in jobs),
+            "quality: %s, %d ranks (%d per node) %s, %d steps, recipes %s",
+            " + ".join(j.name for j in todo),
             opts.nproc,
             opts.nproc_per_node,
-            opts.steps,
-            ", ".join(jobs[0].recipes),
+            where,
+            steps,
+            ", ".join(todo[0].recipes),
         )
-        launches["quality"] = _launch_jobs("quality", jobs, opts, out, None)
-    skipped = None
-    if tta:
-        ok, why = can_emulate()
-        if not ok:
-            skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
-            print(f"gradientflow bench --quality: {skipped}; no time-to-accuracy run", file=sys.stderr)
-        else:
-            with EmulatedCluster(
-                nodes=opts.nproc // opts.nproc_per_node, rate=opts.bandwidth, prefix=opts.prefix
-            ) as cluster:
-                logger.info(
-                    "quality: time to accuracy (%s), %d nodes of %d ranks at %s, %d steps",
-                    ", ".join(j.name for j in tta),
-                    cluster.nodes,
-                    opts.nproc_per_node,
-                    opts.bandwidth,
-                    opts.tta_steps,
-                )
-                launches["tta"] = _launch_jobs("tta", tta, opts, out, cluster)
+        if where == "on loopback":
+            launches[name] = _launch_jobs(name, todo, opts, out, None)
+            continue
+        with EmulatedCluster(nodes=opts.nproc // opts.nproc_per_node, rate=opts.bandwidth, prefix=opts.prefix) as c:
+            launches[name] = _launch_jobs(name, todo, opts, out, c)
     summary = quality_report.summarize(launches, opts, seconds=time.monotonic() - t0, tta_skipped=skipped)
     quality_report.write_all(summary, out)
     return summary

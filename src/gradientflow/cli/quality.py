@@ -60,6 +60,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--tta-steps", type=types.positive_int, default=300, help="time-to-accuracy training steps (default 300)"
     )
     q.add_argument(
+        "--quality-on-link",
+        action="store_true",
+        help="train the quality launch behind the emulated --bandwidth link instead of on loopback (compression="
+        "'auto' measures the link it runs on), and skip the time-to-accuracy launch",
+    )
+    q.add_argument(
         "--eval-every", type=types.positive_int, default=None, help="steps between validations (default steps/20)"
     )
     q.add_argument("--seed", type=types.nonneg_int, default=0, help="seed of models and batches (default 0)")
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         transformer_size=args.transformer_size,
         tta_size=args.tta_size,
         bandwidth=args.bandwidth,
+        quality_on_link=args.quality_on_link,
         threads=args.threads or 1,
         seed=args.seed,
         device=args.device,
