@@ -121,6 +121,13 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     pending = state.pop("auto_pending", None)
     picked = state.pop("auto_recipe", saved)
     active = model.config.compression
+    mine = model._gf_auto.picked
+    if saved == active and mine is not None and picked != mine:  # "auto" switched here to another width
+        raise ValueError(
+            f'gradientflow: the communication state was saved by a compression="auto" run sending {picked!r}, this '
+            f"model switched to {mine!r} already. Load the communication state before the first training step "
+            "(a fresh wrapper takes the saved recipe), or pass the saved recipe by name."
+        )
     if saved == active:
         if pending is not None and active == "auto":
             model._gf_auto.pending = pending
