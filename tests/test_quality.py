@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from gradientflow.bench.cluster import can_emulate
 from gradientflow.bench.quality import Job, QualityOptions, lr_factor, parse_recipe, plan_jobs
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
 from gradientflow.cli import main
@@ -107,6 +109,28 @@ def test_plan_jobs():
     # --tta-recipes replaces the clock's recipes (ddp stays first, named once)
     (t,) = plan_jobs(QualityOptions(workloads=["digits"], tta_recipes=["gf-auto:compression=q2nw20", "ddp"]))[1]
     assert t.recipes == ["ddp", "gf-auto:compression=q2nw20"]
+    # --quality-on-link: the quality jobs go behind the link, and no time-to-accuracy jobs run
+    jobs, tta = plan_jobs(QualityOptions(workloads=["transformer"], bandwidth="1gbit", quality_on_link=True))
+    assert [j.name for j in jobs] == ["transformer"] and tta == []
+
+
+@pytest.mark.skipif(not can_emulate()[0], reason="cannot emulate a cluster")
+def test_quality_on_link_lets_auto_measure_a_slow_link(tmp_path):
+    """The quality transformer behind a 50 Mbit/s link: "auto" with AdamW on 2 ranks finds it slow and sends 2 bits
+    (20 ns a gradient saved there against a codec a few ns slower), which the table says; nothing is left behind."""
+    from gradientflow.bench.cluster import leftovers
+
+    prefix = f"gql{os.getpid() % 100000}"
+    args = ["bench", "--quality", "--workload", "tiny_transformer", "--recipes", "ddp", "gf-auto", "--steps", "30"]
+    args += ["--bandwidth", "50mbit", "--quality-on-link", "--netns-prefix", prefix, "--timeout", "150"]
+    proc = subprocess.run([*CLI, *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["tta"] == []
+    rows = {r["recipe"]: r for r in res["workloads"]["transformer"]["rows"]}
+    assert rows["gf-auto"]["picked"].startswith("AdamW -> q2npw20 (2 bits"), rows["gf-auto"]["picked"]
+    assert '- gf-auto: `"auto"` picked AdamW -> q2npw20' in (tmp_path / "table.md").read_text()
+    assert leftovers(prefix) == []
 
 
 def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
