@@ -372,8 +372,9 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     for name, todo in (("quality", jobs), ("tta", tta)):
         if not todo:
             continue
+        behind = name == "tta" or on_link  # behind the emulated link, else on loopback
         where, steps = "on loopback", opts.steps if name == "quality" else opts.tta_steps
-        if name == "tta" or on_link:
+        if behind:
             ok, why = can_emulate()
             if not ok:
                 skipped = f"cannot emulate a {opts.bandwidth} cluster ({why})"
@@ -389,7 +390,7 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
             steps,
             ", ".join(todo[0].recipes),
         )
-        if where == "on loopback":
+        if not behind:
             launches[name] = _launch_jobs(name, todo, opts, out, None)
             continue
         with EmulatedCluster(nodes=opts.nproc // opts.nproc_per_node, rate=opts.bandwidth, prefix=opts.prefix) as c:

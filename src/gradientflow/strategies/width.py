@@ -20,15 +20,17 @@ seven settings ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..comm import quantize as qz
-from ..config import DEFAULT_QUANT
+from ..config import DEFAULT_QUANT, parse_compression
 from .precondition import Root
 
 FEWER_BITS = "q2npw20"
 """The 2-bit recipe ``"auto"`` may pick (docs/adamw.md, "Below 0.07 of the bytes")."""
+_TWO = parse_compression(FEWER_BITS)  # its quantiser (bits, block, levels): timed and counted as the recipe runs it
 SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
 the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
@@ -37,18 +39,18 @@ flatters the slower codec."""
 REPEATS = 5
 
 
-def saved_bytes(block: int = DEFAULT_QUANT[1]) -> float:
-    """Wire bytes per gradient 2 bits save over 3 (codes only: the scales are the same): 0.125."""
-    n = 1024 * block
-    return (qz.wire_bytes(n, DEFAULT_QUANT[0], block) - qz.wire_bytes(n, 2, block)) / n
+def saved_bytes() -> float:
+    """Wire bytes per gradient :data:`FEWER_BITS` saves over 3 bits (codes only: the scales are the same): 0.125."""
+    n = 1024 * _TWO.block
+    return (qz.wire_bytes(n, DEFAULT_QUANT[0], DEFAULT_QUANT[1]) - qz.wire_bytes(n, _TWO.bits, _TWO.block)) / n
 
 
-def fewer_bits_pay(link_Bps: float, extra_s: float, block: int = DEFAULT_QUANT[1]) -> bool:
+def fewer_bits_pay(link_Bps: float, extra_s: float) -> bool:
     """The rule: 2 bits where the time their smaller codes save on the link exceeds their codec's extra time
     (both per gradient).  Pure: the same measurements give the same answer on every rank."""
     if not link_Bps > 0:
         raise ValueError(f"link_Bps must be > 0, got {link_Bps}")
-    return saved_bytes(block) / link_Bps > extra_s
+    return saved_bytes() / link_Bps > extra_s
 
 
 def _sync(device: torch.device) -> None:
@@ -62,25 +64,24 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
     ``n`` gradients of a fixed random sample on ``device`` (no collective)."""
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(n, generator=gen).to(device)
-    block = DEFAULT_QUANT[1]
-    out = torch.empty(qz.wire_bytes(n, 3, block), dtype=torch.uint8, device=device)
+    bits, block = DEFAULT_QUANT
+    out = torch.empty(qz.wire_bytes(n, bits, block), dtype=torch.uint8, device=device)
     x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
 
     def three() -> None:
         x.copy_(g)
-        qz.quantize(x, out, 3, block, e, inplace=True, carry=True)
-        qz.dequantize(out, n, 3, block, out=x, add=True)  # the peer's contribution
+        qz.quantize(x, out, bits, block, e, inplace=True, carry=True)
+        qz.dequantize(out, n, bits, block, out=x, add=True)  # the peer's contribution
 
     def two() -> None:
         x.copy_(g)
-        root = Root(q)
+        root = Root(q)  # FEWER_BITS preconditions (its "p")
         root.divide(x, e)
-        qz.quantize(x, out, 2, block, e, levels="zeroless", inplace=True)
-        qz.dequantize(out, n, 2, block, levels="zeroless", out=x, add=True)
+        qz.quantize(x, out, _TWO.bits, _TWO.block, e, levels=_TWO.levels, inplace=True)
+        qz.dequantize(out, n, _TWO.bits, _TWO.block, levels=_TWO.levels, out=x, add=True)
         root.restore(x, e, ema=True)
 
-    def best(f: object) -> float:
-        assert callable(f)
+    def best(f: Callable[[], None]) -> float:
         f()  # first use: the kernel's load, CUDA's allocations
         times = []
         for _ in range(REPEATS):

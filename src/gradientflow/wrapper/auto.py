@@ -39,6 +39,7 @@ class AutoState:
     requested: bool
     pending: str | None = None
     reason: str = "no optimizer step seen yet: dense fp32"
+    optimizer: str = ""  # the class name of the optimizer that decided
     adam: bool = False  # the optimizer is Adam-type: the quantised recipe's width is chosen by measurement
     picked: str | None = None  # the recipe switched to (a name the config parses: "csc", "quantized", "q2npw20")
 
@@ -51,7 +52,8 @@ def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimi
         return
     auto.pending = recipe_for_optimizer(optimizer)
     auto.adam = isinstance(optimizer, torch.optim.Adam)  # AdamW too (a subclass)
-    auto.reason = f"{type(optimizer).__name__} -> {auto.pending}"
+    auto.optimizer = type(optimizer).__name__
+    auto.reason = f"{auto.optimizer} -> {auto.pending}"
     message = unmeasured_warning(optimizer, auto.pending)
     if message is not None:
         warnings.warn(message, stacklevel=stacklevel + 1)
@@ -82,15 +84,13 @@ def _measured_width(model: DistributedDataParallel) -> str:
     watchdog.wait(dist.broadcast(mine, src=model._gf_src, group=group, async_op=True), "auto width broadcast", 8)
     extra = float(mine.item())
     fewer = width.fewer_bits_pay(link.bulk_Bps, extra)
+    recipe = width.FEWER_BITS if fewer else "quantized"
     saved_ns = width.saved_bytes() / link.bulk_Bps * 1e9
-    auto.reason += (
-        f" ({'2' if fewer else '3'} bits: 2-bit codes would save {saved_ns:.2f} ns a gradient on this "
-        f"{link.bulk_Bps * 8 / 1e6:.0f} Mbit/s link, their codec costs {extra * 1e9:.2f} ns more here)"
+    auto.reason = (
+        f"{auto.optimizer} -> {recipe} ({'2' if fewer else '3'} bits: 2-bit codes would save {saved_ns:.2f} ns a "
+        f"gradient on this {link.bulk_Bps * 8 / 1e6:.0f} Mbit/s link, their codec costs {extra * 1e9:.2f} ns more here)"
     )
-    if fewer:
-        auto.reason = auto.reason.replace("-> quantized", f"-> {width.FEWER_BITS}", 1)
-        return width.FEWER_BITS
-    return "quantized"
+    return recipe
 
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
