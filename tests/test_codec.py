@@ -180,3 +180,59 @@ def test_preconditioner_kernel_matches_torch_ops_bit_for_bit(
     assert not took_kernel
     for a, b in zip(fused, reference):
         assert _same_floats(a, b)
+
+
+@pytest.mark.parametrize(("bits", "levels"), [*TABLES, (2, "uniform")])
+@pytest.mark.parametrize("n", [1000, 37, 0, 70_000])
+@pytest.mark.parametrize(("lo", "block"), [(0, 128), (200, 128), (256, 16), (0, 1024)])
+def test_preconditioner_folded_into_the_codec_equals_its_own_passes(
+    bits: int, levels: str, n: int, lo: int, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A two-rank exchange of the preconditioned recipe with ``Root.fused``: ``(x + e) / r`` made block by block
+    inside the quantiser's pass and the multiply-back (result, error, q's EMA) inside the decoder's, against
+    divide -> quantise -> decode-and-add -> restore as passes of their own in torch ops: the same bytes on
+    the wire and the same floats after, for every table, blocks smaller and larger than the preconditioner's
+    windows, a bucket slice starting mid-window (``lo`` 200), and a quantiser the kernel lacks (``"uniform"``:
+    the divide and restore fall back to passes of their own)."""
+    from gradientflow.strategies.precondition import Root
+
+    q = _history(n + lo, "holes")
+    g = torch.Generator().manual_seed(3)
+    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    peer = torch.empty(wire_bytes(n, bits, block), dtype=torch.uint8)
+    quantize(torch.randn(n, generator=g), peer, bits, block, levels=levels)  # what the other rank sent
+
+    qa, xa, ea = q.clone(), x.clone(), e.clone()
+    root = Root(qa)
+    fused = root.fused(xa, ea, lo=lo)
+    assert fused is not None  # CPU, fp32, contiguous: the kernel takes them
+    wire_a = torch.empty_like(peer)
+    quantize(xa, wire_a, bits, block, ea, levels=levels, inplace=True, carry=True, fused=fused)
+    dequantize(peer, n, bits, block, levels, out=xa, add=True, fused=fused, err=ea)
+
+    _torch_path(monkeypatch)
+    qb, xb, eb = q.clone(), x.clone(), e.clone()
+    root = Root(qb)
+    assert root.fused(xb, eb, lo=lo) is None
+    root.divide(xb, eb, lo=lo)
+    wire_b = torch.empty_like(peer)
+    quantize(xb, wire_b, bits, block, eb, levels=levels, inplace=True)
+    dequantize(peer, n, bits, block, levels, out=xb, add=True)
+    root.restore(xb, eb, lo=lo, ema=True)
+
+    assert torch.equal(wire_a, wire_b)
+    for a, b in [(xa, xb), (ea, eb), (qa, qb)]:
+        assert _same_floats(a, b)
+
+
+def test_fused_preconditioner_needs_the_error_it_folds_in() -> None:
+    """``fused`` divides ``x + err`` and restores ``err``: without ``carry`` / ``err`` it is refused, not ignored."""
+    from gradientflow.strategies.precondition import Root
+
+    x, e = torch.randn(256), torch.zeros(256)
+    fused = Root(torch.rand(256)).fused(x, e)
+    wire = torch.empty(wire_bytes(256, 2, 128), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="carry=True"):
+        quantize(x, wire, 2, 128, e, inplace=True, fused=fused)
+    with pytest.raises(ValueError, match="pass both"):
+        dequantize(wire, 256, 2, 128, out=x, add=True, fused=fused)

@@ -255,3 +255,47 @@ def test_preconditioning_after_a_warm_up_keeps_small_coordinates_bounded(world, 
     )
     assert all(p == per_rank[0] for p in per_rank)  # every rank the same gradient
     assert max(per_rank[0]) < 10.0, per_rank[0]
+
+
+def _fused_worker(rank: int, world: int) -> dict:
+    from torch.nn import functional as F
+
+    import gradientflow
+    from gradientflow.strategies.precondition import Root
+
+    def train() -> list[list[float]]:
+        net = _net()
+        model = gradientflow.DistributedDataParallel(net, compression="q2npw2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        history = []
+        for x, y in _batches(rank, 6):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            history.append(_params(net))
+        return history
+
+    folded = []
+    fused = Root.fused
+    Root.fused = lambda self, *a, **k: folded.append(fused(self, *a, **k)) or folded[-1]  # type: ignore[method-assign]
+    try:
+        inside = train()
+    finally:
+        Root.fused = fused  # type: ignore[method-assign]
+    Root.fused = lambda self, *a, **k: None  # type: ignore[method-assign]
+    try:
+        apart = train()
+    finally:
+        Root.fused = fused  # type: ignore[method-assign]
+    return {"same": inside == apart, "folded": sum(f is not None for f in folded), "asked": len(folded)}
+
+
+@pytest.mark.skipif(codec_native.library() is None, reason="no C compiler here")
+def test_the_preconditioner_inside_the_exchange_trains_as_its_own_passes():
+    """Two ranks, CPU: ``Root.fused`` moves the divide, the multiply-back and q's EMA into the exchange's codec
+    passes.  The run's parameters after every step equal those of the same run with the three as passes of their
+    own, bit for bit (a second EMA, or one missed, shows at the step after it), and the fold was taken on every
+    preconditioned step (steps 3-6 of ``"q2npw2"``)."""
+    for r in run_distributed(_fused_worker, 2):
+        assert r["same"]
+        assert r["folded"] == r["asked"] >= 4, r

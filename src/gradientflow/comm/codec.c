@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* fp32 -> bf16, round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
 static inline uint16_t to_bf16(float f) {
@@ -100,66 +103,12 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
     memcpy(decoded, dec, (size_t)n * 4);
 }
 
-/* Encode m elements of x (nb = ceil(m / block) blocks, the last padded with zeros) into codes
- * (nb * block * bits / 8 bytes) and scales (nb bf16).  decoded (m floats, may alias x) gets what every
- * receiver decodes; err (m floats, or NULL) gets x - decoded.  carry (err given): x + err is encoded
- * instead (error feedback: err holds the last error on entry), one pass fewer than adding it first.
- * block: a multiple of 16, <= 1024. */
-void gf_quantize(const float *x, int64_t m, int bits, int block, const float *mids, const float *poly,
-                 float first, uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry) {
-    const int64_t nb = (m + block - 1) / block;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t a0 = b * block;
-        const int n = (int)(m - a0 < block ? m - a0 : block);
-        uint8_t *c = codes_out + a0 / 8 * bits;
-        float *e = err ? err + a0 : NULL;
-        if (bits == 3 && first == 0.0f)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
-        else if (bits == 3)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
-        else if (first == 0.0f)
-            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
-        else
-            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
-    }
-}
-
-/* Decode m elements (as quantize.dequantize) into out; accumulate != 0: out += decoded (out + d, the
- * fp32 add torch's add_ does). */
-void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, int bits, int block,
-                   const float *poly, float first, float *out, int accumulate) {
-    const int L = (1 << (bits - 1)) - 1;
-    const int half = 1 << (bits - 1);
-    const int64_t nb = (m + block - 1) / block;
-    float lv[8];
-    for (int c = 0; c < 2 * half; c++) {
-        /* the sign from 1 - 2*sign, exact, as the torch path: -0.0 levels keep their sign */
-        float mag = level_of((float)(c & (half - 1)), L, poly);
-        if (first != 0.0f) mag = mag + first;
-        lv[c] = copysignf(mag, 1.0f - 2.0f * (float)(c >> (bits - 1)));
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t a0 = b * block;
-        const int n = (int)(m - a0 < block ? m - a0 : block);
-        const float s = from_bf16(scales[b]);
-        const uint8_t *p = codes_in + a0 / 8 * bits;
-        float *o = out + a0;
-        for (int g = 0; g < n; g += 8) {
-            uint32_t word = 0;
-            for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
-            p += bits;
-            const int k = n - g < 8 ? n - g : 8;
-            for (int i = 0; i < k; i++) {
-                const float d = lv[(word >> (bits * i)) & ((1u << bits) - 1)] * s;
-                o[g + i] = accumulate ? o[g + i] + d : d;
-            }
-        }
-    }
-}
-
 /* The preconditioner's passes (strategies/precondition.py), for CPU tensors: r = sqrt(q floored) is
  * computed where it is used instead of being written out, and the divide before the ring, the two
- * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2).
+ * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2); in a
+ * two-rank exchange they run inside gf_quantize's and gf_dequantize's own passes, block by block while the
+ * block is in L1 (no pass of their own: 1.6 ns a gradient over 3 bits' codec instead of 2.5 on this
+ * project's CPU, docs/adamw.md).
  * The floors come from torch (their means keep torch's summation order); per element these are the
  * torch path's fp32 operations in its order, so the results are bit-identical (tests/test_codec.py).
  * wf: one floor per window of `window` coordinates, coordinate i (offset + i in its bucket) in window
@@ -222,3 +171,89 @@ void gf_precondition_out(float *x, float *e, float *q, const float *wf, float bf
             e[i] = e[i] * r;
         })
 }
+
+/* Encode m elements of x (nb = ceil(m / block) blocks, the last padded with zeros) into codes
+ * (nb * block * bits / 8 bytes) and scales (nb bf16).  decoded (m floats, may alias x) gets what every
+ * receiver decodes; err (m floats, or NULL) gets x - decoded.  carry (err given): x + err is encoded
+ * instead (error feedback: err holds the last error on entry), one pass fewer than adding it first.
+ * block: a multiple of 16, <= 1024.  pq (err given, or NULL): the preconditioner's q with its floors
+ * (gf_precondition_in's arguments, x[0] at poffset): each block is first made (x + err) / r in place, just
+ * before it is encoded, so the divide costs no pass of its own (carry is then implied). */
+void gf_quantize(float *x, int64_t m, int bits, int block, const float *mids, const float *poly,
+                 float first, uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry,
+                 const float *pq, const float *pwf, float pbf, int punit, int64_t poffset, int pwindow) {
+    const int64_t nb = (m + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t a0 = b * block;
+        const int n = (int)(m - a0 < block ? m - a0 : block);
+        if (pq) { /* x = (x + err) / r on this block, then encode it as it is (it is in L1 now) */
+            gf_precondition_in(x + a0, err + a0, pq + a0, pwf, pbf, punit, n, poffset + a0, pwindow);
+            carry = 0;
+        }
+        uint8_t *c = codes_out + a0 / 8 * bits;
+        float *e = err ? err + a0 : NULL;
+        if (bits == 3 && first == 0.0f)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+        else if (bits == 3)
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+        else if (first == 0.0f)
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+        else
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+    }
+}
+
+/* Decode m elements (as quantize.dequantize) into out; accumulate != 0: out += decoded (out + d, the
+ * fp32 add torch's add_ does).  pq (or NULL): then each block is multiplied back, while in L1, as
+ * gf_precondition_out does (out *= r, pe *= r, and with pema q's EMA; out[0] at poffset). */
+void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, int bits, int block,
+                   const float *poly, float first, float *out, int accumulate, float *pe, float *pq,
+                   const float *pwf, float pbf, int punit, int64_t poffset, int pwindow, int pema, float pbeta,
+                   float pc) {
+    const int L = (1 << (bits - 1)) - 1;
+    const int half = 1 << (bits - 1);
+    const int64_t nb = (m + block - 1) / block;
+    float lv[8] = {0};
+    for (int c = 0; c < 2 * half; c++) {
+        /* the sign from 1 - 2*sign, exact, as the torch path: -0.0 levels keep their sign */
+        float mag = level_of((float)(c & (half - 1)), L, poly);
+        if (first != 0.0f) mag = mag + first;
+        lv[c] = copysignf(mag, 1.0f - 2.0f * (float)(c >> (bits - 1)));
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t a0 = b * block;
+        const int n = (int)(m - a0 < block ? m - a0 : block);
+        const float s = from_bf16(scales[b]);
+        const uint8_t *p = codes_in + a0 / 8 * bits;
+        float *o = out + a0;
+        int g = 0;
+#ifdef __AVX2__
+        /* 8 codes at a time: broadcast their word, shift each lane to its code, look the level up with one
+         * permute of the (at most 8) levels; the same multiply and add per element as the loop below. */
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+        const __m256 table = _mm256_loadu_ps(lv), sv = _mm256_set1_ps(s);
+        for (; g + 8 <= n; g += 8) {
+            uint32_t word = 0;
+            for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
+            p += bits;
+            const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
+            __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), sv);
+            if (accumulate) d = _mm256_add_ps(_mm256_loadu_ps(o + g), d);
+            _mm256_storeu_ps(o + g, d);
+        }
+#endif
+        for (; g < n; g += 8) {
+            uint32_t word = 0;
+            for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
+            p += bits;
+            const int k = n - g < 8 ? n - g : 8;
+            for (int i = 0; i < k; i++) {
+                const float d = lv[(word >> (bits * i)) & ((1u << bits) - 1)] * s;
+                o[g + i] = accumulate ? o[g + i] + d : d;
+            }
+        }
+        if (pq) gf_precondition_out(o, pe + a0, pq + a0, pwf, pbf, punit, n, poffset + a0, pwindow, pema, pbeta, pc);
+    }
+}
+

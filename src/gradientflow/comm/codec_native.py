@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,12 +24,36 @@ from . import native
 SOURCE = Path(__file__).with_name("codec.c")
 
 
+@dataclass(frozen=True)
+class Fused:
+    """The preconditioner's divisor ``r`` (strategies/precondition.py's ``Root``) folded into the codec's own
+    passes: :func:`quantize` makes each block ``(x + err) / r`` just before encoding it and :func:`dequantize`
+    multiplies each decoded block (and its error) back by ``r``, updating ``q``'s EMA (``ema``: its beta and
+    1 - beta), while the block is in the cache: two passes over the bucket fewer than dividing and
+    restoring on their own, the same floats (``gf_precondition_in`` / ``_out`` per block)."""
+
+    q: torch.Tensor
+    wf: torch.Tensor
+    bf: float
+    unit: bool
+    offset: int
+    window: int
+    ema: tuple[float, float] | None
+
+    def args(self) -> tuple[int, int, float, int, int, int]:
+        return (self.q.data_ptr(), self.wf.data_ptr(), self.bf, int(self.unit), self.offset, self.window)
+
+
+_NONE = (None, None, 0.0, 0, 0, 0)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     f32 = ctypes.c_float
-    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, f32, p, p, p, p, i32]
+    # gf_quantize's last six and gf_dequantize's six before the EMA's three: Fused.args() (q NULL: none)
+    lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, f32, p, p, p, p, i32, p, p, f32, i32, i64, i32]
     lib.gf_quantize.restype = None
-    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32]
+    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32, p, p, p, f32, i32, i64, i32, i32, f32, f32]
     lib.gf_dequantize.restype = None
     lib.gf_precondition_in.argtypes = [p, p, p, p, f32, i32, i64, i64, i32]
     lib.gf_precondition_in.restype = None
@@ -63,9 +88,11 @@ def quantize(
     err: torch.Tensor | None,
     carry: bool = False,
     first: float = 0.0,
+    fused: Fused | None = None,
 ) -> None:
     """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``) and the error;
-    ``carry``: ``x + err`` is encoded; ``first``: the first level (0 but for levels without a zero)."""
+    ``carry``: ``x + err`` is encoded; ``first``: the first level (0 but for levels without a zero);
+    ``fused`` (with ``err``): ``(x + err) / r`` is encoded, written over ``x`` block by block."""
     lib = library()
     assert lib is not None, "callers check applies() first"
     lib.gf_quantize(
@@ -81,6 +108,7 @@ def quantize(
         decoded.data_ptr(),
         None if err is None else err.data_ptr(),
         int(carry),
+        *(_NONE if fused is None else fused.args()),
     )
 
 
@@ -94,13 +122,31 @@ def dequantize(
     out: torch.Tensor,
     accumulate: bool,
     first: float = 0.0,
+    fused: Fused | None = None,
+    err: torch.Tensor | None = None,
 ) -> None:
     """``codec.c``'s ``gf_dequantize``: ``m`` decoded values into ``out`` (added to it if ``accumulate``);
-    ``first``: the first level (0 but for levels without a zero)."""
+    ``first``: the first level (0 but for levels without a zero); ``fused`` (with ``err``): then ``out`` and
+    ``err`` multiplied back by ``r`` and ``q``'s EMA updated, as :func:`precondition_out`."""
     lib = library()
     assert lib is not None, "callers check applies() first"
+    assert fused is None or err is not None, "the fused multiply-back restores err too"
+    beta, c = fused.ema if fused is not None and fused.ema is not None else (0.0, 0.0)
     lib.gf_dequantize(
-        codes.data_ptr(), scales.data_ptr(), m, bits, block, _floats(poly), first, out.data_ptr(), int(accumulate)
+        codes.data_ptr(),
+        scales.data_ptr(),
+        m,
+        bits,
+        block,
+        _floats(poly),
+        first,
+        out.data_ptr(),
+        int(accumulate),
+        None if err is None else err.data_ptr(),
+        *(_NONE if fused is None else fused.args()),
+        int(fused is not None and fused.ema is not None),
+        beta,
+        c,
     )
 
 

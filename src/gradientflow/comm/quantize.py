@@ -198,6 +198,7 @@ def quantize(
     levels: str = "fitted",
     inplace: bool = False,
     carry: bool = False,
+    fused: codec_native.Fused | None = None,
 ) -> torch.Tensor:
     """Encode ``x`` (fp32, 1-D, ``m`` elements) into ``out`` (``wire_bytes(m)`` uint8).
 
@@ -211,13 +212,20 @@ def quantize(
     ``levels``: one of :data:`LEVELS` ("fitted": :data:`CODEBOOKS`; "uniform": steps ``k / L`` of the scale
     even where a table exists; "zeroless": :data:`ZEROLESS`).
     On contiguous CPU tensors the tabled levels without ``clip`` run :mod:`.codec_native`'s fused kernel (the
-    same bits).
+    same bits).  ``fused`` (with ``carry``; the caller checked the kernel applies to its tensors): the
+    preconditioner's ``(x + err) / r`` is encoded, written over ``x``, in the kernel's pass where it encodes.
     """
     m = x.numel()
     if carry and (err is None or not inplace):
         raise ValueError("quantize(carry=True) adds err to x in place: pass err and inplace=True")
+    if fused is not None and not carry:
+        raise ValueError("quantize(fused=...) divides x + err: pass carry=True")
     codebook = bits != FULL_PRECISION and _tabled(bits, levels)
     native = _native(x, out, err, bits, block, clip, levels)
+    if fused is not None and not native:  # a quantiser the kernel lacks: the divide as a pass of its own
+        assert err is not None  # checked above (carry)
+        codec_native.precondition_in(x, err, fused.q, fused.wf, fused.bf, fused.unit, fused.offset, fused.window)
+        fused, carry = None, False
     if carry and not native:
         x.add_(err)  # type: ignore[arg-type]  # checked above
         carry = False
@@ -234,7 +242,7 @@ def quantize(
         scales = out[cb:].view(SCALE_DTYPE)
         first = _table(bits, levels)[0]
         mids, poly = _mids(bits, levels), _poly(bits, levels)
-        codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first)
+        codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first, fused)
         return decoded
     if m % block:
         padded = x.new_zeros(nb * block)
@@ -281,20 +289,41 @@ def dequantize(
     levels: str = "fitted",
     out: torch.Tensor | None = None,
     add: bool = False,
+    fused: codec_native.Fused | None = None,
+    err: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode a segment of ``m`` elements from its ``wire_bytes(m)`` bytes (fp32, 1-D).
 
     ``out`` (``m`` fp32): written there and returned; with ``add``, added to it (``out + decoded``, the
-    same float adds on either path).
+    same float adds on either path).  ``fused`` (with ``out`` and ``err``; the caller checked the kernel
+    applies to its tensors): then ``out`` and ``err`` are multiplied back by the preconditioner's ``r`` and
+    its ``q`` updated, in the kernel's decoding pass.
     """
-    decoded = _dequantize(wire, m, bits, block, levels, out, add)
+    if fused is not None and (out is None or err is None):
+        raise ValueError("dequantize(fused=...) restores out and err in place: pass both")
+    decoded = _dequantize(wire, m, bits, block, levels, out, add, fused, err)
     if out is None or decoded is out:
-        return decoded
-    return out.add_(decoded) if add else out.copy_(decoded)
+        done = decoded
+    else:
+        done = out.add_(decoded) if add else out.copy_(decoded)
+    if fused is not None and decoded is not out:  # not folded into the kernel's pass: a pass of its own
+        assert err is not None  # checked above
+        codec_native.precondition_out(
+            done, err, fused.q, fused.wf, fused.bf, fused.unit, fused.offset, fused.window, fused.ema
+        )
+    return done
 
 
 def _dequantize(
-    wire: torch.Tensor, m: int, bits: int, block: int, levels: str, out: torch.Tensor | None, add: bool
+    wire: torch.Tensor,
+    m: int,
+    bits: int,
+    block: int,
+    levels: str,
+    out: torch.Tensor | None,
+    add: bool,
+    fused: codec_native.Fused | None = None,
+    err: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there."""
     if bits == FULL_PRECISION:
@@ -311,7 +340,7 @@ def _dequantize(
         scales = wire[cb:].view(SCALE_DTYPE)
         first = _table(bits, levels)[0]
         codec_native.dequantize(
-            wire, scales, m, bits, block, _poly(bits, levels), target, add and out is not None, first
+            wire, scales, m, bits, block, _poly(bits, levels), target, add and out is not None, first, fused, err
         )
         return target
     scale = wire[cb:].view(SCALE_DTYPE).float()

@@ -47,6 +47,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import codec_native
 from .quantize import dequantize, quantize, wire_bytes
 from .ring import _split
 from .waiter import WAITER as _WAITER
@@ -59,7 +60,9 @@ class QuantizedRing:
     ``x`` and ``err``: fp32, contiguous, 1-D, the same numel on every rank.  ``bits`` / ``block``:
     the block quantiser's (``block`` a multiple of 16).  ``carry``: ``x`` holds the new contribution
     alone and ``err`` the last error, which is added to it first (error feedback; two ranks fold the add
-    into the quantisation).  The constructor posts round 0 at once.
+    into the quantisation).  ``fused`` (two ranks, with ``carry``): the preconditioner's divide and multiply-back
+    (``codec_native.Fused``) done in the quantisation's and the decoding's passes; ``x`` and ``err`` end in the
+    gradient's units.  The constructor posts round 0 at once.
     """
 
     def __init__(
@@ -74,8 +77,10 @@ class QuantizedRing:
         clip: float = 0.0,
         levels: str = "fitted",
         carry: bool = False,
+        fused: codec_native.Fused | None = None,
     ) -> None:
         self.x, self.err, self.group, self.clip, self.levels = x, err, group, clip, levels
+        self.fused = fused
         self.bits, self.block, self.timeout = bits, block, timeout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.others = [q for q in range(self.world) if q != self.rank]  # the peers, in rank order
@@ -83,6 +88,10 @@ class QuantizedRing:
         nb = -(-n // block)
         # Two ranks: one exchange of whole quantised contributions (see the module docstring).
         self.exchange = self.world == 2
+        if fused is not None and not (self.exchange and carry):
+            raise ValueError(
+                "QuantizedRing(fused=...) folds the preconditioner into a two-rank exchange with carry=True"
+            )
         parts = 1 if self.exchange else self.world
         self.segments = [(min(a * block, n), min(b * block, n)) for a, b in _split(nb, parts)]
         self.seg_bytes = [wire_bytes(b - a, bits, block) if b > a else 0 for a, b in self.segments]
@@ -161,13 +170,17 @@ class QuantizedRing:
                 levels=self.levels,
                 inplace=inplace,
                 carry=carry,
+                fused=self.fused if self.exchange else None,
             )
 
     def _decode(self, wire: torch.Tensor, s: int, add: bool = False) -> None:
         """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded)."""
         a, b = self.segments[s]
         wire = wire.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
-        dequantize(wire, b - a, self.bits, self.block, self.levels, out=self.x[a:b], add=add)
+        if self.fused is not None:  # the exchange's one decode: x + peer, then multiplied back by r
+            dequantize(wire, b - a, self.bits, self.block, self.levels, self.x[a:b], add, self.fused, self.err[a:b])
+        else:
+            dequantize(wire, b - a, self.bits, self.block, self.levels, out=self.x[a:b], add=add)
 
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on

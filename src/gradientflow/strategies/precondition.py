@@ -72,7 +72,8 @@ class Root:
     On CPU tensors with the codec's kernel only the floors are computed here (two torch passes, so their
     means keep torch's summation order); ``r`` is recomputed inside the two fused passes that use it,
     bit-identical to :func:`precondition_root` and the torch ops (tests/test_codec.py): 11 passes over the
-    bucket become 4.  Elsewhere (CUDA: a kernel per op, no host read) ``r`` is materialised."""
+    bucket become 4, and 2 where the codec's own passes take them (:meth:`fused`).  Elsewhere (CUDA: a kernel
+    per op, no host read) ``r`` is materialised."""
 
     def __init__(self, q: torch.Tensor) -> None:
         self.q = q
@@ -85,6 +86,16 @@ class Root:
 
     def _fused(self, *ts: torch.Tensor) -> bool:
         return self.r is None and all(t.dtype == torch.float32 for t in ts) and codec_native.applies(*ts)
+
+    def fused(self, x: torch.Tensor, e: torch.Tensor, lo: int = 0) -> codec_native.Fused | None:
+        """The kernel's arguments to fold :meth:`divide` and :meth:`restore` (with the EMA) into the codec's own
+        passes over ``x`` (the bucket's coordinates ``lo ..``): two passes over the bucket fewer, the same floats
+        (tests/test_codec.py); None where the kernel does not take these tensors (divide and restore then)."""
+        if not self._fused(x, e):
+            return None
+        q = self.q[lo : lo + x.numel()]
+        beta = (PRECONDITION_BETA, 1 - PRECONDITION_BETA)
+        return codec_native.Fused(q, self.wf, self.bf, self.unit, lo, PRECONDITION_WINDOW, beta)
 
     def divide(self, x: torch.Tensor, e: torch.Tensor, lo: int = 0) -> None:
         """``x = (x + e) / r`` for the bucket's coordinates ``lo .. lo + x.numel()``."""

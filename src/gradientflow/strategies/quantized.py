@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm import codec_native
 from ..comm.precision import divide, loss_scale
 from ..comm.quantized_ring import QuantizedRing
 from ..comm.two_level import NodeGroups
@@ -68,6 +69,7 @@ class _Pending:
         self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
         self.x: torch.Tensor | None = None
         self.root: Root | None = None  # precondition's divisor, for this step and bucket
+        self.fused: codec_native.Fused | None = None  # root folded into the ring's codec passes (two ranks)
         self.ring: QuantizedRing | None = None
         self.started_at = 0.0
 
@@ -196,8 +198,12 @@ class QuantizedSync(SyncStrategy):
             assert self.sq is not None  # allocated by _begin_step
             b = p.bucket
             p.root = Root(self.sq.v[b.pool][b.start : b.end])
-            p.root.divide(p.x, p.err)  # the ring sees (x + e) / r; its error comes back in those units
-            carry = False
+            # the ring sees (x + e) / r; its result and error are multiplied back after.  Two ranks: inside
+            # the codec's passes (on CPU, with the kernel), else passes of their own
+            p.fused = p.root.fused(p.x, p.err) if self.world_size == 2 else None
+            if p.fused is None:
+                p.root.divide(p.x, p.err)
+                carry = False
         p.ring = QuantizedRing(
             p.x,
             p.err,
@@ -208,6 +214,7 @@ class QuantizedSync(SyncStrategy):
             clip=self.clip,
             levels=levels,
             carry=carry,
+            fused=p.fused,
         )
         p.started_at = time.perf_counter()
         stats.record_collective(p.ring.payload_bytes)
@@ -250,8 +257,9 @@ class QuantizedSync(SyncStrategy):
     def _complete(self, p: _Pending, stats: StepStats) -> None:
         stats.record_done(time.perf_counter())
         assert p.x is not None  # started by _start
-        if p.root is not None:  # back from x / r: the result and the error (kept in the gradient's units), then q
-            p.root.restore(p.x, p.err, ema=True)
+        if p.root is not None:  # back from x / r: the result and the error, then q (two ranks: done by the ring)
+            if p.fused is None:
+                p.root.restore(p.x, p.err, ema=True)
         elif self.sq is not None:  # the warm-up: q's history starts before r is used
             b = p.bucket
             ema_update(self.sq.v[b.pool][b.start : b.end], p.x)
