@@ -3,11 +3,13 @@
 - the rule (strategies/width.py) by hand: 2-bit codes save 0.125 B a gradient; they pay where that takes longer
   on the link than their codec's extra time;
 - the codec's extra time is a measurement (finite, >= 0, far below a microsecond a gradient);
-- as user code on 2 ranks, the link's measurement replaced by a slow or a fast one (the one thing a test cannot
-  shape on loopback): a slow link switches to "q2npw20" (comm_stats says so and why; 2-bit bytes after its
-  20-step warm-up; ranks identical after every step), a fast one keeps 3 bits, and a resumed "auto" run continues
-  on the checkpoint's width bit for bit without measuring again; a wrapper already switched to the other width
-  refuses that checkpoint (ValueError).
+- the rule counts the wire time saved only up to what the 3-bit steps left exposed;
+- as user code on 2 ranks, the link's measurement and the steps' exposed communication replaced (what a test
+  cannot shape on loopback): a slow link that held the 3-bit steps back goes on at 2 bits after "q2npw20"'s
+  20-step 3-bit warm-up (comm_stats says so and why; every step's bytes; ranks identical after every step); a
+  fast link, or a slow one whose bytes went while backward ran, keeps 3 bits; a run resumed inside the warm-up
+  decides at its end and one resumed after it keeps the checkpoint's width without measuring, both bit for bit;
+  a wrapper that decided the other width refuses that checkpoint (ValueError).
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ def test_two_bits_pay_where_their_saved_bytes_take_longer_on_the_link_than_their
     assert not width.fewer_bits_pay(GBIT, 2.5e-9)
     # 200 Mbit/s: 5 ns > 2.5 ns -> 2 bits (both as measured: benchmarks/tta_adamw_q2)
     assert width.fewer_bits_pay(0.2 * GBIT, 2.5e-9)
+    # ... unless the 3-bit step waited less on the link than the codec costs: 1.7 ns exposed < 2.5 ns -> 3 bits
+    assert not width.fewer_bits_pay(0.2 * GBIT, 2.5e-9, exposed_s=1.7e-9)
+    assert width.fewer_bits_pay(0.2 * GBIT, 2.5e-9, exposed_s=3e-9)  # 3 ns of the 5 exposed: pays
+    assert not width.fewer_bits_pay(0.2 * GBIT, 2.5e-9, exposed_s=0.0)
     # a GPU's codec, ~0.05 ns slower, on a 10 Gbit/s link: 0.1 ns saved -> 2 bits
     assert width.fewer_bits_pay(10 * GBIT, 0.05e-9)
     assert not width.fewer_bits_pay(GBIT, 1.0e-9)  # equal: the bytes do not pay for the codec
     with pytest.raises(ValueError, match="link_Bps"):
         width.fewer_bits_pay(0.0, 1e-9)
+    with pytest.raises(ValueError, match="exposed_s"):
+        width.fewer_bits_pay(GBIT, 1e-9, exposed_s=float("nan"))
 
 
 def test_codec_extra_time_is_measured_per_gradient():
@@ -44,12 +52,23 @@ def test_codec_extra_time_is_measured_per_gradient():
     assert 0.0 <= extra < 1e-6  # ~2 ns here; a microsecond a gradient would be 1000x any measured codec
 
 
-STEPS, WARMUP = 24, 20  # "q2npw20": its first 20 quantised steps at 3 bits, then 2
+STEPS, WARMUP = 24, 20  # "q2npw20": its first 20 steps at 3 bits (the run's, step 0 included), then 2
 
 
-def _worker(rank: int, world: int, link_Bps: float) -> dict:
+def _train(model, net, opt, todo: list) -> tuple[list, list]:
     from torch.nn import functional as F
 
+    history, sent = [], []
+    for x, y in todo:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        history.append(torch.cat([p.detach().flatten() for p in net.parameters()]).tolist())
+        sent.append(model.comm_stats()["payload_bytes"])  # this step's bytes
+    return history, sent
+
+
+def _worker(rank: int, world: int, link_Bps: float, exposed_s: float) -> dict:
     import gradientflow
     from gradientflow.engine.schedule import LinkEstimate
     from gradientflow.wrapper import auto
@@ -61,9 +80,10 @@ def _worker(rank: int, world: int, link_Bps: float) -> dict:
         return LinkEstimate(alpha_s=1e-4, bulk_Bps=link_Bps)
 
     auto.measure_link = fake_link
+    auto.last_exposed = lambda model: exposed_s  # what each 3-bit step left exposed on that link
     data = batches(rank, STEPS)
 
-    def run(todo: list, resume: dict | None = None) -> tuple[dict, list, list, dict]:
+    def run(todo: list, resume: dict | None = None) -> tuple[dict, list, list, dict, str]:
         net = small_net()
         model = gradientflow.DistributedDataParallel(net, compression="auto")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -71,71 +91,80 @@ def _worker(rank: int, world: int, link_Bps: float) -> dict:
             net.load_state_dict(resume["model"])
             opt.load_state_dict(resume["opt"])
             model.load_comm_state_dict(resume["comm"])
-        history, sent = [], []
-        for x, y in todo:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            history.append(torch.cat([p.detach().flatten() for p in net.parameters()]).tolist())
-            sent.append(model.comm_stats()["payload_bytes"])  # this step's bytes
+        during = ""
+        history, sent = _train(model, net, opt, todo[:2])
+        if todo[2:]:
+            during = str(model.comm_stats()["compression"])  # after step 1, the first quantised one
+            more = _train(model, net, opt, todo[2:])
+            history, sent = history + more[0], sent + more[1]
         buf = io.BytesIO()
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "comm": model.comm_state_dict()}, buf)
         buf.seek(0)
-        return model.comm_stats(), history, sent, torch.load(buf, weights_only=True)
+        return model.comm_stats(), history, sent, torch.load(buf, weights_only=True), during
 
-    stats, whole, sent, _ = run(data)
-    _, head, _, ckpt = run(data[:5])
-    before = len(measured)
-    resumed_stats, tail, _, _ = run(data[5:], ckpt)
-    measured_on_resume = len(measured) - before
-    # a wrapper that already switched, on the other link, to the other width: loading this checkpoint is an error
-    link_Bps = 1e12 if link_Bps < 1e9 else 1e5
+    stats, whole, sent, _, during = run(data)
+    out: dict = {"compression": stats["compression"], "why": stats["compression_auto"], "per_step": sent}
+    out["history"], out["measured"] = whole, len(measured)
+    for at in (5, WARMUP + 2):  # in the 3-bit warm-up (decided again at its end), and after the decision
+        _, head, _, ckpt, _ = run(data[:at])
+        before = len(measured)
+        resumed_stats, tail, _, _, _ = run(data[at:], ckpt)
+        out[f"resumed_{at}"] = head + tail
+        out[f"measured_on_resume_{at}"] = len(measured) - before
+        out[f"resumed_why_{at}"] = resumed_stats["compression_auto"]
+    out["during_warmup"] = during
+    # a wrapper that decided the other width (on the other link): loading the decided checkpoint is an error
+    link_Bps = 1e12 if link_Bps < 1e9 and exposed_s > 0 else 1e5
+    exposed_s = 1.0
     net = small_net()
     model = gradientflow.DistributedDataParallel(net, compression="auto")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in data[:2]:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    model(data[2][0])  # the forward that switches
+    _train(model, net, opt, data[: WARMUP + 1])
     try:
         model.load_comm_state_dict(ckpt["comm"])
-        other_width = "no error"
+        out["other_width"] = "no error"
     except ValueError as exc:
-        other_width = str(exc)
-    return {
-        "other_width": other_width,
-        "compression": stats["compression"],
-        "why": stats["compression_auto"],
-        "resumed_why": resumed_stats["compression_auto"],
-        "per_step": sent,  # comm_stats(): the last step's counters
-        "history": whole,
-        "resumed": head + tail,
-        "measured_on_resume": measured_on_resume,
-    }
+        out["other_width"] = str(exc)
+    return out
 
 
-def test_auto_sends_two_bits_on_a_slow_link_and_three_on_a_fast_one():
+def _check_resumes(r: dict, width_name: str) -> None:
+    # in the warm-up: the resumed run decides at its end, on its own measurement (the same fakes here: the same
+    # width), bit for bit; after the decision: the checkpoint's width, without measuring again
+    assert r["measured"] == 1 and r["measured_on_resume_5"] == 1, r
+    assert r["resumed_5"] == r["history"]
+    assert r["measured_on_resume_22"] == 0 and r["resumed_why_22"].startswith(width_name), r["resumed_why_22"]
+    assert r["resumed_22"] == r["history"]
+
+
+def test_auto_sends_two_bits_where_the_link_holds_the_step_back():
     n = 20 * 64 + 64 + 64 * 5 + 5  # small_net's 1669 parameters: one bucket of 14 blocks of 128
-    # 0.8 Mbit/s: 1250 ns a gradient saved. The codec's extra time per gradient is timed on the model's 1669: its
-    # fixed costs (a few calls, the floors' two means) over so few gradients are ~100 ns each here
-    slow = run_distributed(_worker, 2, 1e5, timeout=240)
+    # 0.8 Mbit/s: 1250 ns a gradient saved, and the 3-bit steps waited 1 s on it. The codec's extra time per
+    # gradient is timed on the model's 1669: its fixed costs (a few calls, the floors' two means) over so few
+    # gradients are ~100 ns each here
+    slow = run_distributed(_worker, 2, 1e5, 1.0, timeout=300)
     for r in slow:
         assert r["compression"] == "q2npw20", r["why"]
         assert r["why"].startswith("AdamW -> q2npw20 (2 bits: 2-bit codes would save 1250.00 ns"), r["why"]
+        assert "3-bit steps left exposed 1000.0 ms a step" in r["why"], r["why"]
+        assert r["during_warmup"] == "quantized"  # until step 20 the codes are 3-bit ones
         # step 0 dense fp32 (auto has not seen the optimizer), then the whole gradient quantised, sent to the
         # one peer: 3 bits (14 x 48 B codes + 14 x 2 B scales) until the warm-up's 20 steps are done (they count
         # the run's steps, so step 0 is the first), then 2 bits (14 x 32 + 14 x 2)
         assert r["per_step"] == [4 * n] + [14 * 50] * (WARMUP - 1) + [14 * 34] * (STEPS - WARMUP)
-        # the checkpoint's width, without measuring again
-        assert r["measured_on_resume"] == 0 and r["resumed_why"].startswith("q2npw20"), r["resumed_why"]
-        assert r["resumed"] == r["history"]  # bit for bit
+        _check_resumes(r, "q2npw20")
         assert "sending 'q2npw20', this model switched to 'quantized' already" in r["other_width"], r["other_width"]
     assert slow[0]["history"] == slow[1]["history"]  # identical ranks after every step
-    fast = run_distributed(_worker, 2, 100 * GBIT, timeout=240)
-    for r in fast:
+
+
+@pytest.mark.parametrize(("link_Bps", "exposed_s"), [(100 * GBIT, 1.0), (1e5, 0.0)])
+def test_auto_keeps_three_bits_on_a_fast_link_or_where_the_wire_was_hidden(link_Bps: float, exposed_s: float):
+    # 100 Gbit/s: 0.01 ns a gradient saved. 0.8 Mbit/s but the 3-bit steps never waited on the link (their bytes
+    # went while backward ran): nothing to save. Either way the codec's extra time is not repaid
+    n = 20 * 64 + 64 + 64 * 5 + 5
+    for r in run_distributed(_worker, 2, link_Bps, exposed_s, timeout=300):
         assert r["compression"] == "quantized", r["why"]
         assert r["why"].startswith("AdamW -> quantized (3 bits"), r["why"]
-        assert r["per_step"] == [4 * n] + [14 * 50] * (STEPS - 1)
-        assert r["resumed"] == r["history"]
+        assert r["per_step"] == [4 * n] + [14 * 50] * (STEPS - 1)  # 3 bits throughout, no step lost or doubled
+        _check_resumes(r, "quantized")
         assert "sending 'quantized', this model switched to 'q2npw20' already" in r["other_width"], r["other_width"]

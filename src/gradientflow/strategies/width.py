@@ -2,23 +2,27 @@
 
 Both keep AdamW's quality at 2 ranks (docs/adamw.md: 3 bits 1.006-1.013x DDP's final loss on the matrix,
 ``"q2npw20"`` 1.007-1.020x); 2 bits send 0.068 of DDP's bytes against 0.098, but their codec (the
-preconditioner's passes, the window floors) costs more per gradient.  Which reaches DDP's loss sooner is
-which costs less per step, and that is the link's rate against the codec's speed on this device: on this
-project's CPU ranks 3 bits were sooner at 1 Gbit/s and 2 bits at 200 Mbit/s (``benchmarks/tta_adamw_q2``).
-So the choice is measured, once, when ``"auto"`` switches:
+preconditioner's work, the window floors) costs more per gradient.  Which reaches DDP's loss sooner is which
+costs less per step: the bytes they save count only where the 3-bit step waited on them.  On this project's CPU
+ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (docs/adamw.md).  ``"auto"`` runs
+``"q2npw20"``, whose first :data:`WARMUP` steps send the 3-bit codes, and decides at their end, once:
 
-* the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the
-  link (``link_Bps``: the bytes per second allreduce moved, :func:`gradientflow.engine.schedule.measure`);
+* the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the link
+  (``link_Bps``: the bytes per second allreduce moved, :func:`gradientflow.engine.schedule.measure`);
+* the step: of that, at most what the 3-bit steps left exposed (the end of backward waiting on communication,
+  their median from the :data:`SETTLE`-th step on), per gradient: bytes sent while backward still runs cost
+  nothing;
 * the codec: :func:`extra_seconds`, one rank's 2-bit exchange of a sample of the gradient (preconditioner,
   encode, decode and add, multiply back) less its 3-bit one, per gradient, on the model's device;
 
-and 2 bits are chosen where the first is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges
-(2 ranks, flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's
-seven settings ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link.
+and 2 bits go on where the saving is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges (2 ranks,
+flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's seven settings
+ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -31,6 +35,10 @@ from .precondition import Root
 FEWER_BITS = "q2npw20"
 """The 2-bit recipe ``"auto"`` may pick (docs/adamw.md, "Below 0.07 of the bytes")."""
 _TWO = parse_compression(FEWER_BITS)  # its quantiser (bits, block, levels): timed and counted as the recipe runs it
+WARMUP = _TWO.warmup
+"""Steps ``"q2npw20"`` sends at 3 bits first (the run's, step 0 included): the decision is made at their end."""
+SETTLE = 3
+"""3-bit steps left out of the exposure's median: the first quantised steps allocate the residual and buffers."""
 SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
 the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
@@ -45,12 +53,16 @@ def saved_bytes() -> float:
     return (qz.wire_bytes(n, DEFAULT_QUANT[0], DEFAULT_QUANT[1]) - qz.wire_bytes(n, _TWO.bits, _TWO.block)) / n
 
 
-def fewer_bits_pay(link_Bps: float, extra_s: float) -> bool:
-    """The rule: 2 bits where the time their smaller codes save on the link exceeds their codec's extra time
-    (both per gradient).  Pure: the same measurements give the same answer on every rank."""
+def fewer_bits_pay(link_Bps: float, extra_s: float, exposed_s: float = math.inf) -> bool:
+    """The rule: 2 bits where the time their smaller codes save exceeds their codec's extra time, all per gradient.
+    The saving is the wire time of :func:`saved_bytes` on the link, at most ``exposed_s``: what the 3-bit step
+    left exposed (infinite: not measured, the whole wire time counts).  Pure: the same measurements give the
+    same answer on every rank."""
     if not link_Bps > 0:
         raise ValueError(f"link_Bps must be > 0, got {link_Bps}")
-    return saved_bytes() / link_Bps > extra_s
+    if not exposed_s >= 0:
+        raise ValueError(f"exposed_s must be >= 0, got {exposed_s}")
+    return min(saved_bytes() / link_Bps, exposed_s) > extra_s
 
 
 def _sync(device: torch.device) -> None:

@@ -7,8 +7,9 @@
 2. At the next synchronised forward (:func:`switch_if_chosen`; not inside the optimizer hook, where
    ``.grad`` still holds the result the optimizer is reading) the ranks check they picked the
    same recipe, and the wrapper rebuilds its engine with it (the observed pool order is kept).
-   An Adam-type optimizer on two ranks gets 3 bits or 2 (``"q2npw20"``), whichever costs less per step
-   on this link and device, measured there (:mod:`gradientflow.strategies.width`).
+   An Adam-type optimizer on two ranks gets ``"q2npw20"``, whose first 20 steps send the 3-bit codes of
+   ``"quantized"``; at their end (:func:`_watch_width`) it keeps 2 bits or goes on at 3, whichever costs less per
+   step on this link and device, measured there (:mod:`gradientflow.strategies.width`).
 3. ``comm_state_dict()`` records the active recipe; loading it into a fresh ``"auto"`` wrapper
    switches to that recipe first, so a resumed run continues exactly.
 """
@@ -16,18 +17,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..config import DEFAULT_QUANT, parse_compression
+from ..engine import comm_state
 from ..engine.schedule import measure as measure_link
 from ..strategies import width
 from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer, unmeasured_warning
 from .compat import recipe_theta
 
+QUANT_FIELDS = ("bits", "block", "clip", "levels", "precondition", "warmup")
 DistributedDataParallel = Any
 """The wrapper (:class:`gradientflow.wrapper.ddp.DistributedDataParallel`), not imported: ddp imports this module."""
 
@@ -42,6 +48,9 @@ class AutoState:
     optimizer: str = ""  # the class name of the optimizer that decided
     adam: bool = False  # the optimizer is Adam-type: the quantised recipe's width is chosen by measurement
     picked: str | None = None  # the recipe switched to (a name the config parses: "csc", "quantized", "q2npw20")
+    deciding: bool = False  # "q2npw20"'s 3-bit warm-up runs; 2 bits or 3 are decided at its end
+    exposed: list[float] = field(default_factory=list)  # the warm-up steps' exposed communication, seconds
+    seen: int = -1  # the strategy's step whose exposure was last read
 
 
 def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, stacklevel: int = 2) -> None:
@@ -62,35 +71,66 @@ def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimi
 def switch_if_chosen(model: DistributedDataParallel) -> None:
     """Step 2, at a synchronised forward: agree across ranks and rebuild the engine with the recipe."""
     auto = model._gf_auto
+    if auto.deciding:
+        _watch_width(model)
+        return
     if auto.pending is None or model.config.compression != "auto":
         return
     agree_on_recipe(auto.pending, auto.reason, model.process_group, model._gf_watchdog, model.join_device)
     recipe = auto.pending
     if recipe == "quantized" and auto.adam and model._gf_world_size == 2:
-        recipe = _measured_width(model)
+        recipe, auto.deciding = width.FEWER_BITS, True  # its warm-up sends "quantized"'s 3-bit codes meanwhile
+        auto.reason = f"{auto.optimizer} -> quantized (3 bits; 3 or 2 decided at step {width.WARMUP})"
     _rebuild(model, recipe)
 
 
-def _measured_width(model: DistributedDataParallel) -> str:
-    """3 bits (``"quantized"``) or 2 (``"q2npw20"``) for a two-party exchange: the link (``schedule="auto"``'s
-    measurement, or one now) and the codec's extra time (timed on the first rank, broadcast), then the pure rule
-    of :mod:`gradientflow.strategies.width`; collective, so every rank decides on the same numbers."""
+def last_exposed(model: DistributedDataParallel) -> float:
+    """Seconds the end of the last step's backward waited on communication (``comm_stats()["exposed_seconds"]``)."""
+    return float(model._gf_engine.last_stats.exposed_seconds)
+
+
+def _watch_width(model: DistributedDataParallel) -> None:
+    """At each synchronised forward of ``"q2npw20"``'s warm-up: note the last step's exposed communication (from the
+    :data:`width.SETTLE`-th 3-bit step); at the forward before its first 2-bit step, decide."""
+    auto, sync = model._gf_auto, model._gf_engine.sync
+    if sync.step != auto.seen:  # a forward per step (an evaluation forward with grad on would read it twice)
+        auto.seen = sync.step
+        if sync.step >= width.SETTLE + 1:
+            auto.exposed.append(last_exposed(model))
+    if sync.step >= sync.warmup:
+        _decide_width(model)
+
+
+def _decide_width(model: DistributedDataParallel) -> None:
+    """2 bits go on or 3 take over, for a two-party exchange: the link (``schedule="auto"``'s measurement, or one
+    now), the 3-bit steps' exposed communication (their median) and the codec's extra time (both on the first rank,
+    broadcast), then the pure rule of :mod:`gradientflow.strategies.width`; collective, so every rank decides on the
+    same numbers.  3 bits: the engine is rebuilt as ``"quantized"`` with the warm-up's residual (the same codes)."""
     auto, group, watchdog = model._gf_auto, model.process_group, model._gf_watchdog
     device = model._gf_params[0].device
     link = model.schedule.link if model.schedule is not None else measure_link(group, watchdog, device, model._gf_src)
-    n = min(width.SAMPLE, sum(p.numel() for p in model._gf_params))
-    extra = width.extra_seconds(device, n) if dist.get_rank() == model._gf_src else 0.0
-    mine = torch.tensor([extra], dtype=torch.float64, device=device)
+    total = sum(p.numel() for p in model._gf_params)
+    extra, exposed = 0.0, 0.0
+    if dist.get_rank() == model._gf_src:
+        extra = width.extra_seconds(device, min(width.SAMPLE, total))
+        exposed = statistics.median(auto.exposed) / total if auto.exposed else math.inf  # resumed at its end: unknown
+    mine = torch.tensor([extra, exposed], dtype=torch.float64, device=device)
     watchdog.wait(dist.broadcast(mine, src=model._gf_src, group=group, async_op=True), "auto width broadcast", 8)
-    extra = float(mine.item())
-    fewer = width.fewer_bits_pay(link.bulk_Bps, extra)
-    recipe = width.FEWER_BITS if fewer else "quantized"
+    extra, exposed = mine.tolist()
+    fewer = width.fewer_bits_pay(link.bulk_Bps, extra, exposed)
+    auto.deciding, auto.exposed = False, []
     saved_ns = width.saved_bytes() / link.bulk_Bps * 1e9
+    shown = "not measured" if math.isinf(exposed) else f"{exposed * total * 1e3:.1f} ms a step, {exposed * 1e9:.2f} ns"
     auto.reason = (
-        f"{auto.optimizer} -> {recipe} ({'2' if fewer else '3'} bits: 2-bit codes would save {saved_ns:.2f} ns a "
-        f"gradient on this {link.bulk_Bps * 8 / 1e6:.0f} Mbit/s link, their codec costs {extra * 1e9:.2f} ns more here)"
+        f"{auto.optimizer} -> {width.FEWER_BITS if fewer else 'quantized'} ({'2' if fewer else '3'} bits: 2-bit codes "
+        f"would save {saved_ns:.2f} ns a gradient on this {link.bulk_Bps * 8 / 1e6:.0f} Mbit/s link, of which the "
+        f"3-bit steps left exposed {shown}; their codec costs {extra * 1e9:.2f} ns more here)"
     )
-    return recipe
+    if not fewer:
+        state = comm_state.save(model._gf_engine, model._gf_world_size)
+        _rebuild(model, "quantized")
+        three = {**state, "quantizer": list(DEFAULT_QUANT), "sq": None}  # the warm-up's residual: 3-bit codes' error
+        comm_state.load(model._gf_engine, three, model._gf_world_size)
 
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
@@ -98,7 +138,10 @@ def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     CSC's density ramp is where a run started with ``compression="csc"`` would be."""
     engine = model._gf_engine
     model._gf_auto.picked = recipe
-    model.config = recipe_theta(dataclasses.replace(model.config, compression=recipe), model._gf_settings.theta_given)
+    parsed = parse_compression(recipe)  # the recipe's quantiser in full: "quantized" after "q2npw20" resets its 2 bits
+    quant = {f"quant_{k}": getattr(parsed, k) for k in QUANT_FIELDS} if parsed.recipe == "quantized" else {}
+    config = dataclasses.replace(model.config, compression=recipe, **quant)
+    model.config = recipe_theta(config, model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
     model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
 
@@ -109,6 +152,8 @@ def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any
     state["compression"] = model.config.compression
     if model._gf_auto.picked is not None:  # the width too: "quantized" names the 3-bit and 2-bit recipes alike
         state["auto_recipe"] = model._gf_auto.picked
+    if model._gf_auto.deciding:  # in "q2npw20"'s warm-up: a resumed run decides at its end, on its own measurement
+        state["auto_deciding"] = True
     if model.config.compression == "auto" and model._gf_auto.pending is not None:
         state["auto_pending"] = model._gf_auto.pending
     return state
@@ -120,6 +165,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     saved = state.pop("compression", model.config.compression)
     pending = state.pop("auto_pending", None)
     picked = state.pop("auto_recipe", saved)
+    deciding = bool(state.pop("auto_deciding", False))
     active = model.config.compression
     mine = model._gf_auto.picked
     if saved == active and mine is not None and picked != mine:  # "auto" switched here to another width
@@ -129,6 +175,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
             "(a fresh wrapper takes the saved recipe), or pass the saved recipe by name."
         )
     if saved == active:
+        model._gf_auto.deciding = deciding and model._gf_auto.requested
         if pending is not None and active == "auto":
             model._gf_auto.pending = pending
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
@@ -136,6 +183,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
         model._gf_auto.reason = f"{picked} (from the loaded communication state)"
         _rebuild(model, picked)
+        model._gf_auto.deciding = deciding
         return state
     raise ValueError(
         f"gradientflow: the communication state was saved with compression={saved!r}, this model runs "
@@ -148,7 +196,8 @@ def describe(model: DistributedDataParallel) -> dict[str, str]:
     whose counters stay all numbers)."""
     if model.config.compression == "none":
         return {}
-    out = {"compression": model._gf_auto.picked or model.config.compression}  # "q2npw20", not its family
+    picked = "quantized" if model._gf_auto.deciding else model._gf_auto.picked  # the warm-up sends its 3-bit codes
+    out = {"compression": picked or model.config.compression}  # "q2npw20", not its family
     if model._gf_auto.requested:
         out["compression_auto"] = model._gf_auto.reason
     return out
