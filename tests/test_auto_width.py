@@ -113,6 +113,20 @@ def _worker(rank: int, world: int, link_Bps: float, exposed_s: float) -> dict:
         out[f"measured_on_resume_{at}"] = len(measured) - before
         out[f"resumed_why_{at}"] = resumed_stats["compression_auto"]
     out["during_warmup"] = during
+    # the width decided at the switch instead of after the warm-up (as "auto" did before): where it is 3 bits, the
+    # run after the warm-up's end is the same run, bit for bit (its residual carries the same 3-bit codes' error)
+    deferred = auto.switch_if_chosen
+
+    def at_switch(model: object) -> None:
+        deferred(model)
+        if model._gf_auto.deciding:  # type: ignore[attr-defined]
+            auto._decide_width(model)
+
+    auto.switch_if_chosen = at_switch
+    try:
+        out["decided_at_switch"] = run(data)[1]
+    finally:
+        auto.switch_if_chosen = deferred
     # a wrapper that decided the other width (on the other link): loading the decided checkpoint is an error
     link_Bps = 1e12 if link_Bps < 1e9 and exposed_s > 0 else 1e5
     exposed_s = 1.0
@@ -166,5 +180,8 @@ def test_auto_keeps_three_bits_on_a_fast_link_or_where_the_wire_was_hidden(link_
         assert r["compression"] == "quantized", r["why"]
         assert r["why"].startswith("AdamW -> quantized (3 bits"), r["why"]
         assert r["per_step"] == [4 * n] + [14 * 50] * (STEPS - 1)  # 3 bits throughout, no step lost or doubled
+        # decided at the switch, no step's exposure is known: on the fast link 3 bits, the same run bit for bit; on
+        # the slow one 2 bits (what "auto" picked before it watched the warm-up), another run
+        assert (r["decided_at_switch"] == r["history"]) == (link_Bps > 1e9)
         _check_resumes(r, "quantized")
         assert "sending 'quantized', this model switched to 'q2npw20' already" in r["other_width"], r["other_width"]
