@@ -47,6 +47,15 @@ def test_two_bits_pay_where_their_saved_bytes_take_longer_on_the_link_than_their
         width.fewer_bits_pay(GBIT, 1e-9, exposed_s=float("nan"))
 
 
+def test_the_exposure_counts_where_the_host_waits_on_the_network():
+    from gradientflow.wrapper.auto import exposure_is_timed
+
+    assert exposure_is_timed(torch.device("cpu"), "gloo")
+    assert exposure_is_timed(torch.device("cuda", 0), "gloo")  # staged through the host: the host waits on Gloo
+    # NCCL: the end of backward queues the wait on a stream and returns; its host time is no measure of the link
+    assert not exposure_is_timed(torch.device("cuda", 0), "nccl")
+
+
 def test_codec_extra_time_is_measured_per_gradient():
     extra = width.extra_seconds(torch.device("cpu"), 1 << 16)
     assert 0.0 <= extra < 1e-6  # ~2 ns here; a microsecond a gradient would be 1000x any measured codec

@@ -84,6 +84,14 @@ def switch_if_chosen(model: DistributedDataParallel) -> None:
     _rebuild(model, recipe)
 
 
+def exposure_is_timed(device: torch.device, backend: str) -> bool:
+    """Whether the host's wait at the end of backward is the wait on the network: on CPU tensors, and with Gloo
+    (which the host waits on, staged through host memory for CUDA tensors).  With NCCL the host only queues the
+    wait on a CUDA stream, so the exposure it sees says nothing of the link: there the whole wire time the 2-bit
+    codes save counts (as the rule did before it watched the warm-up)."""
+    return device.type == "cpu" or "gloo" in backend.lower()
+
+
 def last_exposed(model: DistributedDataParallel) -> float:
     """Seconds the end of the last step's backward waited on communication (``comm_stats()["exposed_seconds"]``)."""
     return float(model._gf_engine.last_stats.exposed_seconds)
@@ -113,7 +121,9 @@ def _decide_width(model: DistributedDataParallel) -> None:
     extra, exposed = 0.0, 0.0
     if dist.get_rank() == model._gf_src:
         extra = width.extra_seconds(device, min(width.SAMPLE, total))
-        exposed = statistics.median(auto.exposed) / total if auto.exposed else math.inf  # resumed at its end: unknown
+        timed = exposure_is_timed(device, str(dist.get_backend(group)))
+        # none seen (resumed at the warm-up's end) or not timed by the host (NCCL): unknown, the wire time counts whole
+        exposed = statistics.median(auto.exposed) / total if auto.exposed and timed else math.inf
     mine = torch.tensor([extra, exposed], dtype=torch.float64, device=device)
     watchdog.wait(dist.broadcast(mine, src=model._gf_src, group=group, async_op=True), "auto width broadcast", 8)
     extra, exposed = mine.tolist()
