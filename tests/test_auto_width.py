@@ -56,6 +56,37 @@ def test_the_exposure_counts_where_the_host_waits_on_the_network():
     assert not exposure_is_timed(torch.device("cuda", 0), "nccl")
 
 
+def test_the_warm_up_exposure_leaves_out_its_first_steps_and_reads_each_step_once(monkeypatch: pytest.MonkeyPatch):
+    from types import SimpleNamespace
+
+    from gradientflow.wrapper import auto
+
+    state = auto.AutoState(requested=True)
+    auto._start_deciding(state)  # as at the switch, the forward of step 1
+    sync = SimpleNamespace(step=1, warmup=20)
+    stats = SimpleNamespace(exposed_seconds=0.0)
+    model = SimpleNamespace(_gf_auto=state, _gf_engine=SimpleNamespace(sync=sync, last_stats=stats))
+    decided: list[int] = []
+    monkeypatch.setattr(
+        auto, "_decide_width", lambda m: (decided.append(sync.step), auto._start_deciding(state, False))
+    )
+    for step in range(2, 23):  # each step's forward sees the step before it
+        sync.step, stats.exposed_seconds = step, float(step - 1)
+        for _ in range(2):  # a second forward in the same step (an evaluation with grad on)
+            if state.deciding:
+                auto._watch_width(model)
+    assert decided == [20]  # at the forward before the first 2-bit step, once
+    assert state.exposed == [] and state.watched == 0  # cleared by the decision
+    # what it decided on: the quantised steps 4-19, each once (1-3 left out: the first steps run here)
+    auto._start_deciding(state)
+    sync.step = 1
+    for step in range(2, 20):
+        sync.step, stats.exposed_seconds = step, float(step - 1)
+        auto._watch_width(model)
+        auto._watch_width(model)
+    assert state.exposed == [float(s) for s in range(4, 19)]
+
+
 def test_codec_extra_time_is_measured_per_gradient():
     extra = width.extra_seconds(torch.device("cpu"), 1 << 16)
     assert 0.0 <= extra < 1e-6  # ~2 ns here; a microsecond a gradient would be 1000x any measured codec

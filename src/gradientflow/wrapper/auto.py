@@ -51,6 +51,7 @@ class AutoState:
     deciding: bool = False  # "q2npw20"'s 3-bit warm-up runs; 2 bits or 3 are decided at its end
     exposed: list[float] = field(default_factory=list)  # the warm-up steps' exposed communication, seconds
     seen: int = -1  # the strategy's step whose exposure was last read
+    watched: int = 0  # steps watched since the warm-up began here (the run's switch, or a resume inside it)
 
 
 def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, stacklevel: int = 2) -> None:
@@ -79,9 +80,14 @@ def switch_if_chosen(model: DistributedDataParallel) -> None:
     agree_on_recipe(auto.pending, auto.reason, model.process_group, model._gf_watchdog, model.join_device)
     recipe = auto.pending
     if recipe == "quantized" and auto.adam and model._gf_world_size == 2:
-        recipe, auto.deciding = width.FEWER_BITS, True  # its warm-up sends "quantized"'s 3-bit codes meanwhile
+        recipe = width.FEWER_BITS  # its warm-up sends "quantized"'s 3-bit codes meanwhile
+        _start_deciding(auto)
         auto.reason = f"{auto.optimizer} -> quantized (3 bits; 3 or 2 decided at step {width.WARMUP})"
     _rebuild(model, recipe)
+
+
+def _start_deciding(auto: AutoState, deciding: bool = True) -> None:
+    auto.deciding, auto.exposed, auto.seen, auto.watched = deciding, [], -1, 0
 
 
 def exposure_is_timed(device: torch.device, backend: str) -> bool:
@@ -98,12 +104,12 @@ def last_exposed(model: DistributedDataParallel) -> float:
 
 
 def _watch_width(model: DistributedDataParallel) -> None:
-    """At each synchronised forward of ``"q2npw20"``'s warm-up: note the last step's exposed communication (from the
-    :data:`width.SETTLE`-th 3-bit step); at the forward before its first 2-bit step, decide."""
+    """At each synchronised forward of ``"q2npw20"``'s warm-up: note the last step's exposed communication (but for
+    the first :data:`width.SETTLE` steps run here); at the forward before its first 2-bit step, decide."""
     auto, sync = model._gf_auto, model._gf_engine.sync
     if sync.step != auto.seen:  # a forward per step (an evaluation forward with grad on would read it twice)
-        auto.seen = sync.step
-        if sync.step >= width.SETTLE + 1:
+        auto.seen, auto.watched = sync.step, auto.watched + 1
+        if auto.watched > width.SETTLE:  # not the first steps here: allocations (and, resumed, a step not run here)
             auto.exposed.append(last_exposed(model))
     if sync.step >= sync.warmup:
         _decide_width(model)
@@ -185,7 +191,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
             "(a fresh wrapper takes the saved recipe), or pass the saved recipe by name."
         )
     if saved == active:
-        model._gf_auto.deciding = deciding and model._gf_auto.requested
+        _start_deciding(model._gf_auto, deciding and model._gf_auto.requested)
         if pending is not None and active == "auto":
             model._gf_auto.pending = pending
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
@@ -193,7 +199,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
         model._gf_auto.reason = f"{picked} (from the loaded communication state)"
         _rebuild(model, picked)
-        model._gf_auto.deciding = deciding
+        _start_deciding(model._gf_auto, deciding)
         return state
     raise ValueError(
         f"gradientflow: the communication state was saved with compression={saved!r}, this model runs "
