@@ -18,6 +18,7 @@ from gradientflow.comm.quantize import (
     _mids,
     code_bytes,
     dequantize,
+    encode,
     quantize,
     wire_bytes,
 )
@@ -236,3 +237,58 @@ def test_fused_preconditioner_needs_the_error_it_folds_in() -> None:
         quantize(x, wire, 2, 128, e, inplace=True, fused=fused)
     with pytest.raises(ValueError, match="pass both"):
         dequantize(wire, 256, 2, 128, out=x, add=True, fused=fused)
+
+
+@pytest.mark.parametrize(("bits", "levels"), [*TABLES, (2, "uniform")])
+@pytest.mark.parametrize("n", [1000, 37, 0, 70_000])
+@pytest.mark.parametrize("precondition", [False, True])
+def test_an_exchange_decoding_its_own_codes_beside_the_peers_equals_decoding_into_its_own_values(
+    bits: int, levels: str, n: int, precondition: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A two-rank exchange on CPU: ``encode`` writes codes and error only, and ``dequantize(own, second=peer)``
+    decodes both messages in one pass (``own + peer``), against ``quantize(inplace=True)`` (x = own decoded) and
+    ``dequantize(peer, add=True)`` in torch ops: the same bytes, the same floats (with the preconditioner folded
+    in or not; ``"uniform"``: a quantiser the kernel lacks, where ``encode`` leaves the decoded values in x)."""
+    from gradientflow.strategies.precondition import Root
+
+    q = _history(n, "holes")
+    g = torch.Generator().manual_seed(4)
+    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    peer = torch.empty(wire_bytes(n, bits, 128), dtype=torch.uint8)
+    quantize(torch.randn(n, generator=g), peer, bits, 128, levels=levels)
+
+    qa, xa, ea = q.clone(), x.clone(), e.clone()
+    fused = Root(qa).fused(xa, ea) if precondition else None
+    own = torch.empty_like(peer)
+    skipped = encode(xa, own, bits, 128, ea, levels=levels, carry=True, fused=fused)
+    assert skipped == (levels != "uniform")  # the kernel does not write the decoded values
+    if skipped:
+        dequantize(own, n, bits, 128, levels, out=xa, fused=fused, err=ea, second=peer)
+    else:
+        dequantize(peer, n, bits, 128, levels, out=xa, add=True, fused=fused, err=ea)
+
+    _torch_path(monkeypatch)
+    qb, xb, eb = q.clone(), x.clone(), e.clone()
+    root = Root(qb)
+    if precondition:
+        root.divide(xb, eb)
+    else:
+        xb.add_(eb)
+    wire_b = torch.empty_like(peer)
+    quantize(xb, wire_b, bits, 128, eb, levels=levels, inplace=True)
+    dequantize(peer, n, bits, 128, levels, out=xb, add=True)
+    if precondition:
+        root.restore(xb, eb, ema=True)
+
+    assert torch.equal(own, wire_b)
+    for a, b in [(xa, xb), (ea, eb), (qa, qb)]:
+        assert _same_floats(a, b)
+
+
+def test_a_second_message_needs_the_output_it_adds_into() -> None:
+    wire = torch.empty(wire_bytes(256, 3, 128), dtype=torch.uint8)
+    quantize(torch.randn(256), wire, 3, 128)
+    with pytest.raises(ValueError, match="adds into out"):
+        dequantize(wire, 256, 3, 128, second=wire)
+    both = dequantize(wire, 256, 3, 128, out=torch.empty(256), second=wire)  # a + a, the kernel's one pass
+    assert torch.equal(both, dequantize(wire, 256, 3, 128) * 2)

@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
     pack_block(codes, block, bits, codes_out);
     if (err)
         for (int i = 0; i < n; i++) err[i] = v[i] - dec[i];
-    memcpy(decoded, dec, (size_t)n * 4);
+    if (decoded) memcpy(decoded, dec, (size_t)n * 4);
 }
 
 /* The preconditioner's passes (strategies/precondition.py), for CPU tensors: r = sqrt(q floored) is
@@ -174,7 +174,8 @@ void gf_precondition_out(float *x, float *e, float *q, const float *wf, float bf
 
 /* Encode m elements of x (nb = ceil(m / block) blocks, the last padded with zeros) into codes
  * (nb * block * bits / 8 bytes) and scales (nb bf16).  decoded (m floats, may alias x) gets what every
- * receiver decodes; err (m floats, or NULL) gets x - decoded.  carry (err given): x + err is encoded
+ * receiver decodes (or NULL: not written, where the caller decodes the codes again); err (m floats, or NULL)
+ * gets x - decoded.  carry (err given): x + err is encoded
  * instead (error feedback: err holds the last error on entry), one pass fewer than adding it first.
  * block: a multiple of 16, <= 1024.  pq (err given, or NULL): the preconditioner's q with its floors
  * (gf_precondition_in's arguments, x[0] at poffset): each block is first made (x + err) / r in place, just
@@ -192,24 +193,58 @@ void gf_quantize(float *x, int64_t m, int bits, int block, const float *mids, co
         }
         uint8_t *c = codes_out + a0 / 8 * bits;
         float *e = err ? err + a0 : NULL;
+        float *d = decoded ? decoded + a0 : NULL;
         if (bits == 3 && first == 0.0f)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, d, e, carry);
         else if (bits == 3)
-            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 3, 3, mids, poly, 1, first, c, scales_out + b, d, e, carry);
         else if (first == 0.0f)
-            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 0, 0.0f, c, scales_out + b, d, e, carry);
         else
-            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, decoded + a0, e, carry);
+            encode_block(x + a0, n, block, 2, 1, mids, poly, 1, first, c, scales_out + b, d, e, carry);
+    }
+}
+
+/* One block of n codes at p (scale s) decoded into o (added to it if accumulate), levels lv. */
+static inline void decode_block(const uint8_t *p, float s, int n, int bits, const float *lv, float *o, int accumulate) {
+    int g = 0;
+#ifdef __AVX2__
+    /* 8 codes at a time: broadcast their word, shift each lane to its code, look the level up with one
+     * permute of the (at most 8) levels; the same multiply and add per element as the loop below. */
+    const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const __m256 table = _mm256_loadu_ps(lv), sv = _mm256_set1_ps(s);
+    for (; g + 8 <= n; g += 8) {
+        uint32_t word = 0;
+        for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
+        p += bits;
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
+        __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), sv);
+        if (accumulate) d = _mm256_add_ps(_mm256_loadu_ps(o + g), d);
+        _mm256_storeu_ps(o + g, d);
+    }
+#endif
+    for (; g < n; g += 8) {
+        uint32_t word = 0;
+        for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
+        p += bits;
+        const int k = n - g < 8 ? n - g : 8;
+        for (int i = 0; i < k; i++) {
+            const float d = lv[(word >> (bits * i)) & ((1u << bits) - 1)] * s;
+            o[g + i] = accumulate ? o[g + i] + d : d;
+        }
     }
 }
 
 /* Decode m elements (as quantize.dequantize) into out; accumulate != 0: out += decoded (out + d, the
- * fp32 add torch's add_ does).  pq (or NULL): then each block is multiplied back, while in L1, as
- * gf_precondition_out does (out *= r, pe *= r, and with pema q's EMA; out[0] at poffset). */
+ * fp32 add torch's add_ does).  codes_b (or NULL): a second message of the same m elements, decoded and added
+ * in the same pass (out = a + b, or out + a + b: a two-rank exchange's own codes and its peer's, without the
+ * own decoded values written out and read back).  pq (or NULL): then each block is multiplied back, while in
+ * L1, as gf_precondition_out does (out *= r, pe *= r, and with pema q's EMA; out[0] at poffset). */
 void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, int bits, int block,
-                   const float *poly, float first, float *out, int accumulate, float *pe, float *pq,
-                   const float *pwf, float pbf, int punit, int64_t poffset, int pwindow, int pema, float pbeta,
-                   float pc) {
+                   const float *poly, float first, float *out, int accumulate, const uint8_t *codes_b,
+                   const uint16_t *scales_b, float *pe, float *pq, const float *pwf, float pbf, int punit,
+                   int64_t poffset, int pwindow, int pema, float pbeta, float pc) {
     const int L = (1 << (bits - 1)) - 1;
     const int half = 1 << (bits - 1);
     const int64_t nb = (m + block - 1) / block;
@@ -223,37 +258,9 @@ void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, i
     for (int64_t b = 0; b < nb; b++) {
         const int64_t a0 = b * block;
         const int n = (int)(m - a0 < block ? m - a0 : block);
-        const float s = from_bf16(scales[b]);
-        const uint8_t *p = codes_in + a0 / 8 * bits;
         float *o = out + a0;
-        int g = 0;
-#ifdef __AVX2__
-        /* 8 codes at a time: broadcast their word, shift each lane to its code, look the level up with one
-         * permute of the (at most 8) levels; the same multiply and add per element as the loop below. */
-        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
-        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-        const __m256 table = _mm256_loadu_ps(lv), sv = _mm256_set1_ps(s);
-        for (; g + 8 <= n; g += 8) {
-            uint32_t word = 0;
-            for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
-            p += bits;
-            const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
-            __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), sv);
-            if (accumulate) d = _mm256_add_ps(_mm256_loadu_ps(o + g), d);
-            _mm256_storeu_ps(o + g, d);
-        }
-#endif
-        for (; g < n; g += 8) {
-            uint32_t word = 0;
-            for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
-            p += bits;
-            const int k = n - g < 8 ? n - g : 8;
-            for (int i = 0; i < k; i++) {
-                const float d = lv[(word >> (bits * i)) & ((1u << bits) - 1)] * s;
-                o[g + i] = accumulate ? o[g + i] + d : d;
-            }
-        }
+        decode_block(codes_in + a0 / 8 * bits, from_bf16(scales[b]), n, bits, lv, o, accumulate);
+        if (codes_b) decode_block(codes_b + a0 / 8 * bits, from_bf16(scales_b[b]), n, bits, lv, o, 1);
         if (pq) gf_precondition_out(o, pe + a0, pq + a0, pwf, pbf, punit, n, poffset + a0, pwindow, pema, pbeta, pc);
     }
 }
-

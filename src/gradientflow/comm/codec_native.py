@@ -50,10 +50,11 @@ _NONE = (None, None, 0.0, 0, 0, 0)
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     f32 = ctypes.c_float
-    # gf_quantize's last six and gf_dequantize's six before the EMA's three: Fused.args() (q NULL: none)
+    # gf_quantize's last six and gf_dequantize's six before the EMA's three: Fused.args() (q NULL: none);
+    # gf_dequantize's two after `accumulate`: a second message (NULL: none)
     lib.gf_quantize.argtypes = [p, i64, i32, i32, p, p, f32, p, p, p, p, i32, p, p, f32, i32, i64, i32]
     lib.gf_quantize.restype = None
-    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32, p, p, p, f32, i32, i64, i32, i32, f32, f32]
+    lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32, p, p, p, p, p, f32, i32, i64, i32, i32, f32, f32]
     lib.gf_dequantize.restype = None
     lib.gf_precondition_in.argtypes = [p, p, p, p, f32, i32, i64, i64, i32]
     lib.gf_precondition_in.restype = None
@@ -84,14 +85,14 @@ def quantize(
     block: int,
     mids: tuple[float, ...],
     poly: tuple[float, ...],
-    decoded: torch.Tensor,
+    decoded: torch.Tensor | None,
     err: torch.Tensor | None,
     carry: bool = False,
     first: float = 0.0,
     fused: Fused | None = None,
 ) -> None:
-    """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``) and the error;
-    ``carry``: ``x + err`` is encoded; ``first``: the first level (0 but for levels without a zero);
+    """``codec.c``'s ``gf_quantize``: codes, bf16 scales, decoded values (may be ``x``; None: not written) and the
+    error; ``carry``: ``x + err`` is encoded; ``first``: the first level (0 but for levels without a zero);
     ``fused`` (with ``err``): ``(x + err) / r`` is encoded, written over ``x`` block by block."""
     lib = library()
     assert lib is not None, "callers check applies() first"
@@ -105,7 +106,7 @@ def quantize(
         first,
         codes.data_ptr(),
         scales.data_ptr(),
-        decoded.data_ptr(),
+        None if decoded is None else decoded.data_ptr(),
         None if err is None else err.data_ptr(),
         int(carry),
         *(_NONE if fused is None else fused.args()),
@@ -124,10 +125,12 @@ def dequantize(
     first: float = 0.0,
     fused: Fused | None = None,
     err: torch.Tensor | None = None,
+    second: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``codec.c``'s ``gf_dequantize``: ``m`` decoded values into ``out`` (added to it if ``accumulate``);
-    ``first``: the first level (0 but for levels without a zero); ``fused`` (with ``err``): then ``out`` and
-    ``err`` multiplied back by ``r`` and ``q``'s EMA updated, as :func:`precondition_out`."""
+    ``first``: the first level (0 but for levels without a zero); ``second`` (codes, scales): another message of
+    the same ``m``, its values added in the same pass; ``fused`` (with ``err``): then ``out`` and ``err``
+    multiplied back by ``r`` and ``q``'s EMA updated, as :func:`precondition_out`."""
     lib = library()
     assert lib is not None, "callers check applies() first"
     assert fused is None or err is not None, "the fused multiply-back restores err too"
@@ -142,6 +145,8 @@ def dequantize(
         first,
         out.data_ptr(),
         int(accumulate),
+        None if second is None else second[0].data_ptr(),
+        None if second is None else second[1].data_ptr(),
         None if err is None else err.data_ptr(),
         *(_NONE if fused is None else fused.args()),
         int(fused is not None and fused.ema is not None),

@@ -281,6 +281,32 @@ def quantize(
     return x.copy_(decoded) if inplace else decoded
 
 
+def encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    block: int,
+    err: torch.Tensor,
+    clip: float = 0.0,
+    levels: str = "fitted",
+    carry: bool = False,
+    fused: codec_native.Fused | None = None,
+) -> bool:
+    """:func:`quantize` with ``inplace=True`` for a sender that decodes its own bytes again (a two-rank exchange adds
+    both messages' values in one pass): the codes, scales and error, and where the kernel runs no decoded values
+    (one write of ``x`` fewer).  True there (``x``'s contents are then unspecified), False where ``x`` holds the
+    decoded values (the torch ops)."""
+    if bits == FULL_PRECISION or not _native(x, out, err, bits, block, clip, levels):
+        quantize(x, out, bits, block, err, clip, levels, inplace=True, carry=carry, fused=fused)
+        return False
+    if fused is not None and not carry:
+        raise ValueError("encode(fused=...) divides x + err: pass carry=True")
+    scales = out[code_bytes(x.numel(), bits, block) :].view(SCALE_DTYPE)
+    first, mids, poly = _table(bits, levels)[0], _mids(bits, levels), _poly(bits, levels)
+    codec_native.quantize(x, out, scales, bits, block, mids, poly, None, err, carry, first, fused)
+    return True
+
+
 def dequantize(
     wire: torch.Tensor,
     m: int,
@@ -291,21 +317,27 @@ def dequantize(
     add: bool = False,
     fused: codec_native.Fused | None = None,
     err: torch.Tensor | None = None,
+    second: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode a segment of ``m`` elements from its ``wire_bytes(m)`` bytes (fp32, 1-D).
 
     ``out`` (``m`` fp32): written there and returned; with ``add``, added to it (``out + decoded``, the
-    same float adds on either path).  ``fused`` (with ``out`` and ``err``; the caller checked the kernel
-    applies to its tensors): then ``out`` and ``err`` are multiplied back by the preconditioner's ``r`` and
-    its ``q`` updated, in the kernel's decoding pass.
+    same float adds on either path).  ``second`` (with ``out``): another message's bytes of the same ``m``
+    elements, its values added after (``decoded + second's``: on CPU in the same pass).  ``fused`` (with ``out``
+    and ``err``; the caller checked the kernel applies to its tensors): then ``out`` and ``err`` are multiplied
+    back by the preconditioner's ``r`` and its ``q`` updated, in the kernel's decoding pass.
     """
     if fused is not None and (out is None or err is None):
         raise ValueError("dequantize(fused=...) restores out and err in place: pass both")
-    decoded = _dequantize(wire, m, bits, block, levels, out, add, fused, err)
+    if second is not None and out is None:
+        raise ValueError("dequantize(second=...) adds into out: pass it")
+    decoded = _dequantize(wire, m, bits, block, levels, out, add, fused, err, second)
     if out is None or decoded is out:
         done = decoded
     else:
         done = out.add_(decoded) if add else out.copy_(decoded)
+        if second is not None:  # not folded into the kernel's pass: decoded and added after
+            done.add_(_dequantize(second, m, bits, block, levels, None, False))
     if fused is not None and decoded is not out:  # not folded into the kernel's pass: a pass of its own
         assert err is not None  # checked above
         codec_native.precondition_out(
@@ -324,8 +356,10 @@ def _dequantize(
     add: bool,
     fused: codec_native.Fused | None = None,
     err: torch.Tensor | None = None,
+    second: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there."""
+    """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there (with
+    ``second``'s and the preconditioner's multiply-back where given)."""
     if bits == FULL_PRECISION:
         return wire.view(torch.float32)
     nb = n_blocks(m, block)
@@ -334,13 +368,16 @@ def _dequantize(
     if (
         kernel
         and (out is None or out.dtype == torch.float32)
-        and codec_native.applies(wire, *[t for t in [out] if t is not None])
+        and codec_native.applies(wire, *[t for t in [out, second] if t is not None])
+        and (second is None or second.dtype == torch.uint8)
     ):
         target = out if out is not None else torch.empty(m, dtype=torch.float32)
         scales = wire[cb:].view(SCALE_DTYPE)
         first = _table(bits, levels)[0]
+        both = None if second is None else (second, second[cb:].view(SCALE_DTYPE))
+        accumulate = add and out is not None
         codec_native.dequantize(
-            wire, scales, m, bits, block, _poly(bits, levels), target, add and out is not None, first, fused, err
+            wire, scales, m, bits, block, _poly(bits, levels), target, accumulate, first, fused, err, both
         )
         return target
     scale = wire[cb:].view(SCALE_DTYPE).float()

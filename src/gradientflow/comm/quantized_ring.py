@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec_native
-from .quantize import dequantize, quantize, wire_bytes
+from .quantize import dequantize, encode, quantize, wire_bytes
 from .ring import _split
 from .waiter import WAITER as _WAITER
 from .waiter import Arrival as _Arrival
@@ -121,7 +121,11 @@ class QuantizedRing:
         self._sent: list[torch.Tensor] = []  # host copies in flight (staged): alive until the round completes
         if self.exchange:
             self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=wire_device)
-            self._quantize_into(0, inplace=True, carry=carry)  # our share of the sum, as the peer decodes it
+            # our share: its codes and error; its decoded values only where the torch ops write them anyway (the
+            # kernel decodes our codes again beside the peer's, one write and read of x fewer)
+            self._own_in_x = not encode(
+                x, self._send(0), bits, block, err, clip=clip, levels=levels, carry=carry, fused=fused
+            )
             self._post([(1 - self.rank, self._send(0), self._rbuf)])
             return
         own = self.seg_bytes[self.rank]
@@ -155,9 +159,10 @@ class QuantizedRing:
         return dist.get_global_rank(self.group, group_rank)
 
     # ---- work ----------------------------------------------------------------------------
-    def _quantize_into(self, s: int, inplace: bool = False, carry: bool = False) -> None:
-        """Quantise segment ``s`` of x (``carry``: plus err) into its send slice and its error into err;
-        ``inplace``: x's segment becomes the decoded values (what every receiver of these bytes decodes)."""
+    def _quantize_into(self, s: int, inplace: bool = False) -> None:
+        """Quantise segment ``s`` of x into its send slice and its error into err (from 3 ranks: x already holds
+        the contribution with the last error); ``inplace``: x's segment becomes the decoded values (what every
+        receiver of these bytes decodes)."""
         a, b = self.segments[s]
         if a < b:
             quantize(
@@ -169,18 +174,17 @@ class QuantizedRing:
                 clip=self.clip,
                 levels=self.levels,
                 inplace=inplace,
-                carry=carry,
-                fused=self.fused if self.exchange else None,
             )
 
-    def _decode(self, wire: torch.Tensor, s: int, add: bool = False) -> None:
-        """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded)."""
+    def _decode(self, wire: torch.Tensor, s: int, add: bool = False, second: torch.Tensor | None = None) -> None:
+        """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded; ``second``: another
+        message's values added after them)."""
         a, b = self.segments[s]
         wire = wire.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
-        if self.fused is not None:  # the exchange's one decode: x + peer, then multiplied back by r
-            dequantize(wire, b - a, self.bits, self.block, self.levels, self.x[a:b], add, self.fused, self.err[a:b])
-        else:
-            dequantize(wire, b - a, self.bits, self.block, self.levels, out=self.x[a:b], add=add)
+        if second is not None:
+            second = second.to(self.x.device)
+        err = self.err[a:b] if self.fused is not None else None  # the exchange's one decode: then multiplied back by r
+        dequantize(wire, b - a, self.bits, self.block, self.levels, self.x[a:b], add, self.fused, err, second)
 
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on
@@ -202,7 +206,10 @@ class QuantizedRing:
         """Round t's messages have arrived: fold them in, post round t+1."""
         r = self.rank
         if self.exchange:  # decoded own + decoded peer: a + b == b + a, so both ranks hold the same bits
-            self._decode(self._rbuf, 0, add=True)
+            if self._own_in_x:
+                self._decode(self._rbuf, 0, add=True)
+            else:  # ours decoded again from our codes, the peer's added in the same pass
+                self._decode(self._send(0), 0, second=self._rbuf)
         elif self.t == 0:  # the owner: add the N-1 decoded contributions (rank order), quantise the sum once
             a, b = self.segments[r]
             own = self.seg_bytes[r]
