@@ -10,7 +10,7 @@ ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (do
 * the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the link
   (``link_Bps``: the bytes per second allreduce moved, :func:`gradientflow.engine.schedule.measure`);
 * the step: of that, at most what the 3-bit steps left exposed (the end of backward waiting on communication,
-  their median but for the first :data:`SETTLE`), per gradient: bytes sent while backward still runs cost
+  their lower quartile, leaving out the first :data:`SETTLE`), per gradient: bytes sent while backward still runs cost
   nothing;
 * the codec: :func:`extra_seconds`, one rank's 2-bit exchange of a sample of the gradient (preconditioner,
   encode, decode and add, multiply back) less its 3-bit one, per gradient, on the model's device;
@@ -38,7 +38,7 @@ _TWO = parse_compression(FEWER_BITS)  # its quantiser (bits, block, levels): tim
 WARMUP = _TWO.warmup
 """Steps ``"q2npw20"`` sends at 3 bits first (the run's, step 0 included): the decision is made at their end."""
 SETTLE = 3
-"""Steps left out of the exposure's median, the first a process runs in the warm-up: the first quantised steps
+"""Steps left out of the exposure's quartile, the first a process runs in the warm-up: the first quantised steps
 allocate the residual and buffers (and a resumed run's first forward has no step of its own behind it)."""
 SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
