@@ -127,7 +127,8 @@ def _decide_width(model: DistributedDataParallel) -> None:
     """2 bits go on or 3 take over, for a two-party exchange: the link (``schedule="auto"``'s measurement, or one
     now), the 3-bit steps' exposed communication (its lower quartile) and the codec's extra time (both on the first
     rank, broadcast), then the pure rule of :mod:`gradientflow.strategies.width`; collective, so every rank decides
-    on the same numbers.  3 bits: the engine is rebuilt as ``"quantized"`` with the warm-up's residual (the same codes)."""
+    on the same numbers.  3 bits: the engine is rebuilt as ``"quantized"`` with the warm-up's residual (the same
+    codes)."""
     auto, group, watchdog = model._gf_auto, model.process_group, model._gf_watchdog
     device = model._gf_params[0].device
     link = model.schedule.link if model.schedule is not None else measure_link(group, watchdog, device, model._gf_src)
