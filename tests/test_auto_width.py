@@ -92,6 +92,16 @@ def test_codec_extra_time_is_measured_per_gradient():
     assert 0.0 <= extra < 1e-6  # ~2 ns here; a microsecond a gradient would be 1000x any measured codec
 
 
+def test_codec_extra_time_is_measured_on_the_torch_ops_too(monkeypatch: pytest.MonkeyPatch):
+    # what a CUDA rank (or a CPU one without a compiler) times: the torch ops, r materialised, each width's own
+    # wire (a 3-bit-sized buffer for the 2-bit codes made the torch ops' scales the wrong length)
+    from gradientflow.comm import codec_native
+
+    monkeypatch.setattr(codec_native, "applies", lambda *t: False)
+    extra = width.extra_seconds(torch.device("cpu"), 1 << 12)
+    assert 0.0 <= extra < 1e-5
+
+
 STEPS, WARMUP = 24, 20  # "q2npw20": its first 20 steps at 3 bits (the run's, step 0 included), then 2
 
 

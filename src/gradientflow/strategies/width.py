@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..comm import codec_native
 from ..comm import quantize as qz
 from ..config import DEFAULT_QUANT, parse_compression
 from .precondition import Root
@@ -44,7 +45,7 @@ SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
 the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
 0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/adamw.md): a sample that fits the caches
-flatters the slower codec.  (Since the preconditioner runs inside the exchange's passes: 1.6-1.8 ns on 4M.)"""
+flatters the slower codec.  (Since the preconditioner runs inside the exchange's passes: 1.4-1.8 ns on 4M.)"""
 REPEATS = 5
 
 
@@ -78,24 +79,32 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(n, generator=gen).to(device)
     bits, block = DEFAULT_QUANT
-    out = torch.empty(qz.wire_bytes(n, bits, block), dtype=torch.uint8, device=device)
+    # each width's wire exactly (the torch ops, as on CUDA, take the scales from the bytes after the codes)
+    wires = {
+        b: torch.empty(qz.wire_bytes(n, b, blk), dtype=torch.uint8, device=device)
+        for b, blk in [(bits, block), (_TWO.bits, _TWO.block)]
+    }
     x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
+
+    def exchange(b: int, blk: int, levels: str, carry: bool, fused: codec_native.Fused | None = None) -> None:
+        """Encode, then decode (the peer's bytes: ours again) and add, as comm/quantized_ring.py's exchange does."""
+        err, wire = (e if fused is not None else None), wires[b]
+        if qz.encode(x, wire, b, blk, e, levels=levels, carry=carry, fused=fused):  # own codes beside the peer's
+            qz.dequantize(wire, n, b, blk, levels, out=x, fused=fused, err=err, second=wire)
+        else:
+            qz.dequantize(wire, n, b, blk, levels, out=x, add=True, fused=fused, err=err)
 
     def three() -> None:
         x.copy_(g)
-        qz.quantize(x, out, bits, block, e, inplace=True, carry=True)
-        qz.dequantize(out, n, bits, block, out=x, add=True)  # the peer's contribution
+        exchange(bits, block, "fitted", carry=True)
 
     def two() -> None:  # as strategies/quantized.py runs a two-rank exchange
         x.copy_(g)
         root = Root(q)  # FEWER_BITS preconditions (its "p")
         fused = root.fused(x, e)  # on CPU: inside the codec's passes
         if fused is None:
-            root.divide(x, e)
-        qz.quantize(
-            x, out, _TWO.bits, _TWO.block, e, levels=_TWO.levels, inplace=True, carry=fused is not None, fused=fused
-        )
-        qz.dequantize(out, n, _TWO.bits, _TWO.block, levels=_TWO.levels, out=x, add=True, fused=fused, err=e)
+            root.divide(x, e)  # x = (x + e) / r: the exchange adds nothing more
+        exchange(_TWO.bits, _TWO.block, _TWO.levels, carry=fused is not None, fused=fused)
         if fused is None:
             root.restore(x, e, ema=True)
 
