@@ -212,8 +212,7 @@ def quantize(
     ``levels``: one of :data:`LEVELS` ("fitted": :data:`CODEBOOKS`; "uniform": steps ``k / L`` of the scale
     even where a table exists; "zeroless": :data:`ZEROLESS`).
     On contiguous CPU tensors the tabled levels without ``clip`` run :mod:`.codec_native`'s fused kernel (the
-    same bits).  ``fused`` (with ``carry``; the caller checked the kernel applies to its tensors): the
-    preconditioner's ``(x + err) / r`` is encoded, written over ``x``, in the kernel's pass where it encodes.
+    same bits).  ``fused`` (with ``carry``): ``(x + err) / r`` is encoded, written over ``x`` (on CPU in the same pass).
     """
     m = x.numel()
     if carry and (err is None or not inplace):
@@ -239,10 +238,7 @@ def quantize(
     cb = code_bytes(m, bits, block)
     if native:
         decoded = x if inplace else torch.empty_like(x)
-        scales = out[cb:].view(SCALE_DTYPE)
-        first = _table(bits, levels)[0]
-        mids, poly = _mids(bits, levels), _poly(bits, levels)
-        codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first, fused)
+        _encode_native(x, out, bits, block, err, levels, carry, fused, decoded)
         return decoded
     if m % block:
         padded = x.new_zeros(nb * block)
@@ -292,19 +288,32 @@ def encode(
     carry: bool = False,
     fused: codec_native.Fused | None = None,
 ) -> bool:
-    """:func:`quantize` with ``inplace=True`` for a sender that decodes its own bytes again (a two-rank exchange adds
-    both messages' values in one pass): the codes, scales and error, and where the kernel runs no decoded values
-    (one write of ``x`` fewer).  True there (``x``'s contents are then unspecified), False where ``x`` holds the
-    decoded values (the torch ops)."""
+    """:func:`quantize` with ``inplace=True`` for a sender that decodes its own bytes again: no decoded values where
+    the kernel runs (True: ``x`` is then unspecified), else ``x`` holds them (False: the torch ops)."""
     if bits == FULL_PRECISION or not _native(x, out, err, bits, block, clip, levels):
         quantize(x, out, bits, block, err, clip, levels, inplace=True, carry=carry, fused=fused)
         return False
     if fused is not None and not carry:
         raise ValueError("encode(fused=...) divides x + err: pass carry=True")
+    _encode_native(x, out, bits, block, err, levels, carry, fused, None)
+    return True
+
+
+def _encode_native(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    block: int,
+    err: torch.Tensor | None,
+    levels: str,
+    carry: bool,
+    fused: codec_native.Fused | None,
+    decoded: torch.Tensor | None,
+) -> None:
+    """:mod:`.codec_native`'s encode of ``x`` into ``out`` (``decoded``: None, not written)."""
     scales = out[code_bytes(x.numel(), bits, block) :].view(SCALE_DTYPE)
     first, mids, poly = _table(bits, levels)[0], _mids(bits, levels), _poly(bits, levels)
-    codec_native.quantize(x, out, scales, bits, block, mids, poly, None, err, carry, first, fused)
-    return True
+    codec_native.quantize(x, out, scales, bits, block, mids, poly, decoded, err, carry, first, fused)
 
 
 def dequantize(
@@ -322,11 +331,9 @@ def dequantize(
     """Decode a segment of ``m`` elements from its ``wire_bytes(m)`` bytes (fp32, 1-D).
 
     ``out`` (``m`` fp32): written there and returned; with ``add``, added to it (``out + decoded``, the
-    same float adds on either path).  ``second`` (with ``out``): another message's bytes of the same ``m``
-    elements, its values added after (``decoded + second's``: on CPU in the same pass).  ``fused`` (with ``out``
-    and ``err``; the caller checked the kernel applies to its tensors): then ``out`` and ``err`` are multiplied
-    back by the preconditioner's ``r`` and its ``q`` updated, in the kernel's decoding pass.
-    """
+    same float adds on either path).  ``second`` (with ``out``): another message of the same ``m``, its values
+    added after (on CPU in the same pass).  ``fused`` (with ``out`` and ``err``): then ``out`` and ``err``
+    multiplied back by the preconditioner's ``r`` and its ``q`` updated (on CPU in the same pass)."""
     if fused is not None and (out is None or err is None):
         raise ValueError("dequantize(fused=...) restores out and err in place: pass both")
     if second is not None and out is None:
@@ -358,8 +365,8 @@ def _dequantize(
     err: torch.Tensor | None = None,
     second: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there (with
-    ``second``'s and the preconditioner's multiply-back where given)."""
+    """The decoded values, or ``out`` itself where the CPU kernel already wrote (or added) them there (and did
+    ``second`` and ``fused``)."""
     if bits == FULL_PRECISION:
         return wire.view(torch.float32)
     nb = n_blocks(m, block)

@@ -54,6 +54,46 @@ from .waiter import WAITER as _WAITER
 from .waiter import Arrival as _Arrival
 
 
+def encode_share(
+    x: torch.Tensor,
+    err: torch.Tensor,
+    wire: torch.Tensor,
+    bits: int,
+    block: int,
+    *,
+    clip: float = 0.0,
+    levels: str = "fitted",
+    carry: bool = False,
+    fused: codec_native.Fused | None = None,
+) -> bool:
+    """A two-rank exchange's first half: ``x``'s codes (``carry``: of ``x + err``; ``fused``: divided by the
+    preconditioner's ``r``) into ``wire``, the error into ``err``.  True where ``x`` then holds its decoded values
+    (the torch ops), False where the kernel leaves them to :func:`sum_shares` (one write and read of ``x`` fewer)."""
+    return not encode(x, wire, bits, block, err, clip=clip, levels=levels, carry=carry, fused=fused)
+
+
+def sum_shares(
+    x: torch.Tensor,
+    err: torch.Tensor,
+    own: torch.Tensor,
+    peer: torch.Tensor,
+    bits: int,
+    block: int,
+    *,
+    levels: str = "fitted",
+    own_in_x: bool,
+    fused: codec_native.Fused | None = None,
+) -> None:
+    """The second half: ``x`` = our decoded values + the peer's (a + b == b + a: both ranks hold the same bits),
+    our own decoded again from ``own`` beside the peer's in one pass unless ``own_in_x``; ``fused``: then ``x``
+    and ``err`` multiplied back by ``r`` in the same pass."""
+    e = err if fused is not None else None
+    if own_in_x:
+        dequantize(peer, x.numel(), bits, block, levels, x, True, fused, e)
+    else:
+        dequantize(own, x.numel(), bits, block, levels, x, False, fused, e, peer)
+
+
 class QuantizedRing:
     """One in-place quantised SUM allreduce of ``x`` over ``group``, error into ``err``.
 
@@ -123,8 +163,8 @@ class QuantizedRing:
             self._rbuf = torch.empty(offs[-1], dtype=torch.uint8, device=wire_device)
             # our share: its codes and error; its decoded values only where the torch ops write them anyway (the
             # kernel decodes our codes again beside the peer's, one write and read of x fewer)
-            self._own_in_x = not encode(
-                x, self._send(0), bits, block, err, clip=clip, levels=levels, carry=carry, fused=fused
+            self._own_in_x = encode_share(
+                x, err, self._send(0), bits, block, clip=clip, levels=levels, carry=carry, fused=fused
             )
             self._post([(1 - self.rank, self._send(0), self._rbuf)])
             return
@@ -176,15 +216,11 @@ class QuantizedRing:
                 inplace=inplace,
             )
 
-    def _decode(self, wire: torch.Tensor, s: int, add: bool = False, second: torch.Tensor | None = None) -> None:
-        """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded; ``second``: another
-        message's values added after them)."""
+    def _decode(self, wire: torch.Tensor, s: int, add: bool = False) -> None:
+        """Decode segment ``s``'s bytes into x's segment (added to it if ``add``: x + decoded)."""
         a, b = self.segments[s]
         wire = wire.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
-        if second is not None:
-            second = second.to(self.x.device)
-        err = self.err[a:b] if self.fused is not None else None  # the exchange's one decode: then multiplied back by r
-        dequantize(wire, b - a, self.bits, self.block, self.levels, self.x[a:b], add, self.fused, err, second)
+        dequantize(wire, b - a, self.bits, self.block, self.levels, out=self.x[a:b], add=add)
 
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on
@@ -206,10 +242,18 @@ class QuantizedRing:
         """Round t's messages have arrived: fold them in, post round t+1."""
         r = self.rank
         if self.exchange:  # decoded own + decoded peer: a + b == b + a, so both ranks hold the same bits
-            if self._own_in_x:
-                self._decode(self._rbuf, 0, add=True)
-            else:  # ours decoded again from our codes, the peer's added in the same pass
-                self._decode(self._send(0), 0, second=self._rbuf)
+            peer = self._rbuf.to(self.x.device)  # staged: the received host bytes to the device (else: itself)
+            sum_shares(
+                self.x,
+                self.err,
+                self._send(0),
+                peer,
+                self.bits,
+                self.block,
+                levels=self.levels,
+                own_in_x=self._own_in_x,
+                fused=self.fused,
+            )
         elif self.t == 0:  # the owner: add the N-1 decoded contributions (rank order), quantise the sum once
             a, b = self.segments[r]
             own = self.seg_bytes[r]

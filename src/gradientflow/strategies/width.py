@@ -30,6 +30,7 @@ import torch
 
 from ..comm import codec_native
 from ..comm import quantize as qz
+from ..comm.quantized_ring import encode_share, sum_shares
 from ..config import DEFAULT_QUANT, parse_compression
 from .precondition import Root
 
@@ -87,12 +88,10 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
     x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
 
     def exchange(b: int, blk: int, levels: str, carry: bool, fused: codec_native.Fused | None = None) -> None:
-        """Encode, then decode (the peer's bytes: ours again) and add, as comm/quantized_ring.py's exchange does."""
-        err, wire = (e if fused is not None else None), wires[b]
-        if qz.encode(x, wire, b, blk, e, levels=levels, carry=carry, fused=fused):  # own codes beside the peer's
-            qz.dequantize(wire, n, b, blk, levels, out=x, fused=fused, err=err, second=wire)
-        else:
-            qz.dequantize(wire, n, b, blk, levels, out=x, add=True, fused=fused, err=err)
+        """comm/quantized_ring.py's exchange, the peer's bytes standing in for ours."""
+        wire = wires[b]
+        own_in_x = encode_share(x, e, wire, b, blk, levels=levels, carry=carry, fused=fused)
+        sum_shares(x, e, wire, wire, b, blk, levels=levels, own_in_x=own_in_x, fused=fused)
 
     def three() -> None:
         x.copy_(g)
