@@ -19,7 +19,7 @@ Algorithm = Literal["native", "ring"]
 ChunkScore = Literal["l1", "sampled_l1"]
 CscScope = Literal["slice", "global"]
 Schedule = Literal["fixed", "auto"]
-Recipe = Literal["none", "fp16", "csc", "quantized", "auto"]
+Recipe = Literal["none", "fp16", "csc", "cscq", "quantized", "auto"]
 QuantLevels = Literal["fitted", "uniform", "zeroless"]
 
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
@@ -95,6 +95,9 @@ COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 """``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
+CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
+"""``compression="cscq"``: CSC at density 0.3 whose chunks travel as the default quantiser's 3-bit blocks, their
+error kept in CSC's residual (:mod:`gradientflow.strategies.csc_quantized`); the fp32 rows are what is quantised."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
@@ -237,7 +240,8 @@ class GradientFlowConfig:
     given, which the config then holds; ``None`` without it]."""
     compression: str = "none"
     """A named recipe, one of :data:`COMPRESSIONS` once validated: "none" (DDP's exact behaviour, or what
-    comm_dtype / density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1),
+    comm_dtype / density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1), "cscq"
+    (density=0.3, the chunks in 3-bit blocks with error feedback: ``CSCQ_RECIPE``),
     "quantized" / "q3" (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
     "auto" (dense until the first optimizer step, then "csc" for SGD, "quantized" for Adam and the others)."""
     topology: str = "auto"
@@ -292,7 +296,7 @@ class GradientFlowConfig:
             for name in ("bits", "block", "clip", "levels", "precondition", "warmup"):
                 object.__setattr__(self, f"quant_{name}", getattr(parsed, name))
         object.__setattr__(self, "compression", recipe)
-        sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE}.get(recipe, {})
+        sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE, "cscq": CSCQ_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):
             sets = {"comm_dtype": "fp32", "density": None}
         for name, value in sets.items():

@@ -24,7 +24,8 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      sent at the first gradient hook that finds the scores arrived (:meth:`SparseSync.progress`,
      called by the engine after every parameter), so the wire hides under backward and backward never
      waits for a slower peer.  ``"global"`` (the paper): one slice per pool buffer, after backward.
-  4. Send: the selected rows of v, packed per slice, allreduced by :class:`~.dense.DenseSync` (pre-divided, cast).
+  4. Send: the selected rows of v, packed per slice, allreduced by :class:`~.dense.DenseSync` (pre-divided, cast);
+     ``"cscq"``: quantised with error feedback instead (:mod:`.csc_quantized`: their error stays in v).
   5. Write back, after one host read (the step's only one: is everything finite?): the pool is zeroed, gets
      the reduced chunks, the sent chunks leave v and u (momentum factor masking); ``.grad`` view the pool.
   6. Warm-up: step t of the first ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks
@@ -61,6 +62,7 @@ from ..diagnostics.trace import phase_end, phase_start
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
 from . import csc_native
+from .csc_quantized import QuantizedChunks
 from .dense import DenseSync
 from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
@@ -91,12 +93,10 @@ class SparseSync(SyncStrategy):
         if not isinstance(config.chunk_size, int):  # the wrapper resolves "auto" before building strategies
             raise TypeError(f"SparseSync needs a resolved config (chunk_size {config.chunk_size!r}): call resolved()")
         self.chunk_size: int = config.chunk_size
-        self.warmup_steps = config.warmup_steps
-        self.momentum = float(config.momentum)
+        self.warmup_steps, self.momentum, self.dense_1d = config.warmup_steps, float(config.momentum), config.dense_1d
         self.per_slice = config.csc_scope == "slice"
         self.sampled = samples_chunks(config.chunk_score, self.chunk_size)
         self._shapes = list(shapes)
-        self.dense_1d = config.dense_1d
         # fp16 is the only wire dtype whose range a (scaled) fp32 residual can exceed.
         self._check_wire = config.wire_dtype == torch.float16
         wire = config.wire_dtype or (pool.buffers[0].dtype if pool.buffers else torch.float32)
@@ -106,10 +106,10 @@ class SparseSync(SyncStrategy):
         self._writer = PoolWriter()
         self._last_dense = True  # the last step sent everything (warm-up) or nothing yet
         self._scaler: Any = None
-        # Residuals are allocated at the first sparse step: warm-up steps (and the one-time
-        # re-layout that usually happens during them) then cost no residual memory at all.
+        # Residuals from the first sparse step on: warm-up steps (and the re-layout in them) cost no residual memory.
         self.res: Residuals | None = None
         self.scorer = ChunkScorer(self.chunk_size, self.sampled)
+        self.chunks = QuantizedChunks.for_config(config, dense)  # "cscq": the chunks quantised, else None
         self._set_pool(pool)
 
     # ---- layout ---------------------------------------------------------------------------
@@ -184,11 +184,8 @@ class SparseSync(SyncStrategy):
         return density_at(self.step, self.density, self.warmup_steps)
 
     def _sends_dense(self) -> bool:
-        """A step sent dense: density 1, or so close to it that the sparse step would be no fewer bytes.
-
-        The ramp only falls, so such steps all come before the first sparse one: v and u are
-        still empty and the dense step loses nothing by leaving them untouched.
-        """
+        """A step sent dense: density 1, or so close that a sparse step would be no fewer bytes (the ramp only
+        falls, so such steps all come before the first sparse one: v and u are still empty, nothing is lost)."""
         return self.density_now() >= self._dense_from
 
     def _begin_step(self) -> None:
@@ -225,10 +222,8 @@ class SparseSync(SyncStrategy):
         self.scorer.add_fresh(index, grad, target)
 
     def launch(self, bucket: Bucket, flat: torch.Tensor, stats: StepStats, divided: bool = False) -> None:
-        """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete.
-
-        ``divided`` is always False: CSC's ``take_fresh`` is the plain copy (the residual divides nothing).
-        """
+        """Steps 1-3 for one bucket: fold its gradient into u/v, score the chunks now complete (``divided`` is
+        always False: CSC's ``take_fresh`` is the plain copy)."""
         if self._sends_dense():
             self.dense.launch(bucket, flat, stats)
             return
@@ -261,12 +256,12 @@ class SparseSync(SyncStrategy):
     def progress(self, stats: StepStats) -> None:
         """Send, in slice order, every slice whose global scores have arrived; never wait.
 
-        The engine calls it at each parameter's gradient hook (after any bucket launch it
-        completed), so a slice goes on the wire within one layer's backward of its scores arriving.
-        Ranks may send a slice at different moments: safe, as scores travel on their own group, so
-        each group sees the same collectives in the same order on every rank; backward never stalls
-        on a peer a few layers behind.  Two-level: the chunks' stages advance too (DenseSync)."""
+        Called at each parameter's gradient hook, so a slice goes on the wire within one layer's backward of its
+        scores arriving.  Ranks may send a slice at different moments: scores travel on their own group, so each
+        group sees the same collectives in the same order on every rank.  The chunks' exchanges advance too."""
         self._queue.send_arrived(self._send_slice, stats)
+        if self.chunks is not None:
+            self.chunks.progress(stats)
         self.dense.progress(stats)
 
     def _score_ready(self, k: int) -> tuple[int, int] | None:
@@ -304,7 +299,9 @@ class SparseSync(SyncStrategy):
         pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
-        if sl.wire is not None:  # already divided and cast: only the allreduce is left
+        if self.chunks is not None:  # fp32 rows (packed), quantised; their error into a buffer of their shape
+            self.chunks.start(sl, take, stats)
+        elif sl.wire is not None:  # already divided and cast: only the allreduce is left
             self.dense.start(sl.wire, None, "chunks", stats)
         else:
             assert sl.packed is not None  # pack() fills wire or packed
@@ -332,10 +329,12 @@ class SparseSync(SyncStrategy):
         self._writer.clear(self.pool, self._pool_rows)
         stats.phase("zero", t0)
         slices, sent = self._queue.drain(self._send_slice, stats)
+        if self.chunks is not None:
+            self.chunks.finish(stats)
         self.dense.finish(stats)
 
-        # 5. One host read: any non-finite local gradient shows in the summed scores; an fp16
-        # wire that overflowed, in the reduced chunks.  The same verdict on every rank.
+        # 5. One host read: a non-finite local gradient shows in the summed scores, an fp16 wire that overflowed in
+        # the reduced chunks: the same verdict on every rank.
         t0 = time.perf_counter()
         total = self.scores.sum()
         if self._check_wire:  # slices on the fast wire path are checked as they are unpacked

@@ -37,6 +37,7 @@ class Slice:
     idx: torch.Tensor | None = None  # selected chunks, pool-local indices, ascending
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
     wire: torch.Tensor | None = None  # instead of packed (CPU, fp16 wire): the rows packed straight onto it
+    err: torch.Tensor | None = None  # "cscq": the rows' quantisation error, v's rows after the step
 
     @property
     def selected(self) -> torch.Tensor:

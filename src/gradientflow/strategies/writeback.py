@@ -44,9 +44,9 @@ class PoolWriter:
         """After :meth:`clear` (1. zero the pool: it may hold this step's local gradient or the last
         step's result, neither of which may reach the optimizer; done before the last slices arrive):
         2. the reduced chunks into their rows; 3. the sent chunks leave the residual (momentum factor
-        masking).  ``ok=False`` (a non-finite sum, the same verdict on every rank), or a reduced
-        chunk unpacked from an fp16 wire that overflowed (the same bytes on every rank): NaN
-        everywhere, so GradScaler.step skips on every rank.  Returns whether the step was finite."""
+        masking; ``"cscq"``: their quantisation error stays in v).  ``ok=False`` (a non-finite sum, the same
+        verdict on every rank), or a reduced chunk unpacked from an fp16 wire that overflowed (the same bytes on
+        every rank): NaN everywhere, so GradScaler.step skips on every rank.  Returns whether the step was finite."""
         t0 = time.perf_counter()
         t_trace = phase_start(watchdog)
         if ok:
@@ -67,7 +67,10 @@ class PoolWriter:
             phase_end(watchdog, "csc.write-back", t_trace)
             return False
         for sl in slices:
-            zero_rows(res.rows(sl.pool), sl.selected)
+            if sl.err is not None:  # "cscq": the quantisation error stays in v (delayed, not lost)
+                res.rows(sl.pool).index_copy_(0, sl.selected, sl.err)
+            else:
+                zero_rows(res.rows(sl.pool), sl.selected)
             if res.u is not None:
                 zero_rows(res.rows(sl.pool, "u"), sl.selected)
         self.sent = [(sl.pool, sl.selected) for sl in slices]

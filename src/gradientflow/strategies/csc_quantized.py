@@ -1,0 +1,112 @@
+"""CSC's selected chunks on the quantised exchange (``compression="cscq"``): sparse *and* few bits.
+
+CSC sends the top ``density`` of the chunks at 16 bits; the quantised recipe sends every coordinate at a few
+bits.  Here the selected chunks of a slice (the rows of the residual ``v``, undivided, fp32) go through the
+:class:`~gradientflow.comm.quantized_ring.QuantizedRing` instead of a 16-bit allreduce: 3-bit blocks, about a
+fifth of fp16's bytes, so a density of 0.3 costs fewer bytes than fp16's 0.1 and delays fewer coordinates
+(SGD momentum's quality under CSC is a matter of how much it delays: docs/quality.md).
+
+Error feedback goes where CSC already keeps what it did not send: the quantisation error of a sent row
+becomes that row of ``v`` (instead of 0), so nothing is lost, only delayed.  Summed over ranks, per sent row:
+``sum_r v_r(after) + N * pool == sum_r v_r(before)`` up to fp32 rounding (the ring's own conservation,
+:mod:`gradientflow.comm.quantized_ring`, divided by the world size ``N`` into the pool).
+
+The rings run over the data group in the order the slices are sent (the same on every rank), started as their
+slice is packed, advanced at every gradient hook (:meth:`QuantizedChunks.progress`), so the chunks travel
+while backward goes on, as CSC's 16-bit allreduce does.  Flat over every rank, also on nodes of several ranks
+(the two-level exchange of CSC's chunks is the 16-bit recipe's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..comm.quantized_ring import QuantizedRing
+from ..config import GradientFlowConfig
+from ..diagnostics.stats import StepStats
+from ..diagnostics.watchdog import Watchdog
+from .dense import DenseSync
+from .slices import Slice
+
+
+class QuantizedChunks:
+    """The quantised exchanges of one step's packed slices (``bits``/``block``/``levels``: the quantiser's)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        world_size: int,
+        *,
+        bits: int,
+        block: int,
+        levels: str,
+        watchdog: Watchdog | None,
+    ) -> None:
+        self.group, self.world_size, self.watchdog = group, world_size, watchdog
+        self.bits, self.block, self.levels = bits, block, levels
+        self._running: list[tuple[Slice, QuantizedRing, float]] = []
+
+    @classmethod
+    def for_config(cls, config: GradientFlowConfig, dense: DenseSync) -> QuantizedChunks | None:
+        """``"cscq"``'s exchange over the data group (the quantiser of ``config``), else ``None``."""
+        if config.compression != "cscq":
+            return None
+        return cls(
+            dense.group,
+            dense.world_size,
+            bits=config.quant_bits,
+            block=config.quant_block,
+            levels=config.quant_levels,
+            watchdog=dense.watchdog,
+        )
+
+    def start(self, sl: Slice, take: Callable[[int, torch.dtype], torch.Tensor], stats: StepStats) -> None:
+        """Start the exchange of ``sl.packed`` (undivided fp32 rows of v); their error goes into ``sl.err``, a
+        buffer of their shape from ``take`` (the step's scratch), written whole: its rows become v's."""
+        assert sl.packed is not None and sl.packed.dtype == torch.float32, "cscq packs fp32 rows"
+        err = sl.err = take(sl.packed.numel(), torch.float32).view_as(sl.packed)
+        timeout: timedelta | None = self.watchdog.timeout if self.watchdog is not None else None
+        ring = QuantizedRing(
+            sl.packed.view(-1),
+            err.view(-1),
+            self.group,
+            bits=self.bits,
+            block=self.block,
+            timeout=timeout,
+            levels=self.levels,
+        )
+        stats.record_collective(ring.payload_bytes)
+        self._running.append((sl, ring, time.perf_counter()))
+
+    def progress(self, stats: StepStats) -> None:
+        """Advance every running exchange as far as its messages allow; never wait."""
+        for _sl, ring, t0 in self._running:
+            self._run(ring, t0, block=False)
+
+    def finish(self, stats: StepStats) -> None:
+        """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
+        running, self._running = self._running, []
+        t0 = time.perf_counter()
+        for sl, ring, started in running:
+            self._run(ring, started, block=True)
+            stats.record_done(time.perf_counter())
+            assert sl.packed is not None
+            sl.packed.div_(self.world_size)
+        stats.phase("wire_wait", t0)
+
+    def _run(self, ring: QuantizedRing, started: float, block: bool) -> None:
+        try:
+            if block:
+                ring.wait()
+            else:
+                ring.poll()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            what = "CSC chunks (quantised exchange)"
+            raise self.watchdog.failure(what, ring.payload_bytes, exc, time.perf_counter() - started) from exc

@@ -1,0 +1,147 @@
+"""``compression="cscq"``: CSC whose selected chunks travel as 3-bit blocks, the error left in the residual.
+
+Specified as a user sees it: the options the name sets, ranks that agree after every step, the bytes of every
+step derived by hand, nothing lost (what a step did not deliver is in v), and an exact resume.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_csc import CHUNK, _batch, _mlp, _param_view, _residual
+from torch import nn
+
+import gradientflow as gf
+from gradientflow.comm.quantize import wire_bytes
+from gradientflow.config import GradientFlowConfig
+
+from _dist import run_distributed
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def test_cscq_is_density_0_3_on_fp32_rows_and_refuses_a_conflicting_wire() -> None:
+    cfg = GradientFlowConfig(compression="cscq")
+    assert (cfg.compression, cfg.density, cfg.comm_dtype, cfg.quant_bits, cfg.quant_block) == (
+        "cscq",
+        0.3,
+        "fp32",
+        3,
+        128,
+    )
+    assert cfg.sparse and not cfg.quantized  # CSC's strategy, its chunks quantised
+    with pytest.raises(ValueError, match="compression='cscq' sets comm_dtype='fp32'"):
+        GradientFlowConfig(compression="cscq", comm_dtype="fp16")
+    with pytest.raises(ValueError, match="sets density=0.3"):
+        GradientFlowConfig(compression="cscq", density=0.1)
+
+
+def _model(**kw) -> gf.DistributedDataParallel:
+    # θ = 1 KB: several buckets; global scope: one slice (one top-k) for the one pool buffer, so the bytes are
+    # one quantised message; no ramp and no 1-D rule unless asked: the selection is density's alone.
+    opts = dict(fusion_threshold_mb=0.001, chunk_size=CHUNK, dense_1d=False, warmup_steps=0, csc_scope="global")
+    opts.update(kw)
+    return gf.DistributedDataParallel(_mlp(), compression="cscq", **opts)
+
+
+def _flat(model: gf.DistributedDataParallel, tensors: list[torch.Tensor]) -> torch.Tensor:
+    params = list(model.module.parameters())
+    return torch.cat([_param_view(model, tensors, i).reshape(-1) for i in range(len(params))])
+
+
+def _steps_worker(rank: int, world_size: int, steps: int) -> list[list[list[float]]]:
+    gen = torch.Generator().manual_seed(30 + rank)
+    model = _model()
+    sync = model._gf_engine.sync
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.module.parameters())
+    snapshots = []
+    v_before: torch.Tensor | None = None  # v after the last step (None: no sparse step yet, v is 0)
+    for step in range(steps):
+        x, y = _batch(gen)
+        local = torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        st = model.comm_stats()
+        g = torch.cat([t.reshape(-1) for t in local])
+        if True:  # warmup_steps=0: every step sparse, from the first
+            # The bytes: fp32 scores of every chunk, then one quantised copy of the selected rows (whole chunks)
+            n, k = st["n_chunks"], st["selected_chunks"]
+            assert k == -(-3 * n // 10)  # ceil(0.3 n): one slice
+            assert st["payload_bytes"] == 4 * n + wire_bytes(k * CHUNK, 3, 128), st
+            # Nothing lost: sum_r v_r(after) + N * average == sum_r (v_r(before) + g_r), elementwise.  Every value
+            # on the way (a row, its decoded codes, their error, a partial sum) is at most N * m in magnitude, m the
+            # largest |v + g| of any rank; at most 4 fp32 roundings (v + g, x - decoded, the decoded sum, / N), each
+            # <= eps / 2 of N * m: 2 * N * eps * m.  A dropped error would be a quantisation step (~m / 8).
+            v_after = _flat(model, _residual(model, "v"))
+            avg = torch.cat([p.grad.reshape(-1) for p in params])
+            before = (g if v_before is None else v_before + g).double()
+            m = before.abs().max().clone()
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            lhs, rhs = v_after.double().clone(), before.clone()
+            dist.all_reduce(lhs)
+            dist.all_reduce(rhs)
+            lhs += world_size * avg.double()
+            assert float((lhs - rhs).abs().max()) <= 2 * world_size * EPS32 * float(m), step
+            # the sent rows really were quantised: their error is in v (CSC alone leaves 0 there)
+            sent = sync.last_selected
+            rows = v_after.new_zeros(n * CHUNK)
+            rows[: v_after.numel()] = v_after
+            assert rows.view(n, CHUNK)[sent].abs().sum() > 0
+            v_before = v_after
+        snapshots.append([p.detach().reshape(-1).tolist() for p in params])  # plain lists cross the queue
+        opt.step()
+    return snapshots
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_agree_every_step_bytes_by_hand_and_nothing_lost(world_size: int) -> None:
+    """2 ranks: one exchange of each rank's quantised rows; 3: the direct reduce-scatter and the sum's allgather."""
+    results = run_distributed(_steps_worker, world_size, 6, timeout=120)
+    for other in results[1:]:
+        assert other == results[0]  # bit for bit: the same floats
+
+
+def _run(model, opt, batches) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _resume_worker(rank: int, world_size: int) -> None:
+    gen = torch.Generator().manual_seed(40 + rank)
+    batches = [_batch(gen) for _ in range(7)]
+    kw = dict(warmup_steps=2, momentum=0.9)  # the ramp and momentum correction's u across the checkpoint
+    ref = _model(**kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _run(ref, ref_opt, batches)
+
+    first = _model(**kw)
+    first_opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    _run(first, first_opt, batches[:3])
+    ckpt = copy.deepcopy({"opt": first_opt.state_dict(), "comm": first.comm_state_dict()})
+    params = [p.detach().clone() for p in first.module.parameters()]
+    assert ckpt["comm"]["compression"] == "cscq" and ckpt["comm"]["step"] == 3
+
+    plain_csc = gf.DistributedDataParallel(_mlp(), compression="csc", chunk_size=CHUNK)
+    with pytest.raises(ValueError, match="saved with compression='cscq'"):
+        plain_csc.load_comm_state_dict(ckpt["comm"])  # the same residual, another wire: refused, not guessed
+
+    second = _model(**kw)
+    with torch.no_grad():
+        for p, saved in zip(second.module.parameters(), params):
+            p.copy_(saved)
+    second_opt = torch.optim.SGD(second.parameters(), lr=0.1)
+    second_opt.load_state_dict(ckpt["opt"])
+    second.load_comm_state_dict(ckpt["comm"])
+    _run(second, second_opt, batches[3:])
+    for a, b in zip(ref.module.parameters(), second.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_comm_state_dict_resume_is_bit_identical_and_another_recipe_is_refused() -> None:
+    run_distributed(_resume_worker, 2, timeout=120)
