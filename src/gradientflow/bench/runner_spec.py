@@ -28,9 +28,10 @@ MODES = (
     "ddp-powersgd",
     "compute",
 )
-EXTRA_MODES = ("gf-auto",)
+EXTRA_MODES = ("gf-auto", "gf-cscq")
 """Modes run only when named (``--modes``): ``gf-auto`` is ``compression="auto"``, the recipe of the
-bench's optimizer (SGD: CSC; ``--optimizer adamw``: the quantised ring)."""
+bench's optimizer (SGD: CSC; ``--optimizer adamw``: the quantised ring); ``gf-cscq`` is ``compression="cscq"``
+(CSC at density 0.3, its chunks in 3-bit blocks), timed on sparse steps as the CSC modes are."""
 TOPOLOGY_SUFFIX = "@"
 """``gf-fp16@flat``: a gradientflow mode with the engine's ``topology`` option (``flat``, ``auto`` or
 ``MxG``), so one table holds a mode forced flat beside the same mode on the node layout torchrun gives."""

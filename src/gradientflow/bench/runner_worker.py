@@ -93,6 +93,17 @@ def _build(
             compression="auto",
             **topology_kwargs(v.mode),
         )
+    elif mode == "gf-cscq":
+        wrapped = gf.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            process_group=group,
+            fusion_threshold_mb=v.theta_mb,
+            compression="cscq",
+            chunk_size=chunk_size,
+            warmup_steps=0,  # as the CSC modes: sparse steps are timed
+            **topology_kwargs(v.mode),
+        )
     elif mode.startswith("gf-"):
         csc = "-csc" in mode
         wrapped = gf.DistributedDataParallel(
