@@ -32,6 +32,7 @@ RECIPES: dict[str, dict] = {
     "bf16": {"comm_dtype": "bf16"},
     "csc-fp32": {"density": 0.3, "warmup_steps": 0},  # fp32 wire: conservation is exact up to rounding
     "csc": {"compression": "csc", "warmup_steps": 1},
+    "cscq": {"compression": "cscq", "warmup_steps": 0},  # sparse from step 0: its conservation is checked there
     "quantized": {"compression": "quantized"},
     "q2npw20": {"compression": "q2npw20"},
     "q2npw1": {"compression": "q2npw1"},  # the preconditioned 2-bit quantiser after one warm-up step
@@ -200,6 +201,7 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
             assert held == shards and not fold, (name, r[name]["memory"])
             assert pool / per_node <= held <= pool / per_node + slack, (name, r[name]["memory"])
     _conserved(two, "csc-fp32", per_rank_units=1 / world)  # CSC's residual: the unsent g_r, undivided
+    _conserved(two, "cscq", per_rank_units=1 / world)  # + the node sum's quantisation error, on the rank's shard
 
 
 # ---- the layout, pure ---------------------------------------------------------------------------

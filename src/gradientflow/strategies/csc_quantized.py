@@ -13,8 +13,11 @@ becomes that row of ``v`` (instead of 0), so nothing is lost, only delayed.  Sum
 
 The rings run over the data group in the order the slices are sent (the same on every rank), started as their
 slice is packed, advanced at every gradient hook (:meth:`QuantizedChunks.progress`), so the chunks travel
-while backward goes on, as CSC's 16-bit allreduce does.  Flat over every rank, also on nodes of several ranks
-(the two-level exchange of CSC's chunks is the 16-bit recipe's).
+while backward goes on, as CSC's 16-bit allreduce does.  On nodes of several ranks the packed rows go
+two-level as the quantised recipe's buckets do (:class:`~.quantized_nodes.NodeQuantizer`: an fp32
+reduce-scatter inside the node, the ring between nodes on this rank's shard, an all-gather inside the node);
+the error is then the node sum's, on this rank's shard of the rows (the rest of its sent rows leave v at 0):
+the conservation above holds over all ranks as before.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm.quantized_ring import QuantizedRing
+from ..comm.topology import two_level_plan
+from ..comm.two_level import NodeGroups
 from ..config import GradientFlowConfig
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from .dense import DenseSync
+from .quantized_nodes import NodeQuantizer
 from .slices import Slice
 
 
@@ -46,10 +52,13 @@ class QuantizedChunks:
         block: int,
         levels: str,
         watchdog: Watchdog | None,
+        groups: NodeGroups | None = None,
     ) -> None:
         self.group, self.world_size, self.watchdog = group, world_size, watchdog
         self.bits, self.block, self.levels = bits, block, levels
         self._running: list[tuple[Slice, QuantizedRing, float]] = []
+        self.groups = groups
+        self._nodes = NodeQuantizer(groups, block, watchdog) if groups is not None else None  # two-level
 
     @classmethod
     def for_config(cls, config: GradientFlowConfig, dense: DenseSync) -> QuantizedChunks | None:
@@ -63,6 +72,7 @@ class QuantizedChunks:
             block=config.quant_block,
             levels=config.quant_levels,
             watchdog=dense.watchdog,
+            groups=dense.groups,
         )
 
     def start(self, sl: Slice, take: Callable[[int, torch.dtype], torch.Tensor], stats: StepStats) -> None:
@@ -71,6 +81,9 @@ class QuantizedChunks:
         assert sl.packed is not None and sl.packed.dtype == torch.float32, "cscq packs fp32 rows"
         err = sl.err = take(sl.packed.numel(), torch.float32).view_as(sl.packed)
         timeout: timedelta | None = self.watchdog.timeout if self.watchdog is not None else None
+        if self._nodes is not None:
+            self._start_two_level(sl, err.view(-1), timeout, stats)
+            return
         ring = QuantizedRing(
             sl.packed.view(-1),
             err.view(-1),
@@ -83,21 +96,60 @@ class QuantizedChunks:
         stats.record_collective(ring.payload_bytes)
         self._running.append((sl, ring, time.perf_counter()))
 
+    def _start_two_level(self, sl: Slice, err: torch.Tensor, timeout: timedelta | None, stats: StepStats) -> None:
+        """The packed rows into the two-level pipeline; their error (this rank's shard of the node sum's) into
+        ``err`` at the shard's place, 0 elsewhere, once the rows' average is back."""
+        assert self._nodes is not None and self.groups is not None and sl.packed is not None
+        x = sl.packed.view(-1)
+        n, topo = x.numel(), self.groups.topology
+        plan = two_level_plan(n, topo.nodes, topo.per_node, self.block)
+        a, b = plan.bounds[self.groups.local]
+        m = max(0, min(b, n) - a)  # the shard's real elements (the rest pads the rows to whole shards)
+        shard_err = torch.zeros(plan.shard, dtype=torch.float32, device=x.device)  # nothing carried: v holds it
+
+        def done(result: torch.Tensor, sent: int) -> None:
+            stats.record_done(time.perf_counter())
+            stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
+            if result.data_ptr() != x.data_ptr():
+                x.copy_(result)
+            x.div_(self.world_size)
+            err.zero_()
+            err[a : a + m].copy_(shard_err[:m])
+
+        args = {"bits": self.bits, "block": self.block, "timeout": timeout, "clip": 0.0, "levels": self.levels}
+        what = "CSC chunks (quantised shard)"
+        intra, payload = self._nodes.start(x, shard_err, None, args, done, what)
+        stats.record_collective(payload)
+        stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
+        self.progress(stats)
+
     def progress(self, stats: StepStats) -> None:
         """Advance every running exchange as far as its messages allow; never wait."""
+        if self._nodes is not None:
+            self._guarded(self._nodes.progress)
         for _sl, ring, t0 in self._running:
             self._run(ring, t0, block=False)
 
     def finish(self, stats: StepStats) -> None:
         """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
-        running, self._running = self._running, []
         t0 = time.perf_counter()
+        if self._nodes is not None:
+            self._guarded(self._nodes.drain)
+        running, self._running = self._running, []
         for sl, ring, started in running:
             self._run(ring, started, block=True)
             stats.record_done(time.perf_counter())
             assert sl.packed is not None
             sl.packed.div_(self.world_size)
         stats.phase("wire_wait", t0)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            raise self.watchdog.failure("CSC chunks (two-level quantised exchange)", None, exc, 0.0) from exc
 
     def _run(self, ring: QuantizedRing, started: float, block: bool) -> None:
         try:
