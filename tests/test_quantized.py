@@ -6,7 +6,7 @@
 - training: the recipe with the quantiser off ("q32") gives torch DDP's parameters; with 3 bits
   ranks hold identical parameters after every step; checkpoint + resume == uninterrupted run;
 - options: a mismatch across ranks is a ValueError on every rank; conflicting keywords raise;
-  "auto" picks csc for SGD (with and without momentum), quantized for Adam and AdamW, and
+  "auto" picks cscq for SGD (with and without momentum), quantized for Adam and AdamW, and
   ``comm_stats()`` says which.
 """
 
@@ -287,8 +287,8 @@ def test_training_full_precision_identical_ranks_resume_and_auto_picks():
     assert name == "quantized"
     assert payload / dense < 0.11  # 0.0977 plus each bucket's short last block
     assert per_rank[0]["picks"] == {
-        "SGD": ("csc", "SGD -> csc"),
-        "SGD momentum": ("csc", "SGD -> csc"),
+        "SGD": ("cscq", "SGD -> cscq"),
+        "SGD momentum": ("cscq", "SGD -> cscq"),
         "Adam": ("quantized", "Adam -> quantized"),
         "AdamW": ("quantized", "AdamW -> quantized"),
     }

@@ -21,7 +21,7 @@ from gradientflow.sim.measure import fit_alpha_beta
 from gradientflow.sim.model_profile import flop_profile, measured_profile
 from gradientflow.sim.planner import THETAS_MB, best_theta, plan
 from gradientflow.sim.presets import paper_values
-from gradientflow.sim.schedule import PASSES, n_chunks
+from gradientflow.sim.schedule import CSCQ, PASSES, n_chunks
 from gradientflow.strategies import csc_native
 
 
@@ -113,6 +113,13 @@ def test_local_passes_are_charged_per_config():
     lazy = simulate(measured, dataclasses.replace(half, density=1.0), 2, "csc")  # every chunk: lazy, no passes of CSC
     assert lazy.iteration_s == simulate(measured, dataclasses.replace(half, density=1.0), 2, "lazy").iteration_s
     assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
+    # "cscq": its own density 0.3 whatever cfg's (ceil(0.3 * 4) = 2 of the 4 chunks), the 2000 gradients at 3 bits
+    # + a bf16 scale per whole or partial 128 (750 + 16 * 2 = 782 bytes on a 2-rank ring: the engine's wire_bytes),
+    # and the codec's passes ("quantized") on the selected half only
+    codec = dataclasses.replace(measured, local_s={**measured.local_s, "quantized": 0.6})
+    assert simulate(codec, dataclasses.replace(half, density=0.1), 2, "cscq", CSCQ).iteration_s == pytest.approx(
+        1.0 + 0.05 + (0.01 + 16 / 1e4) + (0.01 + 782 / 1e4) + 0.3 + 0.5 * (0.2 + 0.6)
+    )
 
 
 def test_n_chunks_matches_csc_arithmetic():
@@ -412,7 +419,7 @@ def test_bench_layout_and_mode_plan_from_results_json():
     assert mode_plan("gf-fp16", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
     assert mode_plan("gf-fp16@2x2", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
     assert mode_plan("gf-auto", "adamw", (2, 2)) == (QUANTIZED, False)
-    assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (TECHNIQUES["csc"], True)
+    assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (CSCQ, True)
     assert mode_plan("ddp", "sgd", (2, 2)) == (DDP, True)  # torch DDP: a flat ring whatever the layout
     assert mode_plan("ddp-powersgd", "sgd", (2, 2)) is None
     with pytest.raises(ValueError, match="layout 2x2"):

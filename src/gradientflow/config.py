@@ -94,10 +94,11 @@ def check_theta(name: str, value: object) -> None:
 COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 """``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
-"""``compression="csc"`` (and ``"auto"`` with SGD): what ``gradientflow bench --quality`` measured for SGD momentum."""
+"""``compression="csc"``: what ``gradientflow bench --quality`` measured for SGD momentum first (``"auto"``'s SGD
+recipe until 2026-11-27)."""
 CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
-"""``compression="cscq"``: CSC at density 0.3 whose chunks travel as the default quantiser's 3-bit blocks, their
-error kept in CSC's residual (:mod:`gradientflow.strategies.csc_quantized`); the fp32 rows are what is quantised."""
+"""``compression="cscq"`` (and ``"auto"`` with SGD): CSC at density 0.3 whose chunks travel as the default quantiser's
+3-bit blocks, their error kept in CSC's residual (:mod:`gradientflow.strategies.csc_quantized`)."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
@@ -243,7 +244,7 @@ class GradientFlowConfig:
     comm_dtype / density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1), "cscq"
     (density=0.3, the chunks in 3-bit blocks with error feedback: ``CSCQ_RECIPE``),
     "quantized" / "q3" (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
-    "auto" (dense until the first optimizer step, then "csc" for SGD, "quantized" for Adam and the others)."""
+    "auto" (dense until the first optimizer step, then "cscq" for SGD, "quantized" for Adam and the others)."""
     topology: str = "auto"
     """The node layout: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK``; else,
     with one node of every rank, or a group not the whole world: flat), "flat" (one exchange over every rank),

@@ -25,7 +25,7 @@ RECIPE_WHAT = {
     "gf-fp16-dense": "gradientflow fp16 wire, dense, the user's optimizer",
     "ddp-sgd": "torch DDP, dense fp32, gf-paper's SGD with momentum 0.9 in the optimizer (gf-paper's oracle)",
     "gf-auto": 'gradientflow compression="auto" (AdamW: quantised ring + error feedback, 3 bits, or 2 where a '
-    "2-rank link is slow; SGD: fp16 + CSC 0.1)",
+    '2-rank link is slow; SGD: CSC 0.3 with 3-bit chunks, "cscq")',
     "ddp-fp16-hook": "torch DDP + fp16_compress_hook, the user's optimizer",
     "ddp-powersgd": "torch DDP + PowerSGD hook (rank 4, error feedback, 10 dense steps), the user's optimizer",
     "ddp-postlocal": "torch post-local SGD: PostLocalSGDOptimizer + PeriodicModelAverager (every 8 steps after 10)",

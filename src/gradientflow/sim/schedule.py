@@ -39,6 +39,8 @@ class Technique:
     block: int = 1  # the engine's two-level shards are whole blocks of this many gradients (the quantiser's)
     direct: bool = False  # flat exchange from 3 ranks is a direct reduce-scatter + all-gather (quantised)
     shard_passes: bool = False  # two-level: the local passes run on this rank's 1/g shard only
+    density: float | None = None  # CSC: the recipe's own density (None: cfg.density)
+    chunk_codec: bool = False  # CSC: the selected chunks go through the quantiser's codec ("quantized" passes on them)
 
 
 PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_accumulate": 1, "csc_chunks": 4, "quantized": 20}
@@ -69,6 +71,22 @@ QUANTIZED = Technique(
 (``strategies/quantized_nodes.py``): fp32 reduce-scatter and all-gather inside the node, the quantised
 ring on this rank's shard of whole 128-blocks between nodes, its codec and error feedback on the
 shard only."""
+
+CSCQ = Technique(
+    "ring",
+    True,
+    3 / 8 + 2 / 128,
+    True,
+    True,
+    "fp32",
+    intra_wire_bytes=4,
+    block=128,
+    direct=True,
+    density=0.3,
+    chunk_codec=True,
+)
+"""``compression="cscq"`` (what ``"auto"`` picks for SGD): CSC at density 0.3, the packed chunks on the quantised
+exchange (3 bits + a bf16 scale per 128; two-level as the quantised recipe's buckets), the codec on them only."""
 
 TECHNIQUES: dict[str, Technique] = {
     "baseline": Technique("tree", False, 4, False, False, "fp32"),
@@ -172,14 +190,23 @@ def simulate(
     sparse = False
     if tech.csc:
         chunks = n_chunks(layout.sizes, cfg.chunk_size)
-        k = n_selected(cfg.density, chunks)
+        k = n_selected(tech.density or cfg.density, chunks)
         sparse = k < chunks
     link_free, sent, count = 0.0, 0.0, 0
     if sparse:
         bwd_end += _passes_s(profile, cfg, "csc_accumulate")
         link_free = bwd_end
         link_free += exchange_s(chunks, gpus, cfg, 4, flat=True)  # the scores, on the flat control group
-        link_free += exchange_s(k * cfg.chunk_size, gpus, cfg, tech.wire_bytes, flat=flat)
+        link_free += exchange_s(
+            k * cfg.chunk_size,
+            gpus,
+            cfg,
+            tech.wire_bytes,
+            intra_wire=tech.intra_wire_bytes,
+            block=tech.block,
+            flat=flat,
+            direct=tech.direct,
+        )
         sent, count = sent + 4 * chunks + tech.wire_bytes * k * cfg.chunk_size, count + 2
     else:
         for b in layout.buckets:
@@ -201,7 +228,10 @@ def simulate(
             link_free = max(link_free, ready) + cost
             sent, count = sent + nbytes, count + 1
     if sparse:
-        passes_s = _passes_s(profile, cfg, "csc") + k / chunks * _passes_s(profile, cfg, "csc_chunks")
+        chunk_s = _passes_s(profile, cfg, "csc_chunks") + (
+            _passes_s(profile, cfg, "quantized") if tech.chunk_codec else 0
+        )
+        passes_s = _passes_s(profile, cfg, "csc") + k / chunks * chunk_s
     else:
         passes_s = _passes_s(profile, cfg, tech.local)
         g, m = _levels(gpus, cfg)

@@ -17,7 +17,7 @@
    ``nproc_per_node``; with nodes of several ranks the intra-node α and B measured on loopback,
    ``measure --loopback``): gf-fp32 and ddp are fused fp32 exchanges overlapped with backward at the
    bench's θ; gf-fp16 is ``lazy``; ddp-fp16 the same with DDP's buckets; gf-fp16-csc is ``csc`` at the
-   bench's density and chunk size; gf-auto is CSC with SGD and the quantised recipe with AdamW.  A
+   bench's density and chunk size; gf-auto is "cscq" with SGD and the quantised recipe with AdamW.  A
    gradientflow mode is two-level on nodes of several ranks (the engine's plan), ``@flat`` one
    exchange over every rank; torch DDP's modes are flat.
 4. Write ``validation.json`` and ``validation.md``: measured median step vs predicted.
@@ -40,7 +40,7 @@ from gradientflow.bench.runner import CSC_DENSITY
 from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile
 from .planner import DDP, DDP_FP16
-from .schedule import QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
 
 MODE_TECHNIQUE: dict[str, Technique] = {
     "compute": TECHNIQUES["lazy"],  # evaluated at 1 GPU: no communication
@@ -53,9 +53,11 @@ MODE_TECHNIQUE: dict[str, Technique] = {
     # the slice scope hides most of its score exchange under backward; the model charges the global
     # scope's (exposed after backward): conservative for it
     "gf-fp16-csc-slice": TECHNIQUES["csc"],
+    "gf-cscq": CSCQ,
 }
-AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": TECHNIQUES["csc"], "adamw": QUANTIZED}
-"""``gf-auto`` (``compression="auto"``): CSC with SGD, the quantised recipe with AdamW (the bench's --optimizer)."""
+AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
+"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD, the quantised recipe with AdamW (the bench's
+--optimizer)."""
 
 TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: flat rings whatever the layout
 

@@ -30,7 +30,7 @@ from ..config import DEFAULT_QUANT, parse_compression
 from ..engine import comm_state
 from ..engine.schedule import measure as measure_link
 from ..strategies import width
-from ..strategies.recipes import agree_on_recipe, recipe_for_optimizer, unmeasured_warning
+from ..strategies.recipes import AUTO_RECIPES, agree_on_recipe, recipe_for_optimizer, unmeasured_warning
 from .compat import recipe_theta
 
 QUANT_FIELDS = ("bits", "block", "clip", "levels", "precondition", "warmup")
@@ -47,7 +47,7 @@ class AutoState:
     reason: str = "no optimizer step seen yet: dense fp32"
     optimizer: str = ""  # the class name of the optimizer that decided
     adam: bool = False  # the optimizer is Adam-type: the quantised recipe's width is chosen by measurement
-    picked: str | None = None  # the recipe switched to (a name the config parses: "csc", "quantized", "q2npw20")
+    picked: str | None = None  # the recipe switched to (a name the config parses: "cscq", "quantized", "q2npw20")
     deciding: bool = False  # "q2npw20"'s 3-bit warm-up runs; 2 bits or 3 are decided at its end
     exposed: list[float] = field(default_factory=list)  # the warm-up steps' exposed communication, seconds
     seen: int = -1  # the strategy's step whose exposure was last read
@@ -160,7 +160,7 @@ def _decide_width(model: DistributedDataParallel) -> None:
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
-    CSC's density ramp is where a run started with ``compression="csc"`` would be."""
+    CSC's density ramp is where a run started with ``compression="cscq"`` would be."""
     engine = model._gf_engine
     model._gf_auto.picked = recipe
     parsed = parse_compression(recipe)  # the recipe's quantiser in full: "quantized" after "q2npw20" resets its 2 bits
@@ -205,7 +205,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
             model._gf_auto.pending = pending
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
         return state
-    if active == "auto" and model._gf_auto.requested and saved in ("csc", "quantized"):
+    if active == "auto" and model._gf_auto.requested and saved in AUTO_RECIPES:  # "csc": an "auto" run of before
         model._gf_auto.reason = f"{picked} (from the loaded communication state)"
         _rebuild(model, picked)
         _start_deciding(model._gf_auto, deciding)

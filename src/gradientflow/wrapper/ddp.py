@@ -70,7 +70,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         density [None = dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
         chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
         measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; named
-        recipes "fp16", "csc", "quantized" / "q3", "auto": docs/adamw.md], topology ["auto": torchrun's node
+        recipes "fp16", "csc", "cscq", "quantized" / "q3", "auto": docs/adamw.md], topology ["auto": torchrun's node
         layout, two-level synchronisation with nodes of several ranks; "flat"; "MxG"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
