@@ -7,6 +7,7 @@ step derived by hand, nothing lost (what a step did not deliver is in v), and an
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -145,3 +146,42 @@ def _resume_worker(rank: int, world_size: int) -> None:
 
 def test_comm_state_dict_resume_is_bit_identical_and_another_recipe_is_refused() -> None:
     run_distributed(_resume_worker, 2, timeout=120)
+
+
+def _overflow_worker(rank: int, world_size: int) -> dict:
+    """An inf in one rank's gradient (a loss scale too high): every rank skips that step, as with fp16 CSC."""
+    gen = torch.Generator().manual_seed(50 + rank)
+    x, y = _batch(gen, 64)
+    model = _model(momentum=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    model.register_grad_scaler(scaler)
+    sync = model._gf_engine.sync
+    losses, skipped = [], []
+    for step in range(30):
+        hook = None
+        if step == 5 and rank == 0:
+            first = next(model.module.parameters())
+            hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if hook is not None:
+            hook.remove()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        if all(torch.equal(a, p) for a, p in zip(before, model.parameters())):
+            skipped.append(step)
+        for r in sync.res.buffers():  # the quantiser's NaN error never stays in the residual
+            assert bool(torch.isfinite(r).all()), f"non-finite residual at step {step}"
+        losses.append(loss.item())
+    return {"skipped": skipped, "losses": losses}
+
+
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on() -> None:
+    r0, r1 = run_distributed(_overflow_worker, 2, timeout=120)
+    assert r0["skipped"] == r1["skipped"] == [5], r0["skipped"]
+    losses = r0["losses"]
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[6:11]) / 5, losses  # the loss keeps falling after the skip

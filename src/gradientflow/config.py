@@ -94,16 +94,13 @@ def check_theta(name: str, value: object) -> None:
 COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 """``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
-"""``compression="csc"``: what ``gradientflow bench --quality`` measured for SGD momentum first (``"auto"``'s SGD
-recipe until 2026-11-27)."""
+"""``compression="csc"``: fp16 CSC at 0.1, measured for SGD first (``"auto"``'s SGD recipe until 2026-11-27)."""
 CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
-"""``compression="cscq"`` (and ``"auto"`` with SGD): CSC at density 0.3 whose chunks travel as the default quantiser's
-3-bit blocks, their error kept in CSC's residual (:mod:`gradientflow.strategies.csc_quantized`)."""
+"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3, its chunks in 3-bit blocks (``csc_quantized``)."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
-"""The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or
-``comm.quantize.ZEROLESS``."""
+"""The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or ``ZEROLESS``."""
 ZEROLESS_BITS = (2,)
 """The widths with a ``comm.quantize.ZEROLESS`` table (``"q2n"``)."""
 DEFAULT_QUANT = (3, 128)
@@ -240,10 +237,9 @@ class GradientFlowConfig:
     """``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when ``trace_path`` is
     given, which the config then holds; ``None`` without it]."""
     compression: str = "none"
-    """A named recipe, one of :data:`COMPRESSIONS` once validated: "none" (DDP's exact behaviour, or what
-    comm_dtype / density say), "fp16" (= comm_dtype="fp16"), "csc" (= comm_dtype="fp16", density=0.1), "cscq"
-    (density=0.3, the chunks in 3-bit blocks with error feedback: ``CSCQ_RECIPE``),
-    "quantized" / "q3" (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
+    """A named recipe (:data:`COMPRESSIONS`): "none" (DDP's exact behaviour, or what comm_dtype / density say),
+    "fp16" (= comm_dtype="fp16"), "csc" (comm_dtype="fp16", density=0.1), "cscq" (CSCQ_RECIPE), "quantized" / "q3"
+    (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
     "auto" (dense until the first optimizer step, then "cscq" for SGD, "quantized" for Adam and the others)."""
     topology: str = "auto"
     """The node layout: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK``; else,
