@@ -40,10 +40,10 @@ def test_cscq_is_density_0_3_on_fp32_rows_and_refuses_a_conflicting_wire() -> No
         GradientFlowConfig(compression="cscq", density=0.1)
 
 
-def _model(**kw) -> gf.DistributedDataParallel:
+def _model(chunk: int = CHUNK, **kw) -> gf.DistributedDataParallel:
     # θ = 1 KB: several buckets; global scope: one slice (one top-k) for the one pool buffer, so the bytes are
     # one quantised message; no ramp and no 1-D rule unless asked: the selection is density's alone.
-    opts = dict(fusion_threshold_mb=0.001, chunk_size=CHUNK, dense_1d=False, warmup_steps=0, csc_scope="global")
+    opts = dict(fusion_threshold_mb=0.001, chunk_size=chunk, dense_1d=False, warmup_steps=0, csc_scope="global")
     opts.update(kw)
     return gf.DistributedDataParallel(_mlp(), compression="cscq", **opts)
 
@@ -53,9 +53,9 @@ def _flat(model: gf.DistributedDataParallel, tensors: list[torch.Tensor]) -> tor
     return torch.cat([_param_view(model, tensors, i).reshape(-1) for i in range(len(params))])
 
 
-def _steps_worker(rank: int, world_size: int, steps: int) -> list[list[list[float]]]:
+def _steps_worker(rank: int, world_size: int, steps: int, chunk: int) -> list[list[list[float]]]:
     gen = torch.Generator().manual_seed(30 + rank)
-    model = _model()
+    model = _model(chunk)
     sync = model._gf_engine.sync
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     params = list(model.module.parameters())
@@ -72,7 +72,7 @@ def _steps_worker(rank: int, world_size: int, steps: int) -> list[list[list[floa
             # The bytes: fp32 scores of every chunk, then one quantised copy of the selected rows (whole chunks)
             n, k = st["n_chunks"], st["selected_chunks"]
             assert k == -(-3 * n // 10)  # ceil(0.3 n): one slice
-            assert st["payload_bytes"] == 4 * n + wire_bytes(k * CHUNK, 3, 128), st
+            assert st["payload_bytes"] == 4 * n + wire_bytes(k * chunk, 3, 128), st
             # Nothing lost: sum_r v_r(after) + N * average == sum_r (v_r(before) + g_r), elementwise.  Every value
             # on the way (a row, its decoded codes, their error, a partial sum) is at most N * m in magnitude, m the
             # largest |v + g| of any rank; at most 4 fp32 roundings (v + g, x - decoded, the decoded sum, / N), each
@@ -89,19 +89,20 @@ def _steps_worker(rank: int, world_size: int, steps: int) -> list[list[list[floa
             assert float((lhs - rhs).abs().max()) <= 2 * world_size * EPS32 * float(m), step
             # the sent rows really were quantised: their error is in v (CSC alone leaves 0 there)
             sent = sync.last_selected
-            rows = v_after.new_zeros(n * CHUNK)
+            rows = v_after.new_zeros(n * chunk)
             rows[: v_after.numel()] = v_after
-            assert rows.view(n, CHUNK)[sent].abs().sum() > 0
+            assert rows.view(n, chunk)[sent].abs().sum() > 0
             v_before = v_after
         snapshots.append([p.detach().reshape(-1).tolist() for p in params])  # plain lists cross the queue
         opt.step()
     return snapshots
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_agree_every_step_bytes_by_hand_and_nothing_lost(world_size: int) -> None:
-    """2 ranks: one exchange of each rank's quantised rows; 3: the direct reduce-scatter and the sum's allgather."""
-    results = run_distributed(_steps_worker, world_size, 6, timeout=120)
+@pytest.mark.parametrize(("world_size", "chunk"), [(2, CHUNK), (2, 128), (3, 128)])
+def test_ranks_agree_every_step_bytes_by_hand_and_nothing_lost(world_size: int, chunk: int) -> None:
+    """2 ranks: one exchange of each rank's quantised rows (chunks of whole 128-blocks: straight from v's rows and
+    into the pool's; 64: packed first); 3: the direct reduce-scatter and the sum's allgather."""
+    results = run_distributed(_steps_worker, world_size, 6, chunk, timeout=120)
     for other in results[1:]:
         assert other == results[0]  # bit for bit: the same floats
 
@@ -148,17 +149,21 @@ def test_comm_state_dict_resume_is_bit_identical_and_another_recipe_is_refused()
     run_distributed(_resume_worker, 2, timeout=120)
 
 
-def _overflow_worker(rank: int, world_size: int) -> dict:
+def _overflow_worker(rank: int, world_size: int, chunk: int) -> dict:
     """An inf in one rank's gradient (a loss scale too high): every rank skips that step, as with fp16 CSC."""
     gen = torch.Generator().manual_seed(50 + rank)
     x, y = _batch(gen, 64)
-    model = _model(momentum=0.0)
+    model = _model(chunk, momentum=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
     model.register_grad_scaler(scaler)
     sync = model._gf_engine.sync
     losses, skipped = [], []
+    params = list(model.module.parameters())
     for step in range(30):
+        if step == 5:  # what v must hold after the skipped step on the rank without the inf: all it had, plus g
+            local = torch.autograd.grad(nn.functional.cross_entropy(model.module(x), y), params)
+            kept = _flat(model, _residual(model, "v")) + torch.cat([g.reshape(-1) for g in local])
         hook = None
         if step == 5 and rank == 0:
             first = next(model.module.parameters())
@@ -175,13 +180,48 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
             skipped.append(step)
         for r in sync.res.buffers():  # the quantiser's NaN error never stays in the residual
             assert bool(torch.isfinite(r).all()), f"non-finite residual at step {step}"
+        if step == 5 and rank == 1:  # nothing lost: error + decoded value = the value sent, up to one rounding
+            v = _flat(model, _residual(model, "v"))
+            assert float((v - kept).abs().max()) <= 4 * EPS32 * float(kept.abs().max()), step
         losses.append(loss.item())
     return {"skipped": skipped, "losses": losses}
 
 
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on() -> None:
-    r0, r1 = run_distributed(_overflow_worker, 2, timeout=120)
+@pytest.mark.parametrize("chunk", [CHUNK, 128])  # packed; straight from v (whose sent rows get their value back)
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on(chunk: int) -> None:
+    r0, r1 = run_distributed(_overflow_worker, 2, chunk, timeout=120)
     assert r0["skipped"] == r1["skipped"] == [5], r0["skipped"]
     losses = r0["losses"]
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[6:11]) / 5, losses  # the loss keeps falling after the skip
+
+
+def _straight_worker(rank: int, world_size: int) -> None:
+    """Encoding v's rows straight (error over them) and decoding into the pool's rows, against packing them first:
+    the same floats, step after step (the codes, scales and errors are computed block by block either way; the
+    average is (a + b) * 0.5 against (a + b) / 2, both exact halvings)."""
+    gen = torch.Generator().manual_seed(60 + rank)
+    straight, packed = _model(128, momentum=0.9), _model(128, momentum=0.9)
+    packed._gf_engine.sync.chunks._straight = lambda *args: False
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (straight, packed)]
+    for _ in range(6):
+        x, y = _batch(gen)
+        for m, o in zip((straight, packed), opts):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        assert straight._gf_engine.sync.chunks._delivered and not packed._gf_engine.sync.chunks._delivered
+        for a, b in zip(straight.module.parameters(), packed.module.parameters()):
+            assert torch.equal(a, b)
+        for a, b in zip(
+            _residual(straight, "v") + _residual(straight, "u"), _residual(packed, "v") + _residual(packed, "u")
+        ):
+            assert torch.equal(a, b)
+
+
+def test_rows_encoded_straight_from_v_equal_the_packed_path_bit_for_bit() -> None:
+    from gradientflow.comm import codec_native
+
+    if codec_native.library() is None:
+        pytest.skip("no C compiler here: both ranks pack (the torch ops)")
+    run_distributed(_straight_worker, 2, timeout=120)

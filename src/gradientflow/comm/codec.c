@@ -264,3 +264,32 @@ void gf_dequantize(const uint8_t *codes_in, const uint16_t *scales, int64_t m, i
         if (pq) gf_precondition_out(o, pe + a0, pq + a0, pwf, pbf, punit, n, poffset + a0, pwindow, pema, pbeta, pc);
     }
 }
+
+/* Rows idx[0..k) of a [*, C] fp32 matrix (C a multiple of block) encoded as one message, as gf_quantize would
+ * encode the k * C packed elements (the same codes, scales and errors, block for block: no block spans two
+ * rows), straight from the matrix: no packed copy.  Each row's error is written over the row itself (the
+ * block is read whole before its error is written).  CSC's chunks on the quantised exchange ("cscq"). */
+void gf_quantize_rows(float *rows, const int64_t *idx, int64_t k, int64_t C, int bits, int block, const float *mids,
+                      const float *poly, float first, uint8_t *codes_out, uint16_t *scales_out) {
+    for (int64_t r = 0; r < k; r++) {
+        float *x = rows + idx[r] * C;
+        gf_quantize(x, C, bits, block, mids, poly, first, codes_out + r * C / 8 * bits, scales_out + r * (C / block),
+                    NULL, x, 0, NULL, NULL, 0.0f, 0, 0, 0);
+    }
+}
+
+/* The inverse, into rows idx[0..k) of out: (a + b) * mult, or out + a where codes_b is NULL and accumulate
+ * (mult 1); a + b added as gf_dequantize's pair decode adds them. */
+void gf_dequantize_rows(const uint8_t *codes_a, const uint16_t *scales_a, const uint8_t *codes_b,
+                        const uint16_t *scales_b, const int64_t *idx, int64_t k, int64_t C, int bits, int block,
+                        const float *poly, float first, float *out, int accumulate, float mult) {
+    for (int64_t r = 0; r < k; r++) {
+        float *o = out + idx[r] * C;
+        const int64_t c0 = r * C / 8 * bits, s0 = r * (C / block);
+        gf_dequantize(codes_a + c0, scales_a + s0, C, bits, block, poly, first, o, accumulate,
+                      codes_b ? codes_b + c0 : NULL, codes_b ? scales_b + s0 : NULL, NULL, NULL, NULL, 0.0f, 0, 0,
+                      0, 0, 0.0f, 0.0f);
+        if (mult != 1.0f)
+            for (int64_t i = 0; i < C; i++) o[i] *= mult;
+    }
+}

@@ -56,6 +56,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gf_quantize.restype = None
     lib.gf_dequantize.argtypes = [p, p, i64, i32, i32, p, f32, p, i32, p, p, p, p, p, f32, i32, i64, i32, i32, f32, f32]
     lib.gf_dequantize.restype = None
+    lib.gf_quantize_rows.argtypes = [p, p, i64, i64, i32, i32, p, p, f32, p, p]
+    lib.gf_quantize_rows.restype = None
+    lib.gf_dequantize_rows.argtypes = [p, p, p, p, p, i64, i64, i32, i32, p, f32, p, i32, f32]
+    lib.gf_dequantize_rows.restype = None
     lib.gf_precondition_in.argtypes = [p, p, p, p, f32, i32, i64, i64, i32]
     lib.gf_precondition_in.restype = None
     lib.gf_precondition_out.argtypes = [p, p, p, p, f32, i32, i64, i64, i32, i32, f32, f32]
@@ -152,6 +156,71 @@ def dequantize(
         int(fused is not None and fused.ema is not None),
         beta,
         c,
+    )
+
+
+def quantize_rows(
+    rows: torch.Tensor,
+    idx: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block: int,
+    mids: tuple[float, ...],
+    poly: tuple[float, ...],
+    first: float = 0.0,
+) -> None:
+    """``codec.c``'s ``gf_quantize_rows``: rows ``idx`` (int64) of ``rows`` ([*, C] fp32, C a multiple of ``block``)
+    encoded as one message, as :func:`quantize` encodes them packed; each row's error written over the row."""
+    lib = library()
+    assert lib is not None, "callers check applies() first"
+    assert rows.shape[1] % block == 0 and idx.dtype == torch.int64 and idx.is_contiguous()
+    lib.gf_quantize_rows(
+        rows.data_ptr(),
+        idx.data_ptr(),
+        idx.numel(),
+        rows.shape[1],
+        bits,
+        block,
+        _floats(mids),
+        _floats(poly),
+        first,
+        codes.data_ptr(),
+        scales.data_ptr(),
+    )
+
+
+def dequantize_rows(
+    own: tuple[torch.Tensor, torch.Tensor],
+    peer: tuple[torch.Tensor, torch.Tensor] | None,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    block: int,
+    poly: tuple[float, ...],
+    first: float = 0.0,
+    mult: float = 1.0,
+) -> None:
+    """``codec.c``'s ``gf_dequantize_rows``: rows ``idx`` of ``out`` ([*, C] fp32) = (own + peer) * ``mult`` (own and
+    peer: (codes, scales) of one message each, as :func:`quantize_rows` wrote them); ``peer`` None: out += own."""
+    lib = library()
+    assert lib is not None, "callers check applies() first"
+    assert out.shape[1] % block == 0 and idx.dtype == torch.int64 and idx.is_contiguous()
+    lib.gf_dequantize_rows(
+        own[0].data_ptr(),
+        own[1].data_ptr(),
+        None if peer is None else peer[0].data_ptr(),
+        None if peer is None else peer[1].data_ptr(),
+        idx.data_ptr(),
+        idx.numel(),
+        out.shape[1],
+        bits,
+        block,
+        _floats(poly),
+        first,
+        out.data_ptr(),
+        int(peer is None),
+        mult,
     )
 
 

@@ -94,6 +94,33 @@ def sum_shares(
         dequantize(own, x.numel(), bits, block, levels, x, False, fused, e, peer)
 
 
+class PairExchange:
+    """A two-rank exchange's wire alone: ``send`` to the other rank of ``group``, ``recv`` from it (host bytes; the
+    messages :class:`QuantizedRing` posts on two ranks, in the same order, so either may run on the other rank).
+    For a caller that encodes and decodes the bytes itself (:mod:`gradientflow.strategies.csc_quantized`)."""
+
+    def __init__(self, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, timeout: timedelta | None):
+        peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+        ops = [dist.P2POp(dist.irecv, recv, peer, group), dist.P2POp(dist.isend, send, peer, group)]
+        self._works = dist.batch_isend_irecv(ops)
+        self._arrived = _WAITER.watch(self._works, timeout)
+        self.done = False
+
+    def poll(self) -> bool:
+        """True once ``recv`` holds the peer's bytes (and ours left); never blocks."""
+        if not self.done and self._arrived.event.is_set():
+            self._arrived.check()
+            self.done = True
+        return self.done
+
+    def wait(self) -> None:
+        """Block until both messages completed (bounded by ``timeout``)."""
+        if not self.done:
+            self._arrived.event.wait()
+            self._arrived.check()
+            self.done = True
+
+
 class QuantizedRing:
     """One in-place quantised SUM allreduce of ``x`` over ``group``, error into ``err``.
 

@@ -121,23 +121,20 @@ class SparseSync(SyncStrategy):
         self.offsets = [sum(self.n_chunks[:k]) for k in range(len(self.sizes))]
         self.total_chunks = sum(self.n_chunks)
         self._pool_rows = [b.view(-1, C) for b in pool.padded]
-        # dense_1d: the engine laid the 1-D parameters out last; chunks from the first one on are
-        # sent every step.  (A chunk may also hold the end of the last weight matrix.)
+        # dense_1d: the 1-D parameters are laid out last; chunks from the first one on are sent every step
         self.forced_from = list(self.n_chunks)
         if self.dense_1d:
             for s in pool.layout.slots:
                 if len(self._shapes[s.param]) <= 1 and s.numel:
                     self.forced_from[s.pool] = min(self.forced_from[s.pool], s.offset // C)
-        # Autograd can accumulate into v only where v has the parameters' dtype and nothing
-        # (momentum) must happen between the gradient and v.
+        # Autograd can accumulate into v only where v has the parameters' dtype and no momentum comes between
         self._direct = [self.momentum == 0 and residual_dtype(b.dtype) == b.dtype for b in pool.buffers]
         self.scorer.set_pool(pool, self.n_chunks, self.offsets, self._direct)
         # fp32 pools (and residual rows) on CPU onto an fp16 wire: csc_native's one-pass pack and unpack
         fast = self.dense.wire_dtype == torch.float16 and csc_native.available()
         self._fast_wire = [fast and b.device.type == "cpu" and b.dtype == torch.float32 for b in pool.buffers]
         self.scores = self.scorer.scores
-        self._ready = [0] * len(self.sizes)  # elements of each buffer accumulated this step
-        self._scored = [0] * len(self.sizes)  # chunks of each buffer scored this step
+        self._ready, self._scored = [0] * len(self.sizes), [0] * len(self.sizes)  # elements accumulated, chunks scored
         self._in_step = False
         self._writer.forget()
 
@@ -296,14 +293,15 @@ class SparseSync(SyncStrategy):
         rows = self._res.rows(sl.pool)
         # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded to whole shards)
         take = functools.partial(self.dense.wire_buffer, device=rows.device)
-        pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
+        if self.chunks is not None:  # "cscq": quantised and started (straight from v's rows where it can)
+            self.chunks.start(sl, rows, self._pool_rows[sl.pool], take, stats)
+        else:
+            pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
-        if self.chunks is not None:  # fp32 rows (packed), quantised; their error into a buffer of their shape
-            self.chunks.start(sl, take, stats)
-        elif sl.wire is not None:  # already divided and cast: only the allreduce is left
+        if self.chunks is None and sl.wire is not None:  # already divided and cast: only the allreduce is left
             self.dense.start(sl.wire, None, "chunks", stats)
-        else:
+        elif self.chunks is None:
             assert sl.packed is not None  # pack() fills wire or packed
             self.dense.send_chunks(sl.packed.view(-1), stats)
 
@@ -342,6 +340,8 @@ class SparseSync(SyncStrategy):
                 if sl.packed is not None:
                     total = total + sl.packed.sum()
         ok = math.isfinite(float(total))
+        if not ok and self.chunks is not None:
+            self.chunks.restore()  # rows whose error was written over v get their sent value back: nothing lost
         stats.host_syncs += 1
         stats.phase("check", t0)
         ok = self._write_back(slices, ok, stats)

@@ -18,6 +18,14 @@ two-level as the quantised recipe's buckets do (:class:`~.quantized_nodes.NodeQu
 reduce-scatter inside the node, the ring between nodes on this rank's shard, an all-gather inside the node);
 the error is then the node sum's, on this rank's shard of the rows (the rest of its sent rows leave v at 0):
 the conservation above holds over all ranks as before.
+
+Two ranks on CPU (the codec's kernel, fp32 rows of whole quantiser blocks), the common case, skip the packed
+copies: the selected rows are encoded straight from v, each row's error written over it
+(``codec_native.quantize_rows``), the bytes swapped (:class:`~gradientflow.comm.quantized_ring.PairExchange`),
+and after backward (once the pool is cleared) both messages decoded and averaged straight into the pool's rows
+(``dequantize_rows``, times 1/2: the same floats as decoding the packed rows and dividing by 2).  A step found
+non-finite gives those rows their sent value back (:meth:`QuantizedChunks.restore`), as CSC keeps what it did
+not deliver.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comm.quantized_ring import QuantizedRing
+from ..comm import codec_native
+from ..comm.quantize import _kernel_levels, _mids, _poly, _table, code_bytes, wire_bytes
+from ..comm.quantized_ring import PairExchange, QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import NodeGroups
 from ..config import GradientFlowConfig
@@ -37,7 +47,7 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from .dense import DenseSync
 from .quantized_nodes import NodeQuantizer
-from .slices import Slice
+from .slices import Slice, pack
 
 
 class QuantizedChunks:
@@ -57,6 +67,9 @@ class QuantizedChunks:
         self.group, self.world_size, self.watchdog = group, world_size, watchdog
         self.bits, self.block, self.levels = bits, block, levels
         self._running: list[tuple[Slice, QuantizedRing, float]] = []
+        # from v's rows straight: (slice, exchange, our bytes, the peer's, v's rows, the pool's rows)
+        self._pairs: list[tuple[Slice, PairExchange, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._delivered: list[tuple[Slice, PairExchange, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.groups = groups
         self._nodes = NodeQuantizer(groups, block, watchdog) if groups is not None else None  # two-level
 
@@ -75,12 +88,24 @@ class QuantizedChunks:
             groups=dense.groups,
         )
 
-    def start(self, sl: Slice, take: Callable[[int, torch.dtype], torch.Tensor], stats: StepStats) -> None:
-        """Start the exchange of ``sl.packed`` (undivided fp32 rows of v); their error goes into ``sl.err``, a
-        buffer of their shape from ``take`` (the step's scratch), written whole: its rows become v's."""
+    def start(
+        self,
+        sl: Slice,
+        rows: torch.Tensor,
+        pool_rows: torch.Tensor,
+        take: Callable[[int, torch.dtype], torch.Tensor],
+        stats: StepStats,
+    ) -> None:
+        """Start the exchange of ``sl``'s selected rows of v (``rows``, undivided fp32): straight from them where it
+        can (two ranks, the CPU kernel: :meth:`_start_rows`), else packed into ``sl.packed`` with their error going
+        into ``sl.err``, buffers of their shape from ``take`` (the step's scratch): its rows become v's."""
+        timeout: timedelta | None = self.watchdog.timeout if self.watchdog is not None else None
+        if self._straight(rows, pool_rows):
+            self._start_rows(sl, rows, pool_rows, take, timeout, stats)
+            return
+        pack(sl, rows, take, self.world_size, False)
         assert sl.packed is not None and sl.packed.dtype == torch.float32, "cscq packs fp32 rows"
         err = sl.err = take(sl.packed.numel(), torch.float32).view_as(sl.packed)
-        timeout: timedelta | None = self.watchdog.timeout if self.watchdog is not None else None
         if self._nodes is not None:
             self._start_two_level(sl, err.view(-1), timeout, stats)
             return
@@ -95,6 +120,55 @@ class QuantizedChunks:
         )
         stats.record_collective(ring.payload_bytes)
         self._running.append((sl, ring, time.perf_counter()))
+
+    def _straight(self, rows: torch.Tensor, pool_rows: torch.Tensor) -> bool:
+        """Whether v's rows are encoded and the pool's decoded straight (no packed copies): two ranks, flat, fp32
+        rows of whole blocks, the codec's CPU kernel for this quantiser."""
+        if self.world_size != 2 or self._nodes is not None or rows.shape[1] % self.block or self.block > 1024:
+            return False
+        if rows.dtype != torch.float32 or pool_rows.dtype != torch.float32:
+            return False
+        return _kernel_levels(self.bits, self.levels) and codec_native.applies(rows, pool_rows)
+
+    def _start_rows(
+        self,
+        sl: Slice,
+        rows: torch.Tensor,
+        pool_rows: torch.Tensor,
+        take: Callable[[int, torch.dtype], torch.Tensor],
+        timeout: timedelta | None,
+        stats: StepStats,
+    ) -> None:
+        n = sl.selected.numel() * rows.shape[1]
+        nbytes = wire_bytes(n, self.bits, self.block)
+        send, recv = take(nbytes, torch.uint8), take(nbytes, torch.uint8)
+        cb = code_bytes(n, self.bits, self.block)
+        first, mids, poly = (
+            _table(self.bits, self.levels)[0],
+            _mids(self.bits, self.levels),
+            _poly(self.bits, self.levels),
+        )
+        codec_native.quantize_rows(rows, sl.selected, send[:cb], send[cb:], self.bits, self.block, mids, poly, first)
+        sl.written = True  # v's rows hold their error now; the pool's rows get the average at finish()
+        self._pairs.append((sl, PairExchange(send, recv, self.group, timeout), send, recv, rows, pool_rows))
+        stats.record_collective(nbytes)
+
+    def _decode_rows(self, send: torch.Tensor, recv: torch.Tensor | None, sl: Slice, out: torch.Tensor) -> None:
+        """``out``'s selected rows = (ours + the peer's) / 2, or += ours (``recv`` None)."""
+        cb = code_bytes(sl.selected.numel() * out.shape[1], self.bits, self.block)
+        first, poly = _table(self.bits, self.levels)[0], _poly(self.bits, self.levels)
+        peer = None if recv is None else (recv[:cb], recv[cb:])
+        mult = 1.0 if recv is None else 1.0 / self.world_size
+        codec_native.dequantize_rows(
+            (send[:cb], send[cb:]), peer, sl.selected, out, self.bits, self.block, poly, first, mult
+        )
+
+    def restore(self) -> None:
+        """The step was found non-finite (skipped on every rank): rows whose error was written over v get their
+        decoded value back (v = error + decoded, the value sent up to one rounding)."""
+        for sl, _ex, send, _recv, rows, _pool in self._delivered:
+            self._decode_rows(send, None, sl, rows)
+        self._delivered = []
 
     def _start_two_level(self, sl: Slice, err: torch.Tensor, timeout: timedelta | None, stats: StepStats) -> None:
         """The packed rows into the two-level pipeline; their error (this rank's shard of the node sum's) into
@@ -129,12 +203,20 @@ class QuantizedChunks:
             self._guarded(self._nodes.progress)
         for _sl, ring, t0 in self._running:
             self._run(ring, t0, block=False)
+        for pair in self._pairs:
+            self._guarded(pair[1].poll)
 
     def finish(self, stats: StepStats) -> None:
         """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
         t0 = time.perf_counter()
         if self._nodes is not None:
             self._guarded(self._nodes.drain)
+        pairs, self._pairs = self._pairs, []
+        for sl, ex, send, recv, _rows, pool_rows in pairs:  # the pool was cleared: its rows get the average
+            self._guarded(ex.wait)
+            stats.record_done(time.perf_counter())
+            self._decode_rows(send, recv, sl, pool_rows)
+        self._delivered = pairs
         running, self._running = self._running, []
         for sl, ring, started in running:
             self._run(ring, started, block=True)
@@ -143,7 +225,7 @@ class QuantizedChunks:
             sl.packed.div_(self.world_size)
         stats.phase("wire_wait", t0)
 
-    def _guarded(self, step: Callable[[], None]) -> None:
+    def _guarded(self, step: Callable[[], object]) -> None:
         try:
             step()
         except RuntimeError as exc:

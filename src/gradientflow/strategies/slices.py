@@ -38,6 +38,7 @@ class Slice:
     packed: torch.Tensor | None = None  # their rows of v, [len(idx), C]; the reduced rows after finish
     wire: torch.Tensor | None = None  # instead of packed (CPU, fp16 wire): the rows packed straight onto it
     err: torch.Tensor | None = None  # "cscq": the rows' quantisation error, v's rows after the step
+    written: bool = False  # "cscq" from v's rows straight: their error is in v, the average goes into the pool
 
     @property
     def selected(self) -> torch.Tensor:

@@ -52,6 +52,8 @@ class PoolWriter:
         if ok:
             for sl in slices:
                 r, idx = rows[sl.pool], sl.selected
+                if sl.written:  # "cscq": decoded into the pool's rows already
+                    continue
                 if sl.wire is not None:
                     ok &= csc_native.unpack_rows(r, idx, sl.wire)
                 else:
@@ -69,7 +71,7 @@ class PoolWriter:
         for sl in slices:
             if sl.err is not None:  # "cscq": the quantisation error stays in v (delayed, not lost)
                 res.rows(sl.pool).index_copy_(0, sl.selected, sl.err)
-            else:
+            elif not sl.written:  # (written: the encoder wrote the error over v's rows)
                 zero_rows(res.rows(sl.pool), sl.selected)
             if res.u is not None:
                 zero_rows(res.rows(sl.pool, "u"), sl.selected)
