@@ -119,12 +119,14 @@ def test_a_mode_carries_its_topology_to_the_wrapper_as_a_keyword(monkeypatch: py
 
     monkeypatch.setattr(gf, "DistributedDataParallel", fake)
     spec = BenchSpec("small_cnn", 2, 1, 0, [], "unused", optimizer="adamw")
-    for mode in ("gf-fp16@flat", "gf-fp16", "gf-auto@flat", "gf-fp16-csc-auto@2x2"):
+    for mode in ("gf-fp16@flat", "gf-fp16", "gf-auto@flat", "gf-fp16-csc-auto@2x2", "gf-cscq@2x2"):
         _, opt, _ = _build(Variant(mode, mode, 25.0), spec, 1024, torch.device("cpu"))
         assert isinstance(opt, torch.optim.AdamW)
-    assert [kw.get("topology") for kw in seen] == ["flat", None, "flat", "2x2"]
-    assert seen[0]["comm_dtype"] == "fp16" and seen[2]["compression"] == "auto"
+    assert [kw.get("topology") for kw in seen] == ["flat", None, "flat", "2x2", "2x2"]
+    assert seen[0]["comm_dtype"] == "fp16" and seen[2]["compression"] == "auto" and "warmup_steps" not in seen[2]
     assert seen[3]["schedule"] == "auto"
+    # gf-cscq: "cscq" timed on sparse steps (no ramp) at the bench's chunk size, as the CSC modes
+    assert (seen[4]["compression"], seen[4]["warmup_steps"], seen[4]["chunk_size"]) == ("cscq", 0, 1024)
     # a schedule="auto" mode keeps its own θ with a suffix too; the flat twin is its own row
     names = [(v.name, v.theta_mb) for v in plan_variants(["gf-fp16-csc-auto@flat", "gf-fp16@flat"], 25.0, [], False)]
     assert names == [("compute", None), ("gf-fp16-csc-auto@flat", None), ("gf-fp16@flat", 25.0)]

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from test_csc import CHUNK, _batch, _mlp, _param_view, _residual
+from test_csc import CHUNK, _batch, _mlp, _param_view, _residual, _run
 from torch import nn
 
 import gradientflow as gf
@@ -105,13 +105,6 @@ def test_ranks_agree_every_step_bytes_by_hand_and_nothing_lost(world_size: int, 
     results = run_distributed(_steps_worker, world_size, 6, chunk, timeout=120)
     for other in results[1:]:
         assert other == results[0]  # bit for bit: the same floats
-
-
-def _run(model, opt, batches) -> None:
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _resume_worker(rank: int, world_size: int) -> None:

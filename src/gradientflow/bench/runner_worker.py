@@ -84,24 +84,17 @@ def _build(
     if mode == "compute":
         wrapped: nn.Module = model
         wire = 0
-    elif mode == "gf-auto":  # the optimizer's recipe, from its first step (the warm-up steps cover it)
+    elif mode in ("gf-auto", "gf-cscq"):
+        # gf-auto: the optimizer's recipe, from its first step (the warm-up steps cover it); gf-cscq: as the CSC
+        # modes, its sparse steps timed (no density ramp) at the bench's chunk size
+        cscq: dict[str, Any] = {"chunk_size": chunk_size, "warmup_steps": 0} if mode == "gf-cscq" else {}
         wrapped = gf.DistributedDataParallel(
             model,
             device_ids=ids,
             process_group=group,
             fusion_threshold_mb=v.theta_mb,
-            compression="auto",
-            **topology_kwargs(v.mode),
-        )
-    elif mode == "gf-cscq":
-        wrapped = gf.DistributedDataParallel(
-            model,
-            device_ids=ids,
-            process_group=group,
-            fusion_threshold_mb=v.theta_mb,
-            compression="cscq",
-            chunk_size=chunk_size,
-            warmup_steps=0,  # as the CSC modes: sparse steps are timed
+            compression=mode.removeprefix("gf-"),
+            **cscq,
             **topology_kwargs(v.mode),
         )
     elif mode.startswith("gf-"):

@@ -193,12 +193,10 @@ def simulate(
         k = n_selected(tech.density or cfg.density, chunks)
         sparse = k < chunks
     link_free, sent, count = 0.0, 0.0, 0
-    if sparse:
-        bwd_end += _passes_s(profile, cfg, "csc_accumulate")
-        link_free = bwd_end
-        link_free += exchange_s(chunks, gpus, cfg, 4, flat=True)  # the scores, on the flat control group
-        link_free += exchange_s(
-            k * cfg.chunk_size,
+
+    def wire_s(numel: int) -> float:  # the engine's exchange: two-level shards from comm.topology.two_level_plan
+        return exchange_s(
+            numel,
             gpus,
             cfg,
             tech.wire_bytes,
@@ -207,22 +205,19 @@ def simulate(
             flat=flat,
             direct=tech.direct,
         )
+
+    if sparse:
+        bwd_end += _passes_s(profile, cfg, "csc_accumulate")
+        link_free = bwd_end
+        link_free += exchange_s(chunks, gpus, cfg, 4, flat=True)  # the scores, on the flat control group
+        link_free += wire_s(k * cfg.chunk_size)
         sent, count = sent + 4 * chunks + tech.wire_bytes * k * cfg.chunk_size, count + 2
     else:
         for b in layout.buckets:
             ready = t_fwd + max(profile.ready[i] for i in b.params) * t_bwd if tech.overlap else bwd_end
             nbytes = math.ceil(b.numel * tech.wire_bytes)
-            if tech.algorithm == "ring":  # the engine's exchange: two-level shards from comm.topology.two_level_plan
-                cost = exchange_s(
-                    b.numel,
-                    gpus,
-                    cfg,
-                    tech.wire_bytes,
-                    intra_wire=tech.intra_wire_bytes,
-                    block=tech.block,
-                    flat=flat,
-                    direct=tech.direct,
-                )
+            if tech.algorithm == "ring":
+                cost = wire_s(b.numel)
             else:
                 cost = allreduce_s(nbytes, gpus, cfg, tech.algorithm, int(tech.wire_bytes))
             link_free = max(link_free, ready) + cost
