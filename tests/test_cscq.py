@@ -244,3 +244,21 @@ def test_no_sync_accumulation_trains_identical_ranks() -> None:
     r0, r1 = run_distributed(_accumulate_worker, 2, timeout=120)
     assert r0 == r1
     assert r0[0] != r0[-1]  # it trained
+
+
+def test_adamw_under_cscq_is_warned_at_its_first_step() -> None:
+    """A user who passes "cscq" with AdamW hears, at the first step, what it measured and what to pass instead."""
+    run_distributed(_adamw_warning_worker, 1, timeout=60)
+
+
+def _adamw_warning_worker(rank: int, world_size: int) -> None:
+    import warnings
+
+    model = gf.DistributedDataParallel(_mlp(), compression="cscq", chunk_size=CHUNK)
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = _batch(torch.Generator().manual_seed(0))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("compression='cscq'" in str(w.message) and "compression='auto'" in str(w.message) for w in caught)

@@ -172,7 +172,7 @@ class SparseSync(SyncStrategy):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:
         """Warn about the measured pitfalls of ``optimizer`` under this CSC (:mod:`.pitfalls`)."""
-        for message in optimizer_pitfalls(optimizer, self.density, self.momentum):
+        for message in optimizer_pitfalls(optimizer, self.density, self.momentum, self.chunks is not None):
             warnings.warn(message, stacklevel=stacklevel)
 
     # ---- per step -------------------------------------------------------------------------

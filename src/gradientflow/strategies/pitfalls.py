@@ -14,13 +14,18 @@ ADAPTIVE_MIN_DENSITY = 0.3
 13.7% above dense's validation loss, 0.3 5.4%; fp16 alone 0%, and first to dense's loss at 1 Gbit/s)."""
 
 
-def optimizer_pitfalls(optimizer: torch.optim.Optimizer, density: float, momentum: float) -> list[str]:
-    """The warnings for ``optimizer`` under CSC at ``density`` with momentum correction ``momentum``.
+def optimizer_pitfalls(
+    optimizer: torch.optim.Optimizer, density: float, momentum: float, quantized_chunks: bool = False
+) -> list[str]:
+    """The warnings for ``optimizer`` under CSC at ``density`` with momentum correction ``momentum``
+    (``quantized_chunks``: ``compression="cscq"``).
 
     1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
        reaches Adam in bursts every few steps, and Adam, normalising by what it sees, moves it
        less; ``gradientflow bench --quality`` measures the loss (docs/quality.md#the-adamw-studies).
     2. Momentum correction on (``momentum > 0``) while ``optimizer`` applies momentum as well.
+    3. ``"cscq"`` with an Adam-type optimizer: its density (0.3) is no pitfall of rule 1, but measured it loses as
+       CSC does (docs/quality.md#sgd-momentum-cscs-chunks-quantised-cscq-2026-11-27).
     """
     groups = optimizer.param_groups
     found = []
@@ -33,6 +38,13 @@ def optimizer_pitfalls(optimizer: torch.optim.Optimizer, density: float, momentu
             "bytes, docs/adamw.md), or comm_dtype='fp16' without density (no measurable loss); "
             f"density={ADAPTIVE_MIN_DENSITY} loses less than {density}, and so does csc_scope='global' on a "
             "model cut into several slices."
+        )
+    if quantized_chunks and density >= ADAPTIVE_MIN_DENSITY and any("betas" in g for g in groups):
+        found.append(
+            f"gradientflow: compression='cscq' (CSC at density {density}, its chunks in 3-bit blocks) with an "
+            f"Adam-type optimizer ({type(optimizer).__name__}) ended 1.063x torch DDP's final validation loss on the "
+            "quality bench's AdamW transformer, where compression='auto' ended 1.012x (docs/quality.md). "
+            "For Adam-type optimizers pass compression='auto' (the quantised recipe)."
         )
     if momentum > 0 and any(g.get("momentum", 0) or (g.get("betas") is not None and g["betas"][0] > 0) for g in groups):
         found.append(
