@@ -290,8 +290,7 @@ class SparseSync(SyncStrategy):
         m = forced + n_selected(self.density_now(), sl.hi - sl.lo - forced)
         sl.idx = select_chunks(scores, m, forced=forced) + sl.lo
         t0 = stats.phase("select", t0)
-        rows = self._res.rows(sl.pool)
-        # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded to whole shards)
+        rows = self._res.rows(sl.pool)  # a packed slice's buffer: the dense strategy's wire buffer (two-level: padded)
         take = functools.partial(self.dense.wire_buffer, device=rows.device)
         if self.chunks is not None:  # "cscq": quantised and started (straight from v's rows where it can)
             self.chunks.start(sl, rows, self._pool_rows[sl.pool], take, stats)
@@ -299,9 +298,11 @@ class SparseSync(SyncStrategy):
             pack(sl, rows, take, self.dense.world_size, self._fast_wire[sl.pool])
         stats.phase("pack", t0)
         phase_end(self.dense.watchdog, "csc.select+pack", t_trace)
-        if self.chunks is None and sl.wire is not None:  # already divided and cast: only the allreduce is left
+        if self.chunks is not None:
+            return  # quantised and started above
+        if sl.wire is not None:  # already divided and cast: only the allreduce is left
             self.dense.start(sl.wire, None, "chunks", stats)
-        elif self.chunks is None:
+        else:
             assert sl.packed is not None  # pack() fills wire or packed
             self.dense.send_chunks(sl.packed.view(-1), stats)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,17 @@ from ..diagnostics.watchdog import Watchdog
 from .dense import DenseSync
 from .quantized_nodes import NodeQuantizer
 from .slices import Slice, pack
+
+
+class _Straight(NamedTuple):
+    """One slice sent straight from v's rows: its exchange, our bytes and the peer's, v's rows and the pool's."""
+
+    sl: Slice
+    exchange: PairExchange
+    send: torch.Tensor
+    recv: torch.Tensor
+    rows: torch.Tensor
+    pool_rows: torch.Tensor
 
 
 class QuantizedChunks:
@@ -67,9 +79,8 @@ class QuantizedChunks:
         self.group, self.world_size, self.watchdog = group, world_size, watchdog
         self.bits, self.block, self.levels = bits, block, levels
         self._running: list[tuple[Slice, QuantizedRing, float]] = []
-        # from v's rows straight: (slice, exchange, our bytes, the peer's, v's rows, the pool's rows)
-        self._pairs: list[tuple[Slice, PairExchange, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._delivered: list[tuple[Slice, PairExchange, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pairs: list[_Straight] = []  # sent straight from v's rows, not yet decoded
+        self._delivered: list[_Straight] = []  # decoded into the pool this step (restore() may undo their error)
         self.groups = groups
         self._nodes = NodeQuantizer(groups, block, watchdog) if groups is not None else None  # two-level
 
@@ -150,7 +161,7 @@ class QuantizedChunks:
         )
         codec_native.quantize_rows(rows, sl.selected, send[:cb], send[cb:], self.bits, self.block, mids, poly, first)
         sl.written = True  # v's rows hold their error now; the pool's rows get the average at finish()
-        self._pairs.append((sl, PairExchange(send, recv, self.group, timeout), send, recv, rows, pool_rows))
+        self._pairs.append(_Straight(sl, PairExchange(send, recv, self.group, timeout), send, recv, rows, pool_rows))
         stats.record_collective(nbytes)
 
     def _decode_rows(self, send: torch.Tensor, recv: torch.Tensor | None, sl: Slice, out: torch.Tensor) -> None:
@@ -166,8 +177,8 @@ class QuantizedChunks:
     def restore(self) -> None:
         """The step was found non-finite (skipped on every rank): rows whose error was written over v get their
         decoded value back (v = error + decoded, the value sent up to one rounding)."""
-        for sl, _ex, send, _recv, rows, _pool in self._delivered:
-            self._decode_rows(send, None, sl, rows)
+        for p in self._delivered:
+            self._decode_rows(p.send, None, p.sl, p.rows)
         self._delivered = []
 
     def _start_two_level(self, sl: Slice, err: torch.Tensor, timeout: timedelta | None, stats: StepStats) -> None:
@@ -200,22 +211,24 @@ class QuantizedChunks:
     def progress(self, stats: StepStats) -> None:
         """Advance every running exchange as far as its messages allow; never wait."""
         if self._nodes is not None:
-            self._guarded(self._nodes.progress)
+            self._guarded(self._nodes.progress, "two-level quantised exchange")
         for _sl, ring, t0 in self._running:
             self._run(ring, t0, block=False)
-        for pair in self._pairs:
-            self._guarded(pair[1].poll)
+        for p in self._pairs:
+            self._guarded(p.exchange.poll, "quantised exchange")
 
     def finish(self, stats: StepStats) -> None:
         """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
         t0 = time.perf_counter()
         if self._nodes is not None:
-            self._guarded(self._nodes.drain)
+            self._guarded(self._nodes.drain, "two-level quantised exchange")
         pairs, self._pairs = self._pairs, []
-        for sl, ex, send, recv, _rows, pool_rows in pairs:  # the pool was cleared: its rows get the average
-            self._guarded(ex.wait)
+        for p in pairs:  # the pool was cleared: its rows get the average
+            self._guarded(p.exchange.wait, "quantised exchange")
             stats.record_done(time.perf_counter())
-            self._decode_rows(send, recv, sl, pool_rows)
+            t0 = stats.phase("wire_wait", t0)
+            self._decode_rows(p.send, p.recv, p.sl, p.pool_rows)
+            t0 = stats.phase("unpack", t0)  # the decode is CPU work, not a wait
         self._delivered = pairs
         running, self._running = self._running, []
         for sl, ring, started in running:
@@ -225,13 +238,13 @@ class QuantizedChunks:
             sl.packed.div_(self.world_size)
         stats.phase("wire_wait", t0)
 
-    def _guarded(self, step: Callable[[], object]) -> None:
+    def _guarded(self, step: Callable[[], object], what: str) -> None:
         try:
             step()
         except RuntimeError as exc:
             if self.watchdog is None:
                 raise
-            raise self.watchdog.failure("CSC chunks (two-level quantised exchange)", None, exc, 0.0) from exc
+            raise self.watchdog.failure(f"CSC chunks ({what})", None, exc, 0.0) from exc
 
     def _run(self, ring: QuantizedRing, started: float, block: bool) -> None:
         try:
