@@ -1,5 +1,5 @@
 """Fit the quantiser's levels: a 1-D Lloyd-Max (k-means) fit to block-normalised contributions of the
-quality bench's AdamW transformer, as ``comm.quantize.CODEBOOKS`` / ``ZEROLESS`` were fitted.
+quality bench's AdamW transformer, as ``comm.levels.CODEBOOKS`` / ``ZEROLESS`` were fitted.
 
     python experiments/fit_levels.py --out benchmarks/fit_levels
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
 from gradientflow.bench.quality_worker import _Data
-from gradientflow.comm.quantize import CODEBOOKS, ZEROLESS
+from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
 
 LAYOUTS = {"zero": True, "zeroless": False}
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
 from gradientflow.bench.quality_worker import _Data
-from gradientflow.comm.quantize import CODEBOOKS, ZEROLESS
+from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
 from gradientflow.strategies.precondition import precondition_root
 
 SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?q(\d)(n)?(?:b(\d+))?")

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from gradientflow.comm import codec_native
+from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
+from gradientflow.comm.levels import mids as level_mids
 from gradientflow.comm.quantize import (
-    CODEBOOKS,
     SCALE_DTYPE,
-    ZEROLESS,
-    _mids,
     code_bytes,
     dequantize,
     encode,
@@ -48,7 +47,7 @@ def _inputs() -> list[torch.Tensor]:
     edges[:128] = torch.randn(128, generator=g) * 1e-41  # subnormal: a tiny scale
     edges[128] = -0.0
     # block 2: values exactly on each midpoint of a block whose max is 1 (a tie goes toward 0)
-    mids = torch.tensor([m for bits, levels in TABLES for m in _mids(bits, levels)])
+    mids = torch.tensor([m for bits, levels in TABLES for m in level_mids(bits, levels)])
     edges[256 : 256 + len(mids)] = mids
     edges[256 + len(mids) : 256 + 2 * len(mids)] = -mids
     edges[300] = 1.0

@@ -20,7 +20,8 @@ import torch
 from _quant_training import batches, small_net
 
 from gradientflow.comm import codec_native
-from gradientflow.comm.quantize import ZEROLESS, dequantize, quantize, wire_bytes
+from gradientflow.comm.levels import ZEROLESS
+from gradientflow.comm.quantize import dequantize, quantize, wire_bytes
 from gradientflow.config import GradientFlowConfig
 from gradientflow.strategies.precondition import precondition_root
 

@@ -39,7 +39,8 @@ def np_quantize(x: np.ndarray, bits: int = BITS, block: int = BLOCK, uniform: bo
     - with a codebook (``CODEBOOKS``, 2 and 3 bits): the level of 0, ±l_1..±l_L nearest to u (a tie goes
       toward 0), decoded ±l_k s, l_k evaluated as the codec does (Horner in fp32 on its polynomial);
     - uniform: q = clip(round(u L), -L, L), decoded q s / L (numpy rounds half to even, as torch does)."""
-    from gradientflow.comm.quantize import CODEBOOKS, _poly
+    from gradientflow.comm.levels import CODEBOOKS
+    from gradientflow.comm.levels import poly as _poly
 
     L = np.float32(2 ** (bits - 1) - 1)
     m = x.size

@@ -100,9 +100,9 @@ CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
-"""The quantiser's levels: ``comm.quantize.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or ``ZEROLESS``."""
+"""The quantiser's levels: ``comm.levels.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or ``ZEROLESS``."""
 ZEROLESS_BITS = (2,)
-"""The widths with a ``comm.quantize.ZEROLESS`` table (``"q2n"``)."""
+"""The widths with a ``comm.levels.ZEROLESS`` table (``"q2n"``)."""
 DEFAULT_QUANT = (3, 128)
 """``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 QUANT_THETA_MB = 8.0
@@ -127,9 +127,9 @@ def parse_compression(value: object) -> Compression:
     """The :class:`Compression` a ``compression`` value names; ``ValueError`` saying what is accepted.
 
     ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales and the non-uniform levels
-    of ``comm.quantize.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
+    of ``comm.levels.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
     ``"q<bits>b<block>"`` also another block (a multiple of 16); a ``"u"`` after them: uniform levels
-    (``"q3u"``: the first version of the recipe); an ``"n"``: levels with no zero (``comm.quantize.ZEROLESS``,
+    (``"q3u"``: the first version of the recipe); an ``"n"``: levels with no zero (``comm.levels.ZEROLESS``,
     2 bits: ``"q2n"``); a ``"p"``: preconditioned (each coordinate quantised in units of its own RMS, see
     ``strategies.quantized``); ``"w<steps>"``: the first steps at the default quantiser (3 bits); a trailing
     ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
@@ -250,7 +250,7 @@ class GradientFlowConfig:
     quant_bits: int = DEFAULT_QUANT[0]  # bits per gradient: one of QUANT_BITS (32 = the quantiser off)
     quant_block: int = DEFAULT_QUANT[1]  # gradients per scale: a multiple of 16
     quant_clip: float = 0.0  # each block's scale clipped at this many times its RMS (0 = max-abs)
-    quant_levels: QuantLevels = "fitted"  # one of QUANT_LEVELS (comm.quantize.LEVELS)
+    quant_levels: QuantLevels = "fitted"  # one of QUANT_LEVELS (comm.levels.LEVELS)
     quant_precondition: bool = False  # each coordinate quantised in units of its own RMS (strategies.quantized)
     quant_warmup: int = 0  # the first steps at the default quantiser (3 bits)
 

@@ -4,10 +4,10 @@ A segment of ``m`` elements is cut into blocks of ``block`` elements (the last o
 zeros).  Each block travels as its scale ``s = max |x|`` (bf16: fp32's range, so a large scaled
 gradient never overflows the scale) and one code per element, ``L = 2**(bits-1) - 1``:
 
-- ``levels="fitted"`` (the default) at widths with a :data:`CODEBOOKS` table (2 and 3 bits): the level
+- ``levels="fitted"`` (the default) at widths with a :data:`.levels.CODEBOOKS` table (2 and 3 bits): the level
   nearest to ``x / s`` among ``0, ±l_1 .. ±l_L`` (a tie goes toward 0), stored sign-magnitude
   (``k | sign << (bits-1)``); decoded ``±l_k * s``;
-- ``levels="zeroless"`` at widths with a :data:`ZEROLESS` table (2 bits): the nearest of ``±l_0 .. ±l_{K-1}``,
+- ``levels="zeroless"`` at widths with a :data:`.levels.ZEROLESS` table (2 bits): the nearest of ``±l_0 .. ±l_{K-1}``,
   ``K = 2**(bits-1)``, no zero level, so every code is used (sign-magnitude leaves "-0" unused); stored
   and decoded as above with ``k`` from 0;
 - the other widths, and ``levels="uniform"``: ``q = clamp(round(x * L / s), -L, L)`` (round to nearest,
@@ -23,99 +23,30 @@ Wire format of a segment (:func:`wire_bytes`): the codes of 8 elements packed li
 lets the ring and the error feedback around it be checked against a dense allreduce.
 
 Everything is tensor ops on the segment's device: no host read, CUDA tensors work unchanged.  On
-contiguous CPU tensors the tabled levels (:data:`CODEBOOKS`, :data:`ZEROLESS`) run :mod:`.codec_native`'s fused
-C kernel instead: the same bits, one pass per block instead of ~40 passes per segment.
+contiguous CPU tensors the tabled levels (:data:`.levels.CODEBOOKS`, :data:`.levels.ZEROLESS`) run
+:mod:`.codec_native`'s fused C kernel instead: the same bits, one pass per block instead of ~40 passes per segment.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from ..config import QUANT_LEVELS
 from . import codec_native
+from .levels import kernel_levels as _kernel_levels
+from .levels import max_code
+from .levels import mids as _mids
+from .levels import poly as _poly
+from .levels import table as _table
+from .levels import tabled as _tabled
 
 SCALE_DTYPE = torch.bfloat16
 
 
-def max_code(bits: int) -> int:
-    """``L``: uniform codes are the integers -L..L."""
-    return 2 ** (bits - 1) - 1
-
-
-CODEBOOKS: dict[int, tuple[float, ...]] = {2: (0.46,), 3: (0.2, 0.43, 0.75)}
-"""Non-uniform levels ``l_1 < .. < l_L`` (fractions of the block's scale; level 0 is 0, code -k is
--l_k): a 1-D Lloyd-Max (k-means) fit to block-normalised gradients ``x / max|x|`` of the bench's AdamW
-transformer.  Most of a block sits far below its max, so uniform steps of s/L round most of it to 0;
-these levels cut the quantisation error's energy by 28-41% (3 bits) and 55-70% (2 bits) at the same
-bytes (measured on its gradients at steps 5, 60 and 119), and took the transformer's final loss from
-1.024x DDP's to 1.012x (3 bits, seed 0)."""
-
-
-ZEROLESS: dict[int, tuple[float, ...]] = {2: (0.15, 0.54)}
-"""Levels without a zero, ``l_0 < .. < l_{K-1}`` (``K = 2**(bits-1)``; code ``k`` is ``+l_k``, with the sign
-bit ``-l_k``), fitted as :data:`CODEBOOKS` (``experiments/fit_levels.py``).  At 2 bits the fitted table
-has three levels (``0, ±l_1``: the code "-0" is unused); these four carry less error energy at the same
-bytes (``docs/adamw.md``, "Below 0.07 of the bytes")."""
-
-LEVELS = QUANT_LEVELS
-"""``levels``: :data:`CODEBOOKS` (with a zero), ``k / L`` of the scale, or :data:`ZEROLESS`."""
-
-
-def _table(bits: int, levels: str) -> tuple[float, ...]:
-    """The level magnitudes by code magnitude ``k``: ``0, l_1 .. l_L`` or ``l_0 .. l_{K-1}``."""
-    return ZEROLESS[bits] if levels == "zeroless" else (0.0, *CODEBOOKS[bits])
-
-
-def _tabled(bits: int, levels: str) -> bool:
-    """Whether ``levels`` at ``bits`` is a table (else uniform steps); ``ValueError`` for levels that do not
-    exist (a zeroless width without a table would silently be uniform)."""
-    if levels not in LEVELS or (levels == "zeroless" and bits not in ZEROLESS):
-        raise ValueError(
-            f"levels must be one of {list(LEVELS)} ('zeroless' at bits in {list(ZEROLESS)}), got {levels!r} at "
-            f"{bits} bits"
-        )
-    return (levels == "fitted" and bits in CODEBOOKS) or levels == "zeroless"
-
-
-def _kernel_levels(bits: int, levels: str) -> bool:
-    """The levels :mod:`.codec_native`'s kernel has: the tables of 2 and 3 bits (with a zero or not)."""
-    return bits in (2, 3) and levels in ("fitted", "zeroless") and _tabled(bits, levels)
-
-
-@functools.cache
-def _mids(bits: int, levels: str = "fitted") -> tuple[float, ...]:
-    """The midpoints between consecutive levels of :func:`_table`: a magnitude above ``mids[j]`` is at
-    least code magnitude j+1."""
-    lv = _table(bits, levels)
-    return tuple((a + b) / 2 for a, b in zip(lv, lv[1:]))
-
-
-@functools.cache
-def _poly(bits: int, levels: str = "fitted") -> tuple[float, ...]:
-    """``c_1 .. c_n`` with ``sum_i c_i j**i == l_j - l_0`` for every code magnitude ``j``: the levels, less the
-    first (0 for :data:`CODEBOOKS`), as a polynomial in ``k`` (exact interpolation, solved in float64)."""
-    lv = _table(bits, levels)
-    n = len(lv) - 1
-    a = [[float(j**i) for i in range(1, n + 1)] for j in range(1, n + 1)]
-    b = [v - lv[0] for v in lv[1:]]
-    for c in range(n):  # Gauss-Jordan on an n x n Vandermonde (n <= 3)
-        piv = a[c][c]
-        a[c] = [v / piv for v in a[c]]
-        b[c] /= piv
-        for r in range(n):
-            if r != c and a[r][c]:
-                f = a[r][c]
-                a[r] = [v - f * w for v, w in zip(a[r], a[c])]
-                b[r] -= f * b[c]
-    return tuple(b)
-
-
 def _level_of(k: torch.Tensor, bits: int, levels: str = "fitted") -> torch.Tensor:
     """``l_k`` (up to fp32 rounding) for code magnitudes ``k`` as fp32, by Horner on the polynomial of
-    :func:`_poly` (then ``+ l_0`` where it is not 0): five elementwise ops, where a table lookup or a bool x
+    :func:`.levels.poly` (then ``+ l_0`` where it is not 0): five elementwise ops, where a table lookup or a bool x
     float product is 3-5x slower on CPU.  Sender and receivers run this same function on the same codes,
     so they decode the same floats."""
     c = _poly(bits, levels)
@@ -209,8 +140,8 @@ def quantize(
     A non-finite element makes its block's scale non-finite, so it decodes to NaN everywhere.
     ``clip`` > 0: the scale is ``min(max |x|, clip x RMS of the block)`` and larger elements are
     clamped (their excess goes to ``err``): finer steps for the bulk of a block.
-    ``levels``: one of :data:`LEVELS` ("fitted": :data:`CODEBOOKS`; "uniform": steps ``k / L`` of the scale
-    even where a table exists; "zeroless": :data:`ZEROLESS`).
+    ``levels``: one of :data:`.levels.LEVELS` ("fitted": :data:`.levels.CODEBOOKS`; "uniform": steps ``k / L`` of
+    the scale even where a table exists; "zeroless": :data:`.levels.ZEROLESS`).
     On contiguous CPU tensors the tabled levels without ``clip`` run :mod:`.codec_native`'s fused kernel (the
     same bits).  ``fused`` (with ``carry``): ``(x + err) / r`` is encoded, written over ``x`` (on CPU in the same pass).
     """

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import codec_native
-from ..comm.quantize import _kernel_levels, _mids, _poly, _table, code_bytes, wire_bytes
+from ..comm.levels import kernel_levels, kernel_table
+from ..comm.quantize import code_bytes, wire_bytes
 from ..comm.quantized_ring import PairExchange, QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import NodeGroups
@@ -139,7 +140,7 @@ class QuantizedChunks:
             return False
         if rows.dtype != torch.float32 or pool_rows.dtype != torch.float32:
             return False
-        return _kernel_levels(self.bits, self.levels) and codec_native.applies(rows, pool_rows)
+        return kernel_levels(self.bits, self.levels) and codec_native.applies(rows, pool_rows)
 
     def _start_rows(
         self,
@@ -154,12 +155,10 @@ class QuantizedChunks:
         nbytes = wire_bytes(n, self.bits, self.block)
         send, recv = take(nbytes, torch.uint8), take(nbytes, torch.uint8)
         cb = code_bytes(n, self.bits, self.block)
-        first, mids, poly = (
-            _table(self.bits, self.levels)[0],
-            _mids(self.bits, self.levels),
-            _poly(self.bits, self.levels),
+        tab = kernel_table(self.bits, self.levels)
+        codec_native.quantize_rows(
+            rows, sl.selected, send[:cb], send[cb:], self.bits, self.block, tab.mids, tab.poly, tab.first
         )
-        codec_native.quantize_rows(rows, sl.selected, send[:cb], send[cb:], self.bits, self.block, mids, poly, first)
         sl.written = True  # v's rows hold their error now; the pool's rows get the average at finish()
         self._pairs.append(_Straight(sl, PairExchange(send, recv, self.group, timeout), send, recv, rows, pool_rows))
         stats.record_collective(nbytes)
@@ -167,11 +166,11 @@ class QuantizedChunks:
     def _decode_rows(self, send: torch.Tensor, recv: torch.Tensor | None, sl: Slice, out: torch.Tensor) -> None:
         """``out``'s selected rows = (ours + the peer's) / 2, or += ours (``recv`` None)."""
         cb = code_bytes(sl.selected.numel() * out.shape[1], self.bits, self.block)
-        first, poly = _table(self.bits, self.levels)[0], _poly(self.bits, self.levels)
+        tab = kernel_table(self.bits, self.levels)
         peer = None if recv is None else (recv[:cb], recv[cb:])
         mult = 1.0 if recv is None else 1.0 / self.world_size
         codec_native.dequantize_rows(
-            (send[:cb], send[cb:]), peer, sl.selected, out, self.bits, self.block, poly, first, mult
+            (send[:cb], send[cb:]), peer, sl.selected, out, self.bits, self.block, tab.poly, tab.first, mult
         )
 
     def restore(self) -> None:
