@@ -341,8 +341,8 @@ class SparseSync(SyncStrategy):
                 if sl.packed is not None:
                     total = total + sl.packed.sum()
         ok = math.isfinite(float(total))
-        if not ok and self.chunks is not None:
-            self.chunks.restore()  # rows whose error was written over v get their sent value back: nothing lost
+        if self.chunks is not None:
+            self.chunks.settle(ok)  # not ok: rows whose error was written over v get their sent value back
         stats.host_syncs += 1
         stats.phase("check", t0)
         ok = self._write_back(slices, ok, stats)

@@ -24,7 +24,7 @@ copies: the selected rows are encoded straight from v, each row's error written 
 (``codec_native.quantize_rows``), the bytes swapped (:class:`~gradientflow.comm.quantized_ring.PairExchange`),
 and after backward (once the pool is cleared) both messages decoded and averaged straight into the pool's rows
 (``dequantize_rows``, times 1/2: the same floats as decoding the packed rows and dividing by 2).  A step found
-non-finite gives those rows their sent value back (:meth:`QuantizedChunks.restore`), as CSC keeps what it did
+non-finite gives those rows their sent value back (:meth:`QuantizedChunks.settle`), as CSC keeps what it did
 not deliver.
 """
 
@@ -81,7 +81,7 @@ class QuantizedChunks:
         self.bits, self.block, self.levels = bits, block, levels
         self._running: list[tuple[Slice, QuantizedRing, float]] = []
         self._pairs: list[_Straight] = []  # sent straight from v's rows, not yet decoded
-        self._delivered: list[_Straight] = []  # decoded into the pool this step (restore() may undo their error)
+        self._delivered: list[_Straight] = []  # decoded into the pool this step (settle() may undo their error)
         self.groups = groups
         self._nodes = NodeQuantizer(groups, block, watchdog) if groups is not None else None  # two-level
 
@@ -173,11 +173,15 @@ class QuantizedChunks:
             (send[:cb], send[cb:]), peer, sl.selected, out, self.bits, self.block, tab.poly, tab.first, mult
         )
 
-    def restore(self) -> None:
-        """The step was found non-finite (skipped on every rank): rows whose error was written over v get their
-        decoded value back (v = error + decoded, the value sent up to one rounding)."""
-        for p in self._delivered:
-            self._decode_rows(p.send, None, p.sl, p.rows)
+    def settle(self, finite: bool) -> None:
+        """The step's verdict, once per step after :meth:`finish`: a non-finite step (skipped on every rank) gives
+        the rows whose error was written over v their decoded value back (v = error + decoded, the value sent up to
+        one rounding).  Then the step's rows are let go: they are views of this step's v and pool, which a re-layout
+        after the step (the first step's, in backward order) replaces; held on, they would keep both old buffers
+        alive for a step (2 model sizes of memory)."""
+        if not finite:
+            for p in self._delivered:
+                self._decode_rows(p.send, None, p.sl, p.rows)
         self._delivered = []
 
     def _start_two_level(self, sl: Slice, err: torch.Tensor, timeout: timedelta | None, stats: StepStats) -> None:
