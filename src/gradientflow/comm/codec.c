@@ -107,6 +107,66 @@ static inline __attribute__((always_inline)) void encode_block(const float *x, i
     if (decoded) memcpy(decoded, dec, (size_t)n * 4);
 }
 
+#ifdef __AVX2__
+/* encode_block for a whole block (n == block, a multiple of 8) in 8-wide vectors: the same fp32 operations per
+ * element (x + err, divide by the scale, three ordered compares, the level, copysign, multiply, subtract), the
+ * level looked up in a table of the L + 1 magnitudes computed by level_of itself (the same floats as evaluating it
+ * per element: it is a function of k alone), and 8 codes shifted into one word and or-ed across the lanes.  No
+ * copy of the block: a second read of x (and err) where the scalar loop keeps v; every write to x, err or decoded
+ * at an element comes after that element's last read, so they may alias x as in encode_block. */
+static inline __attribute__((always_inline)) void encode_block8(const float *x, int block, int bits, const int L,
+                                                                 const float *mids, const float *mag_of,
+                                                                 uint8_t *codes_out, uint16_t *scale_out,
+                                                                 float *decoded, float *err, int carry) {
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i top8 = _mm256_setzero_si256();
+    for (int i = 0; i < block; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (carry) v = _mm256_add_ps(v, _mm256_loadu_ps(err + i));
+        top8 = _mm256_max_epu32(top8, _mm256_and_si256(_mm256_castps_si256(v), absmask));
+    }
+    __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top8), _mm256_extracti128_si256(top8, 1));
+    t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0xB1));
+    const uint32_t top = (uint32_t)_mm_cvtsi128_si32(t);
+    float amax;
+    memcpy(&amax, &top, 4);
+    const uint16_t sb = to_bf16(amax);
+    *scale_out = sb;
+    const float step = from_bf16(sb);
+    const __m256 safe = _mm256_set1_ps(step > 0.0f ? step : 1.0f), stepv = _mm256_set1_ps(step);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 m0 = _mm256_set1_ps(mids[0]), m1 = _mm256_set1_ps(L > 1 ? mids[1] : 0.0f);
+    const __m256 m2 = _mm256_set1_ps(L > 1 ? mids[2] : 0.0f);
+    const __m256 table = _mm256_loadu_ps(mag_of);
+    const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    for (int i = 0; i < block; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (carry) v = _mm256_add_ps(v, _mm256_loadu_ps(err + i));
+        const __m256 u = _mm256_div_ps(v, safe);
+        const __m256 a = _mm256_andnot_ps(sign, u);
+        /* a compare is all ones (-1) where true: k = -(sum of the compares) */
+        __m256i k = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_castps_si256(_mm256_cmp_ps(a, m0, _CMP_GT_OQ)));
+        if (L > 1) {
+            k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(a, m1, _CMP_GT_OQ)));
+            k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(a, m2, _CMP_GT_OQ)));
+        }
+        const __m256 mag = _mm256_permutevar8x32_ps(table, k);
+        const __m256 dec = _mm256_mul_ps(_mm256_or_ps(_mm256_andnot_ps(sign, mag), _mm256_and_ps(sign, u)), stepv);
+        const __m256i code = _mm256_or_si256(
+            k, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(u), 31), bits - 1));
+        const __m256i sh = _mm256_sllv_epi32(code, shifts);
+        __m128i w = _mm_or_si128(_mm256_castsi256_si128(sh), _mm256_extracti128_si256(sh, 1));
+        w = _mm_or_si128(w, _mm_shuffle_epi32(w, 0x4E));
+        w = _mm_or_si128(w, _mm_shuffle_epi32(w, 0xB1));
+        const uint32_t word = (uint32_t)_mm_cvtsi128_si32(w);
+        for (int j = 0; j < bits; j++) codes_out[i / 8 * bits + j] = (uint8_t)(word >> (8 * j));
+        if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, dec));
+        if (decoded) _mm256_storeu_ps(decoded + i, dec);
+    }
+}
+#endif
+
 /* The preconditioner's passes (strategies/precondition.py), for CPU tensors: r = sqrt(q floored) is
  * computed where it is used instead of being written out, and the divide before the ring, the two
  * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2); in a
@@ -188,6 +248,15 @@ void gf_quantize(float *x, int64_t m, int bits, int block, const float *mids, co
                  float first, uint8_t *codes_out, uint16_t *scales_out, float *decoded, float *err, int carry,
                  const float *pq, const float *pwf, float pbf, int punit, int64_t poffset, int pwindow) {
     const int64_t nb = (m + block - 1) / block;
+#ifdef __AVX2__
+    /* the magnitude of each code magnitude k, as encode_block computes it per element */
+    float mag_of[8] = {0};
+    const int L = bits == 3 ? 3 : 1;
+    for (int k = 0; k <= L; k++) {
+        mag_of[k] = level_of((float)k, L, poly);
+        if (first != 0.0f) mag_of[k] = mag_of[k] + first;
+    }
+#endif
     for (int64_t b = 0; b < nb; b++) {
         const int64_t a0 = b * block;
         const int n = (int)(m - a0 < block ? m - a0 : block);
@@ -198,6 +267,15 @@ void gf_quantize(float *x, int64_t m, int bits, int block, const float *mids, co
         uint8_t *c = codes_out + a0 / 8 * bits;
         float *e = err ? err + a0 : NULL;
         float *d = decoded ? decoded + a0 : NULL;
+#ifdef __AVX2__
+        if (n == block) { /* every block but a segment's last partial one */
+            if (bits == 3)
+                encode_block8(x + a0, block, 3, 3, mids, mag_of, c, scales_out + b, d, e, carry);
+            else
+                encode_block8(x + a0, block, 2, 1, mids, mag_of, c, scales_out + b, d, e, carry);
+            continue;
+        }
+#endif
         if (bits == 3 && first == 0.0f)
             encode_block(x + a0, n, block, 3, 3, mids, poly, 0, 0.0f, c, scales_out + b, d, e, carry);
         else if (bits == 3)
