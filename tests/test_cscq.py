@@ -7,6 +7,7 @@ step derived by hand, nothing lost (what a step did not deliver is in v), and an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -25,7 +26,7 @@ from _dist import run_distributed
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def test_cscq_is_density_0_3_on_fp32_rows_and_refuses_a_conflicting_wire() -> None:
+def test_cscq_is_density_0_3_on_fp32_rows_unless_a_density_is_passed_and_refuses_a_conflicting_wire() -> None:
     cfg = GradientFlowConfig(compression="cscq")
     assert (cfg.compression, cfg.density, cfg.comm_dtype, cfg.quant_bits, cfg.quant_block) == (
         "cscq",
@@ -37,8 +38,12 @@ def test_cscq_is_density_0_3_on_fp32_rows_and_refuses_a_conflicting_wire() -> No
     assert cfg.sparse and not cfg.quantized  # CSC's strategy, its chunks quantised
     with pytest.raises(ValueError, match="compression='cscq' sets comm_dtype='fp32'"):
         GradientFlowConfig(compression="cscq", comm_dtype="fp16")
-    with pytest.raises(ValueError, match="sets density=0.3"):
-        GradientFlowConfig(compression="cscq", density=0.1)
+    # a density passed beside it is cscq's at that density: nothing else spells its quantised chunks
+    denser = GradientFlowConfig(compression="cscq", density=0.5)
+    assert (denser.compression, denser.density, denser.comm_dtype, denser.quant_bits) == ("cscq", 0.5, "fp32", 3)
+    assert dataclasses.replace(denser) == denser  # resolving again keeps it (a resumed or rebuilt config)
+    with pytest.raises(ValueError, match="density must be None"):
+        GradientFlowConfig(compression="cscq", density=1.5)
 
 
 def _model(chunk: int = CHUNK, **kw) -> gf.DistributedDataParallel:

@@ -96,7 +96,8 @@ COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"``: fp16 CSC at 0.1, measured for SGD first (``"auto"``'s SGD recipe until 2026-11-27)."""
 CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
-"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3, its chunks in 3-bit blocks (``csc_quantized``)."""
+"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3, its chunks in 3-bit blocks (``csc_quantized``); a
+``density`` passed beside it is the one used (the only way to spell its quantised chunks at another density)."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
@@ -296,6 +297,8 @@ class GradientFlowConfig:
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE, "cscq": CSCQ_RECIPE}.get(recipe, {})
         if recipe in ("quantized", "auto"):
             sets = {"comm_dtype": "fp32", "density": None}
+        if recipe == "cscq" and self.density is not None:
+            sets = {"comm_dtype": "fp32"}  # "cscq" at the density passed (no other option spells its quantised chunks)
         for name, value in sets.items():
             if getattr(self, name) not in (value, "fp32" if name == "comm_dtype" else None):
                 raise ValueError(
