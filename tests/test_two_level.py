@@ -93,6 +93,7 @@ def _train_all(rank: int, world: int, recipes: list[str], opts: dict) -> dict:
             opt.step()
             rec["params"].append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
         rec["stats"] = ddp.comm_stats()
+        rec["config"] = [ddp.config.compression, ddp.config.density]  # what runs after "auto"'s switch
         rec["memory"] = _residual_memory(ddp)
         out[name] = _portable(rec)
         del ddp
@@ -194,6 +195,9 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
     assert ((got - ref).abs() <= tol).all(), (got - ref).abs().max()
     for name in ("quantized", "q2npw20"):
         _conserved(two, name)
+    # "auto" with SGD on nodes of several ranks: "cscq" at half the chunks (each rank sends 1/G of them between nodes)
+    assert two[0]["auto-sgd"]["config"] == ["cscq", 0.5]
+    assert two[0]["cscq"]["config"] == ["cscq", 0.3]  # passed by name: the recipe's own density
     # error feedback on the node-reduced shard: each rank's residual is its buckets' shards, 1/G of the pool
     for r in two:
         for name in ("quantized", "q2npw20", "q2npw1", "auto-adamw"):

@@ -96,8 +96,7 @@ COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
 CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
 """``compression="csc"``: fp16 CSC at 0.1, measured for SGD first (``"auto"``'s SGD recipe until 2026-11-27)."""
 CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
-"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3, its chunks in 3-bit blocks (``csc_quantized``); a
-``density`` passed beside it is the one used (the only way to spell its quantised chunks at another density)."""
+"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3 (or the ``density`` passed), chunks in 3-bit blocks."""
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
@@ -295,10 +294,8 @@ class GradientFlowConfig:
                 object.__setattr__(self, f"quant_{name}", getattr(parsed, name))
         object.__setattr__(self, "compression", recipe)
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE, "cscq": CSCQ_RECIPE}.get(recipe, {})
-        if recipe in ("quantized", "auto"):
-            sets = {"comm_dtype": "fp32", "density": None}
-        if recipe == "cscq" and self.density is not None:
-            sets = {"comm_dtype": "fp32"}  # "cscq" at the density passed (no other option spells its quantised chunks)
+        if recipe in ("quantized", "auto") or (recipe == "cscq" and self.density is not None):  # cscq: any density
+            sets = {"comm_dtype": "fp32", "density": None if recipe != "cscq" else self.density}
         for name, value in sets.items():
             if getattr(self, name) not in (value, "fp32" if name == "comm_dtype" else None):
                 raise ValueError(

@@ -36,6 +36,7 @@ from pathlib import Path
 from gradientflow.bench.models import WORKLOADS, build_model
 from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
+from gradientflow.strategies.recipes import recipe_options
 
 from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile
@@ -56,8 +57,8 @@ MODE_TECHNIQUE: dict[str, Technique] = {
     "gf-cscq": CSCQ,
 }
 AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
-"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD, the quantised recipe with AdamW (the bench's
---optimizer)."""
+"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD (at density 0.5 on nodes of several ranks, as the engine:
+:func:`mode_plan`), the quantised recipe with AdamW (the bench's --optimizer)."""
 
 TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: flat rings whatever the layout
 
@@ -88,7 +89,11 @@ def mode_plan(mode: str, optimizer: str, layout: tuple[int, int]) -> tuple[Techn
     nodes, per_node = layout
     if topo not in ("", "flat", "auto", f"{nodes}x{per_node}"):
         raise ValueError(f"mode {mode!r}: the model knows the launch's layout {nodes}x{per_node}, flat and auto")
-    return tech, topo == "flat" or base in TORCH_MODES
+    flat = topo == "flat" or base in TORCH_MODES
+    if base == "gf-auto" and tech.density is not None:  # "cscq" as "auto" sets it on this layout (the engine's rule)
+        engine_topology = "flat" if flat or nodes == 1 or per_node == 1 else f"{nodes}x{per_node}"
+        tech = dataclasses.replace(tech, density=recipe_options("cscq", engine_topology).get("density", tech.density))
+    return tech, flat
 
 
 def _profile_job(job: tuple[str, int, int, int]) -> ModelProfile:

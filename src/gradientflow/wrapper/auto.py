@@ -30,7 +30,13 @@ from ..config import DEFAULT_QUANT, parse_compression
 from ..engine import comm_state
 from ..engine.schedule import measure as measure_link
 from ..strategies import width
-from ..strategies.recipes import AUTO_RECIPES, agree_on_recipe, recipe_for_optimizer, unmeasured_warning
+from ..strategies.recipes import (
+    AUTO_RECIPES,
+    agree_on_recipe,
+    recipe_for_optimizer,
+    recipe_options,
+    unmeasured_warning,
+)
 from .compat import recipe_theta
 
 QUANT_FIELDS = ("bits", "block", "clip", "levels", "precondition", "warmup")
@@ -160,12 +166,15 @@ def _decide_width(model: DistributedDataParallel) -> None:
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
-    CSC's density ramp is where a run started with ``compression="cscq"`` would be."""
+    CSC's density ramp is where a run started with ``compression="cscq"`` would be (at ``density=0.5`` on nodes of
+    several ranks: :func:`~gradientflow.strategies.recipes.recipe_options`)."""
     engine = model._gf_engine
     model._gf_auto.picked = recipe
     parsed = parse_compression(recipe)  # the recipe's quantiser in full: "quantized" after "q2npw20" resets its 2 bits
     quant = {f"quant_{k}": getattr(parsed, k) for k in QUANT_FIELDS} if parsed.recipe == "quantized" else {}
-    config = dataclasses.replace(model.config, compression=recipe, **quant)
+    # "cscq" on nodes of several ranks: denser (recipe_options); the layout is resolved, the same on every rank
+    extra = recipe_options(parsed.recipe, model.config.topology)
+    config = dataclasses.replace(model.config, compression=recipe, **quant, **extra)
     model.config = recipe_theta(config, model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
     model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
