@@ -287,6 +287,14 @@ void gf_quantize(float *x, int64_t m, int bits, int block, const float *mids, co
     }
 }
 
+/* The next 8 codes' word (`bits` bytes, little-endian) at *p, and *p past them. */
+static inline uint32_t next_word(const uint8_t **p, int bits) {
+    uint32_t word = 0;
+    for (int j = 0; j < bits; j++) word |= (uint32_t)(*p)[j] << (8 * j);
+    *p += bits;
+    return word;
+}
+
 /* One block of n codes at p (scale s) decoded into o (added to it if accumulate), levels lv. */
 static inline void decode_block(const uint8_t *p, float s, int n, int bits, const float *lv, float *o, int accumulate) {
     int g = 0;
@@ -297,9 +305,7 @@ static inline void decode_block(const uint8_t *p, float s, int n, int bits, cons
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     const __m256 table = _mm256_loadu_ps(lv), sv = _mm256_set1_ps(s);
     for (; g + 8 <= n; g += 8) {
-        uint32_t word = 0;
-        for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
-        p += bits;
+        const uint32_t word = next_word(&p, bits);
         const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
         __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), sv);
         if (accumulate) d = _mm256_add_ps(_mm256_loadu_ps(o + g), d);
@@ -307,9 +313,7 @@ static inline void decode_block(const uint8_t *p, float s, int n, int bits, cons
     }
 #endif
     for (; g < n; g += 8) {
-        uint32_t word = 0;
-        for (int j = 0; j < bits; j++) word |= (uint32_t)p[j] << (8 * j);
-        p += bits;
+        const uint32_t word = next_word(&p, bits);
         const int k = n - g < 8 ? n - g : 8;
         for (int i = 0; i < k; i++) {
             const float d = lv[(word >> (bits * i)) & ((1u << bits) - 1)] * s;
@@ -330,13 +334,7 @@ static inline void decode_pair_block(const uint8_t *pa, float sa, const uint8_t 
     const __m256 table = _mm256_loadu_ps(lv), va = _mm256_set1_ps(sa), vb = _mm256_set1_ps(sb);
     const __m256 vm = _mm256_set1_ps(mult);
     for (; g + 8 <= n; g += 8) {
-        uint32_t wa = 0, wb = 0;
-        for (int j = 0; j < bits; j++) {
-            wa |= (uint32_t)pa[j] << (8 * j);
-            wb |= (uint32_t)pb[j] << (8 * j);
-        }
-        pa += bits;
-        pb += bits;
+        const uint32_t wa = next_word(&pa, bits), wb = next_word(&pb, bits);
         const __m256i ia = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wa), shifts), mask);
         const __m256i ib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wb), shifts), mask);
         __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, ia), va);
@@ -347,13 +345,7 @@ static inline void decode_pair_block(const uint8_t *pa, float sa, const uint8_t 
     }
 #endif
     for (; g < n; g += 8) {
-        uint32_t wa = 0, wb = 0;
-        for (int j = 0; j < bits; j++) {
-            wa |= (uint32_t)pa[j] << (8 * j);
-            wb |= (uint32_t)pb[j] << (8 * j);
-        }
-        pa += bits;
-        pb += bits;
+        const uint32_t wa = next_word(&pa, bits), wb = next_word(&pb, bits);
         const int k = n - g < 8 ? n - g : 8;
         const uint32_t m = (1u << bits) - 1;
         for (int i = 0; i < k; i++) {
