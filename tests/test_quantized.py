@@ -222,7 +222,8 @@ def _training_worker(rank: int, world: int) -> dict:
     out["q3_bytes"] = (stats["payload_bytes"], stats["dense_bytes"], stats["compression"])
 
     # 3. Checkpoint at step k and resume == uninterrupted (auto + AdamW: dense step 0, then quantised; auto + SGD
-    # momentum: dense step 0, then CSC)
+    # momentum: dense step 0, then "cscq"). k = 1: saved before the switch, so the resumed run's recipe must start its
+    # ramp (CSC's density, the quantiser's 3-bit warm-up) at the run's step 1, not at the fresh wrapper's 0
     def run(stop: int | None, resume: dict | None, sgd: bool = False) -> tuple[list[float], dict | None]:
         net = _net()
         model = gradientflow.DistributedDataParallel(net, compression="auto")

@@ -58,6 +58,7 @@ class AutoState:
     exposed: list[float] = field(default_factory=list)  # the warm-up steps' exposed communication, seconds
     seen: int = -1  # the strategy's step whose exposure was last read
     watched: int = 0  # steps watched since the warm-up began here (the run's switch, or a resume inside it)
+    offset: int = 0  # steps synchronised before this wrapper: a run resumed from a checkpoint saved before its switch
 
 
 def note_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, stacklevel: int = 2) -> None:
@@ -177,7 +178,8 @@ def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     config = dataclasses.replace(model.config, compression=recipe, **quant, **extra)
     model.config = recipe_theta(config, model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
-    model._gf_engine.sync.step = model._gf_watchdog.step  # both recipes' strategies count steps
+    # both recipes' strategies count steps: the run's (a resumed run's steps before it included)
+    model._gf_engine.sync.step = model._gf_watchdog.step + model._gf_auto.offset
 
 
 def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +192,7 @@ def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any
         state["auto_deciding"] = True
     if model.config.compression == "auto" and model._gf_auto.pending is not None:
         state["auto_pending"] = model._gf_auto.pending
+        state["auto_steps"] = model._gf_watchdog.step + model._gf_auto.offset  # where the switched recipe's ramp starts
     return state
 
 
@@ -198,6 +201,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     state = dict(state)
     saved = state.pop("compression", model.config.compression)
     pending = state.pop("auto_pending", None)
+    steps = int(state.pop("auto_steps", 0))
     picked = state.pop("auto_recipe", saved)
     deciding = bool(state.pop("auto_deciding", False))
     active = model.config.compression
@@ -211,7 +215,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     if saved == active:
         _start_deciding(model._gf_auto, deciding and model._gf_auto.requested)
         if pending is not None and active == "auto":
-            model._gf_auto.pending = pending
+            model._gf_auto.pending, model._gf_auto.offset = pending, steps
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
         return state
     if active == "auto" and model._gf_auto.requested and saved in AUTO_RECIPES:  # "csc": an "auto" run of before
