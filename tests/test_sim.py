@@ -419,9 +419,11 @@ def test_bench_layout_and_mode_plan_from_results_json():
     assert mode_plan("gf-fp16", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
     assert mode_plan("gf-fp16@2x2", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
     assert mode_plan("gf-auto", "adamw", (2, 2)) == (QUANTIZED, False)
-    assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (CSCQ, True)
-    # two-level "auto" with SGD is "cscq" at 0.5, as the engine runs it; one rank per node: the recipe's 0.3
-    assert mode_plan("gf-auto", "sgd", (2, 2)) == (dataclasses.replace(CSCQ, density=0.5), False)
+    # "auto" with SGD is "cscq" at 0.5 beyond a pair of ranks, as the engine runs it; on 2 ranks the recipe's 0.3
+    denser = dataclasses.replace(CSCQ, density=0.5)
+    assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (denser, True)
+    assert mode_plan("gf-auto", "sgd", (2, 2)) == (denser, False)
+    assert mode_plan("gf-auto", "sgd", (3, 1)) == (denser, False)
     assert mode_plan("gf-auto", "sgd", (2, 1)) == (CSCQ, False)
     assert mode_plan("ddp", "sgd", (2, 2)) == (DDP, True)  # torch DDP: a flat ring whatever the layout
     assert mode_plan("ddp-powersgd", "sgd", (2, 2)) is None

@@ -57,7 +57,7 @@ MODE_TECHNIQUE: dict[str, Technique] = {
     "gf-cscq": CSCQ,
 }
 AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
-"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD (at density 0.5 on nodes of several ranks, as the engine:
+"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD (at density 0.5 beyond a pair of ranks, as the engine:
 :func:`mode_plan`), the quantised recipe with AdamW (the bench's --optimizer)."""
 
 TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: flat rings whatever the layout
@@ -92,7 +92,8 @@ def mode_plan(mode: str, optimizer: str, layout: tuple[int, int]) -> tuple[Techn
     flat = topo == "flat" or base in TORCH_MODES
     if base == "gf-auto" and tech.density is not None:  # "cscq" as "auto" sets it on this layout (the engine's rule)
         engine_topology = "flat" if flat or nodes == 1 or per_node == 1 else f"{nodes}x{per_node}"
-        tech = dataclasses.replace(tech, density=recipe_options("cscq", engine_topology).get("density", tech.density))
+        extra = recipe_options("cscq", engine_topology, nodes * per_node)
+        tech = dataclasses.replace(tech, density=extra.get("density", tech.density))
     return tech, flat
 
 

@@ -20,19 +20,22 @@ AUTO_RECIPES = ("csc", "quantized", "cscq")
 """What ``"auto"`` may pick (their index is what ranks exchange)."""
 
 
-CSCQ_NODES_DENSITY = 0.5
-"""The density ``"auto"`` gives ``"cscq"`` on nodes of several ranks (two-level; flat: the recipe's 0.3).  Two-level
-sends each rank's shard of the node's selected rows between nodes, ``1/G`` of them, so half the chunks cost the slow
-link less than 0.3 of them flat (0.5 / G <= 0.25) and the codec runs on fewer gradients per rank; the denser
-selection delays fewer coordinates.  Measured as 2 nodes x 2, 3 seeds (docs/quality.md): the SGD transformer
-1.0151x DDP's final loss on 0.040 of its bytes between nodes (0.3: 1.0213x on 0.029), digits 1.0048x accuracy on
-0.050."""
+CSCQ_MANY_DENSITY = 0.5
+"""The density ``"auto"`` gives ``"cscq"`` where its chunks' exchange has more than two parties: nodes of several ranks
+(two-level) or more than two flat ranks; on two ranks the recipe's 0.3.  More than two parties quantise the chunks
+twice (the quantised ring's reduce-scatter, then the sum; two-level adds the node sums), where a pair exchanges each
+rank's rows once; a denser selection delays fewer coordinates and wins that back.  Two-level sends each rank's shard
+of its node's rows, 1/G of them, so 0.5 costs the slow link less than 0.3 flat.  Measured, 3 seeds (docs/quality.md):
+the SGD transformer at 4 ranks 1.0151x DDP's final loss on 0.040 of its bytes as 2 x 2 (0.3: 1.0213x), 1.0192x on
+0.067 flat (0.3: 1.0266x); digits keeps DDP's accuracy on 0.040 and 0.067; on 2 ranks 0.3 ends 1.0149x on 0.047 with
+less of the codec's CPU (0.5: 1.0095x on 0.067)."""
 
 
-def recipe_options(recipe: str, topology: str) -> dict[str, float]:
-    """The options ``"auto"`` sets beside ``recipe`` on the layout ``topology`` (resolved: ``"flat"`` or ``"MxG"``):
-    ``"cscq"`` on nodes of several ranks at :data:`CSCQ_NODES_DENSITY`, nothing else."""
-    return {"density": CSCQ_NODES_DENSITY} if recipe == "cscq" and topology != "flat" else {}
+def recipe_options(recipe: str, topology: str, world_size: int) -> dict[str, float]:
+    """The options ``"auto"`` sets beside ``recipe`` on the layout ``topology`` (resolved: ``"flat"`` or ``"MxG"``) of
+    ``world_size`` ranks: ``"cscq"`` at :data:`CSCQ_MANY_DENSITY` beyond a pair of ranks, nothing else."""
+    many = topology != "flat" or world_size > 2
+    return {"density": CSCQ_MANY_DENSITY} if recipe == "cscq" and many else {}
 
 
 def recipe_for_optimizer(optimizer: torch.optim.Optimizer) -> str:

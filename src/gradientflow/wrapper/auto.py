@@ -167,14 +167,14 @@ def _decide_width(model: DistributedDataParallel) -> None:
 
 def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     """The engine for ``recipe``, in the observed pool order; its step counter continues the run's, so
-    CSC's density ramp is where a run started with ``compression="cscq"`` would be (at ``density=0.5`` on nodes of
-    several ranks: :func:`~gradientflow.strategies.recipes.recipe_options`)."""
+    CSC's density ramp is where a run started with ``compression="cscq"`` would be (at ``density=0.5`` beyond a pair
+    of ranks: :func:`~gradientflow.strategies.recipes.recipe_options`)."""
     engine = model._gf_engine
     model._gf_auto.picked = recipe
     parsed = parse_compression(recipe)  # the recipe's quantiser in full: "quantized" after "q2npw20" resets its 2 bits
     quant = {f"quant_{k}": getattr(parsed, k) for k in QUANT_FIELDS} if parsed.recipe == "quantized" else {}
-    # "cscq" on nodes of several ranks: denser (recipe_options); the layout is resolved, the same on every rank
-    extra = recipe_options(parsed.recipe, model.config.topology)
+    # "cscq" beyond a pair of ranks: denser (recipe_options); the layout is resolved, the same on every rank
+    extra = recipe_options(parsed.recipe, model.config.topology, model._gf_world_size)
     config = dataclasses.replace(model.config, compression=recipe, **quant, **extra)
     model.config = recipe_theta(config, model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
