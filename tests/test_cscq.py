@@ -52,10 +52,9 @@ def test_auto_gives_cscq_half_the_chunks_beyond_a_pair_of_ranks() -> None:
     / 1.027x), 0.3 on two ranks.  Nothing for the other recipes, nor for "cscq" passed by name (the wrapper only)."""
     from gradientflow.strategies.recipes import recipe_options
 
-    assert recipe_options("cscq", "flat", 2) == {}
-    assert recipe_options("cscq", "flat", 3) == recipe_options("cscq", "flat", 4) == {"density": 0.5}
-    assert recipe_options("cscq", "2x2", 4) == recipe_options("cscq", "3x2", 6) == {"density": 0.5}
-    assert recipe_options("quantized", "2x2", 4) == recipe_options("csc", "flat", 4) == {}
+    assert recipe_options("cscq", 2) == {}
+    assert recipe_options("cscq", 3) == recipe_options("cscq", 4) == recipe_options("cscq", 6) == {"density": 0.5}
+    assert recipe_options("quantized", 4) == recipe_options("csc", 4) == {}
 
 
 def test_cscq_and_auto_chunks_hold_whole_quantiser_blocks() -> None:

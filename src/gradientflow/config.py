@@ -39,11 +39,9 @@ def auto_chunk_size(n_elements: int, floor: int = 16) -> int:
     """The paper's 32768 for models of >= 200 such chunks; else a power of two giving ~2000 chunks.
 
     ResNet-50 (25.6M) and AlexNet (61M) get 32768.  A smaller model gets the power of two at or below ``n / 2000``
-    (at least ``floor``): finer chunks let the top fraction follow the gradient closely, where 32768-element chunks
-    would leave a handful to choose from (on the quality bench's transformer and digits, ~2000 chunks ended at a
-    lower validation loss than ~200; on its bigger time-to-accuracy transformer, slightly higher).  ``"cscq"``
-    (and ``"auto"``, which may pick it) floors it at the quantiser's block: whole blocks per chunk, so CPU rows are
-    encoded straight from v, and a small model's fp32 scores cost less (digits: 0.016 of DDP's bytes at 64)."""
+    (at least ``floor``): finer chunks let the top fraction follow the gradient closely (on the quality bench's
+    models ~2000 chunks ended lower than ~200; on its bigger time-to-accuracy transformer, slightly higher).
+    ``"cscq"`` and ``"auto"`` floor it at the quantiser's block: whole blocks per chunk, fewer fp32 score bytes."""
     if n_elements >= MIN_CHUNKS * PAPER_CHUNK:
         return PAPER_CHUNK
     return max(floor, 2 ** int(math.log2(max(1, n_elements // SMALL_MODEL_CHUNKS))))
@@ -293,8 +291,10 @@ class GradientFlowConfig:
                 object.__setattr__(self, f"quant_{name}", getattr(parsed, name))
         object.__setattr__(self, "compression", recipe)
         sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE, "cscq": CSCQ_RECIPE}.get(recipe, {})
-        if recipe in ("quantized", "auto") or (recipe == "cscq" and self.density is not None):  # cscq: any density
-            sets = {"comm_dtype": "fp32", "density": None if recipe != "cscq" else self.density}
+        if recipe in ("quantized", "auto"):
+            sets = {"comm_dtype": "fp32", "density": None}
+        elif recipe == "cscq" and self.density is not None:  # a density passed beside "cscq" is its density
+            sets = {"comm_dtype": "fp32"}
         for name, value in sets.items():
             if getattr(self, name) not in (value, "fp32" if name == "comm_dtype" else None):
                 raise ValueError(

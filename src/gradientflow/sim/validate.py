@@ -89,12 +89,9 @@ def mode_plan(mode: str, optimizer: str, layout: tuple[int, int]) -> tuple[Techn
     nodes, per_node = layout
     if topo not in ("", "flat", "auto", f"{nodes}x{per_node}"):
         raise ValueError(f"mode {mode!r}: the model knows the launch's layout {nodes}x{per_node}, flat and auto")
-    flat = topo == "flat" or base in TORCH_MODES
-    if base == "gf-auto" and tech.density is not None:  # "cscq" as "auto" sets it on this layout (the engine's rule)
-        engine_topology = "flat" if flat or nodes == 1 or per_node == 1 else f"{nodes}x{per_node}"
-        extra = recipe_options("cscq", engine_topology, nodes * per_node)
-        tech = dataclasses.replace(tech, density=extra.get("density", tech.density))
-    return tech, flat
+    if base == "gf-auto" and tech.density is not None:  # "cscq" as "auto" sets it on this many ranks (the engine's)
+        tech = dataclasses.replace(tech, density=recipe_options("cscq", nodes * per_node).get("density", tech.density))
+    return tech, topo == "flat" or base in TORCH_MODES
 
 
 def _profile_job(job: tuple[str, int, int, int]) -> ModelProfile:

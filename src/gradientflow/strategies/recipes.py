@@ -31,11 +31,10 @@ the SGD transformer at 4 ranks 1.0151x DDP's final loss on 0.040 of its bytes as
 less of the codec's CPU (0.5: 1.0095x on 0.067)."""
 
 
-def recipe_options(recipe: str, topology: str, world_size: int) -> dict[str, float]:
-    """The options ``"auto"`` sets beside ``recipe`` on the layout ``topology`` (resolved: ``"flat"`` or ``"MxG"``) of
-    ``world_size`` ranks: ``"cscq"`` at :data:`CSCQ_MANY_DENSITY` beyond a pair of ranks, nothing else."""
-    many = topology != "flat" or world_size > 2
-    return {"density": CSCQ_MANY_DENSITY} if recipe == "cscq" and many else {}
+def recipe_options(recipe: str, world_size: int) -> dict[str, float]:
+    """The options ``"auto"`` sets beside ``recipe`` on ``world_size`` ranks: ``"cscq"`` at :data:`CSCQ_MANY_DENSITY`
+    beyond a pair of ranks (nodes of several ranks are always more than two), nothing else."""
+    return {"density": CSCQ_MANY_DENSITY} if recipe == "cscq" and world_size > 2 else {}
 
 
 def recipe_for_optimizer(optimizer: torch.optim.Optimizer) -> str:

@@ -173,8 +173,7 @@ def _rebuild(model: DistributedDataParallel, recipe: str) -> None:
     model._gf_auto.picked = recipe
     parsed = parse_compression(recipe)  # the recipe's quantiser in full: "quantized" after "q2npw20" resets its 2 bits
     quant = {f"quant_{k}": getattr(parsed, k) for k in QUANT_FIELDS} if parsed.recipe == "quantized" else {}
-    # "cscq" beyond a pair of ranks: denser (recipe_options); the layout is resolved, the same on every rank
-    extra = recipe_options(parsed.recipe, model.config.topology, model._gf_world_size)
+    extra = recipe_options(parsed.recipe, model._gf_world_size)  # "cscq" beyond a pair of ranks: denser
     config = dataclasses.replace(model.config, compression=recipe, **quant, **extra)
     model.config = recipe_theta(config, model._gf_settings.theta_given)
     model._gf_build_engine(list(engine.pool.layout.order), layout_final=engine.layout_final)
