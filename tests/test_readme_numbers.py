@@ -66,6 +66,7 @@ def test_readme_headline_table_is_cells_of_the_committed_resnet50_1gbit_table() 
         "adamw_variants",
         "quality_long",
         "quality_long_4000/adamw_2x2_seed0",  # 4 ranks as 2 x 2, 4,000 steps
+        "quality_long_4000/sgd_2x2_seed0",
         "step_overhead",
     ],
 )
