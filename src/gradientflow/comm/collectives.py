@@ -78,6 +78,13 @@ class PendingAllreduce:
         return self.tensor
 
 
+# torch 2.13 names these two collectives ``*_single`` (its ``reduce_scatter_tensor`` / ``all_gather_into_tensor``
+# now warn and forward to them); torch up to 2.12 has only the old names, as the GPU image a lent machine ran
+# (torch 2.11, 2026-11-28): resolved once here, so a rank on either calls the same collective.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def start_allreduce(
     tensor: torch.Tensor,
     *,

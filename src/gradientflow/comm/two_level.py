@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .collectives import start_allreduce
+from .collectives import all_gather_single, reduce_scatter_single, start_allreduce
 from .topology import Topology
 from .waiter import STAGE_WAITERS, Arrival
 
@@ -188,7 +188,7 @@ class TwoLevelPipeline:
             full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
             item.host = (full, shard)
         self._trace(item, "reduce-scatter", full)
-        work = dist.reduce_scatter_single(
+        work = reduce_scatter_single(
             shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
         )
         item.handle = _Watched(STAGE_WAITERS["reduce-scatter"].watch([work] if work is not None else [], self._t))
@@ -244,7 +244,7 @@ class TwoLevelPipeline:
                     full, shard = item.host[0], shard.cpu()
                     item.host = (full, shard)  # alive until the all-gather completed
                 self._trace(item, "all-gather", shard)
-                work = dist.all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
+                work = all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
                 item.stage = 2
                 item.handle = _Watched(STAGE_WAITERS["all-gather"].watch([work] if work is not None else [], self._t))
                 self._ag.append(item)
