@@ -188,9 +188,7 @@ class TwoLevelPipeline:
             full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
             item.host = (full, shard)
         self._trace(item, "reduce-scatter", full)
-        work = reduce_scatter_single(
-            shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True
-        )
+        work = reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True)
         item.handle = _Watched(STAGE_WAITERS["reduce-scatter"].watch([work] if work is not None else [], self._t))
         self._rs.append(item)
 
