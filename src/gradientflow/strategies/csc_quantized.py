@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -63,6 +64,16 @@ class _Straight(NamedTuple):
     pool_rows: torch.Tensor
 
 
+@dataclass
+class _Packed:
+    """One slice's packed rows on the quantised ring: the ring once started (from 3 ranks one at a time)."""
+
+    sl: Slice
+    started: float
+    timeout: timedelta | None
+    ring: QuantizedRing | None = None
+
+
 class QuantizedChunks:
     """The quantised exchanges of one step's packed slices (``bits``/``block``/``levels``: the quantiser's)."""
 
@@ -79,7 +90,7 @@ class QuantizedChunks:
     ) -> None:
         self.group, self.world_size, self.watchdog = group, world_size, watchdog
         self.bits, self.block, self.levels = bits, block, levels
-        self._running: list[tuple[Slice, QuantizedRing, float]] = []
+        self._running: list[_Packed] = []  # in slice order
         self._pairs: list[_Straight] = []  # sent straight from v's rows, not yet decoded
         self._delivered: list[_Straight] = []  # decoded into the pool this step (settle() may undo their error)
         self.groups = groups
@@ -121,17 +132,25 @@ class QuantizedChunks:
         if self._nodes is not None:
             self._start_two_level(sl, err.view(-1), timeout, stats)
             return
-        ring = QuantizedRing(
-            sl.packed.view(-1),
-            err.view(-1),
-            self.group,
-            bits=self.bits,
-            block=self.block,
-            timeout=timeout,
-            levels=self.levels,
-        )
-        stats.record_collective(ring.payload_bytes)
-        self._running.append((sl, ring, time.perf_counter()))
+        self._running.append(_Packed(sl, time.perf_counter(), timeout))
+        stats.record_collective(wire_bytes(sl.packed.numel(), self.bits, self.block) if sl.packed.numel() else 0)
+        self.progress(stats)
+
+    def _ring(self, entry: _Packed) -> QuantizedRing:
+        """``entry``'s ring, started (its first round posted) if it was not yet."""
+        if entry.ring is None:
+            sl, timeout = entry.sl, entry.timeout
+            assert sl.packed is not None and sl.err is not None
+            entry.ring = QuantizedRing(
+                sl.packed.view(-1),
+                sl.err.view(-1),
+                self.group,
+                bits=self.bits,
+                block=self.block,
+                timeout=timeout,
+                levels=self.levels,
+            )
+        return entry.ring
 
     def _straight(self, rows: torch.Tensor, pool_rows: torch.Tensor) -> bool:
         """Whether v's rows are encoded and the pool's decoded straight (no packed copies): two ranks, flat, fp32
@@ -215,8 +234,15 @@ class QuantizedChunks:
         """Advance every running exchange as far as its messages allow; never wait."""
         if self._nodes is not None:
             self._guarded(self._nodes.progress, "two-level quantised exchange")
-        for _sl, ring, t0 in self._running:
-            self._run(ring, t0, block=False)
+        # Two ranks: one round per ring, all in flight at once (posted in slice order on every rank).  From 3 ranks
+        # a ring's second round is posted when its first has arrived, which is sooner on one rank than on another:
+        # one ring at a time, in slice order, keeps every rank's posting order the same (else a peer's message
+        # lands in another ring's receive), as the quantised recipe's buckets do.
+        for entry in self._running:
+            ring = self._ring(entry)
+            self._run(ring, entry.started, block=False)
+            if not ring.exchange and not ring.done:
+                break
         for p in self._pairs:
             self._guarded(p.exchange.poll, "quantised exchange")
 
@@ -234,7 +260,8 @@ class QuantizedChunks:
             t0 = stats.phase("unpack", t0)  # the decode is CPU work, not a wait
         self._delivered = pairs
         running, self._running = self._running, []
-        for sl, ring, started in running:
+        for entry in running:
+            sl, ring, started = entry.sl, self._ring(entry), entry.started
             self._run(ring, started, block=True)
             stats.record_done(time.perf_counter())
             assert sl.packed is not None
