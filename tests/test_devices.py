@@ -228,9 +228,23 @@ class _UsedInReverse(nn.Module):
 
 def _two_level_worker(rank: int, world_size: int, kind: str) -> None:
     """Nodes of 2 ranks (torchrun's variables from the harness): dense two-level gives torch DDP's average
-    within the fp32 summation tolerance (another order of the same N addends); the quantised recipe leaves
-    every rank identical; both on the device (Gloo stages CUDA bytes through the host inside the node)."""
+    within the fp32 summation tolerance (another order of the same N addends); the quantised recipe, CSC (fp16
+    wire) and cscq leave every rank identical; all on the device (Gloo stages CUDA bytes through the host inside
+    the node, a dense exchange between nodes on the host copy)."""
     device = _device(kind, rank)
+    sparse = [
+        gf.DistributedDataParallel(
+            _net(device),
+            device_ids=_ids(device),
+            compression=c,
+            fusion_threshold_mb=0.005,
+            chunk_size=128,
+            warmup_steps=0,
+            dense_1d=False,
+            **kw,
+        )
+        for c, kw in (("none", {"comm_dtype": "fp16", "density": 0.25}), ("cscq", {}))
+    ]
     ref = nn.parallel.DistributedDataParallel(_net(device), device_ids=_ids(device))
     dense = gf.DistributedDataParallel(_net(device), device_ids=_ids(device), fusion_threshold_mb=0.005)
     quant = gf.DistributedDataParallel(
@@ -245,9 +259,17 @@ def _two_level_worker(rank: int, world_size: int, kind: str) -> None:
     for step in range(steps):
         x, y = _data(rank, step, device)
         local = torch.autograd.grad(_loss(quant.module, x, y), params)
-        for m in (ref, dense, quant):
+        for m in (ref, dense, quant, *sparse):
             m.zero_grad()
             _loss(m, x, y).backward()
+        for m in sparse:
+            assert m.comm_stats()["selected_chunks"] > 0 and m.comm_stats()["inter_node_bytes"] > 0
+            for p in m.parameters():
+                got = [torch.empty_like(p.grad) for _ in range(world_size)]
+                dist.all_gather(got, p.grad)
+                assert all(torch.equal(got[0], t) for t in got), (
+                    f"step {step}: {m.config.compression} ranks differ (CSC or cscq)"
+                )
         for i, (g, p) in enumerate(zip(local, params)):
             mean, a = g.double().cpu().view(-1), g.double().abs().cpu().view(-1)
             dist.all_reduce(mean)

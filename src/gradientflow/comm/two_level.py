@@ -109,6 +109,7 @@ class Item:
     stage: int = 0  # 0 reduce-scatter, 1 waiting for / between nodes, 2 all-gather, 3 done
     handle: Middle | None = None
     host: tuple[torch.Tensor, torch.Tensor] | None = None  # staged: (full, shard) in host memory
+    middle: torch.Tensor | None = None  # what the exchange between nodes works on: the shard or its host copy
     started_at: float = field(default_factory=time.perf_counter)
     span: _Span | None = None  # the current stage's trace event, when tracing
 
@@ -132,10 +133,11 @@ def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
     """A dense SUM allreduce of the shard among the nodes, with ``algorithm`` (the ring runs at once)."""
 
     def start(item: Item) -> Middle:
+        shard = item.middle if item.middle is not None else item.shard
         if algorithm == "ring":
-            start_allreduce(item.shard, group=groups.inter, algorithm="ring", what=item.what)
+            start_allreduce(shard, group=groups.inter, algorithm="ring", what=item.what)
             return _Done()
-        work = dist.all_reduce(item.shard, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True)
+        work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True)
         return _Watched(STAGE_WAITERS["inter"].watch([work], groups.timeout))
 
     return start
@@ -164,12 +166,22 @@ class TwoLevelPipeline:
     ``serial``: a bucket's exchange between nodes starts only once the previous bucket's completed (the
     quantised ring from 3 nodes posts its second round as its first arrives: one ring at a time keeps
     the posting order the same on every rank); otherwise as soon as its reduce-scatter completed.
+    ``host_middle``: the exchange between nodes takes host memory as well (a dense allreduce reads
+    ``item.middle``): a bucket staged through the host stays there from its reduce-scatter to its all-gather,
+    instead of a copy to the device and back between the stages: each such copy waits, on the training
+    thread, for the GPU's queue (and, with several processes on one GPU, for their turns).
     """
 
     def __init__(
-        self, groups: NodeGroups, start_middle: StartMiddle, serial: bool = False, watchdog: Traced | None = None
+        self,
+        groups: NodeGroups,
+        start_middle: StartMiddle,
+        serial: bool = False,
+        watchdog: Traced | None = None,
+        host_middle: bool = False,
     ) -> None:
         self.groups, self.start_middle, self.serial = groups, start_middle, serial
+        self.host_middle = host_middle
         self.watchdog = watchdog  # its trace, when recording, gets every stage (see the module docstring)
         self._rs: deque[Item] = deque()  # reduce-scatter in flight (handle: its arrival)
         self._ready: deque[Item] = deque()  # node sum in hand, waiting to go between nodes
@@ -185,7 +197,12 @@ class TwoLevelPipeline:
         """Stage 1 now: the reduce-scatter of ``item.full`` into ``item.shard`` inside the node."""
         full, shard = item.full, item.shard
         if self._staged(full):
-            full, shard = full.cpu(), torch.empty(shard.numel(), dtype=shard.dtype)
+            # pinned: the copy back after the all-gather is then queued on the stream, not waited for (the host
+            # allocator keeps the buffer until that copy ran)
+            pin = full.is_cuda
+            host = torch.empty(full.shape, dtype=full.dtype, pin_memory=pin)
+            host.copy_(full)
+            full, shard = host, torch.empty(shard.numel(), dtype=shard.dtype, pin_memory=pin)
             item.host = (full, shard)
         self._trace(item, "reduce-scatter", full)
         work = reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True)
@@ -224,8 +241,12 @@ class TwoLevelPipeline:
             if self._rs and self._head_done(self._rs):
                 item = self._rs.popleft()
                 self._stamp(item)
+                item.middle = item.shard
                 if item.host is not None:
-                    item.shard.copy_(item.host[1])
+                    if self.host_middle:
+                        item.middle = item.host[1]
+                    else:
+                        item.shard.copy_(item.host[1])
                 self._ready.append(item)
                 moved = True
             if self._ready and not (self.serial and self._inter):
@@ -239,7 +260,7 @@ class TwoLevelPipeline:
                 self._stamp(item)
                 full, shard = item.full, item.shard
                 if item.host is not None:
-                    full, shard = item.host[0], shard.cpu()
+                    full, shard = item.host[0], (item.host[1] if self.host_middle else shard.cpu())
                     item.host = (full, shard)  # alive until the all-gather completed
                 self._trace(item, "all-gather", shard)
                 work = all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
@@ -251,7 +272,7 @@ class TwoLevelPipeline:
                 item = self._ag.popleft()
                 self._stamp(item)
                 if item.host is not None:
-                    item.full.copy_(item.host[0])
+                    item.full.copy_(item.host[0], non_blocking=item.host[0].is_pinned())
                     item.host = None
                 item.stage = 3
                 item.on_done(item)

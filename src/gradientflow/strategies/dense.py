@@ -56,7 +56,9 @@ class DenseSync(SyncStrategy):
         # two-level: wire buffers handed out padded to whole shards (wire_buffer), by (data_ptr, numel) of the head
         self._padded: dict[tuple[int, int], torch.Tensor] = {}
         self._two = (
-            TwoLevelPipeline(groups, dense_middle(groups, algorithm), watchdog=watchdog) if groups is not None else None
+            TwoLevelPipeline(groups, dense_middle(groups, algorithm), watchdog=watchdog, host_middle=True)
+            if groups is not None
+            else None
         )
 
     def take_fresh(self, grad: torch.Tensor, out: torch.Tensor) -> bool:
