@@ -67,6 +67,8 @@ def test_readme_headline_table_is_cells_of_the_committed_resnet50_1gbit_table() 
         "quality_long",
         "quality_long_4000/adamw_2x2_seed0",  # 4 ranks as 2 x 2, 4,000 steps
         "quality_long_4000/sgd_2x2_seed0",
+        "quality_long_4000/sgd_2x2_seed1",
+        "quality_long_4000/sgd_2x2_seed2",
         "step_overhead",
     ],
 )
