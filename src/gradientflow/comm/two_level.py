@@ -133,7 +133,8 @@ def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
     """A dense SUM allreduce of the shard among the nodes, with ``algorithm`` (the ring runs at once)."""
 
     def start(item: Item) -> Middle:
-        shard = item.middle if item.middle is not None else item.shard
+        shard = item.middle  # the shard, or its host copy (set by the pipeline)
+        assert shard is not None
         if algorithm == "ring":
             start_allreduce(shard, group=groups.inter, algorithm="ring", what=item.what)
             return _Done()

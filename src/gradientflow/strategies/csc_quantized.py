@@ -70,7 +70,6 @@ class _Packed:
 
     sl: Slice
     started: float
-    timeout: timedelta | None
     ring: QuantizedRing | None = None
 
 
@@ -122,7 +121,7 @@ class QuantizedChunks:
         """Start the exchange of ``sl``'s selected rows of v (``rows``, undivided fp32): straight from them where it
         can (two ranks, the CPU kernel: :meth:`_start_rows`), else packed into ``sl.packed`` with their error going
         into ``sl.err``, buffers of their shape from ``take`` (the step's scratch): its rows become v's."""
-        timeout: timedelta | None = self.watchdog.timeout if self.watchdog is not None else None
+        timeout = self._timeout
         if self._straight(rows, pool_rows):
             self._start_rows(sl, rows, pool_rows, take, timeout, stats)
             return
@@ -132,14 +131,19 @@ class QuantizedChunks:
         if self._nodes is not None:
             self._start_two_level(sl, err.view(-1), timeout, stats)
             return
-        self._running.append(_Packed(sl, time.perf_counter(), timeout))
-        stats.record_collective(wire_bytes(sl.packed.numel(), self.bits, self.block) if sl.packed.numel() else 0)
+        self._running.append(_Packed(sl, time.perf_counter()))
+        # started now if it may be (and earlier rings moved on): after backward, slices are packed one after another
+        # with nothing else advancing the rings in between
         self.progress(stats)
 
-    def _ring(self, entry: _Packed) -> QuantizedRing:
-        """``entry``'s ring, started (its first round posted) if it was not yet."""
+    @property
+    def _timeout(self) -> timedelta | None:
+        return self.watchdog.timeout if self.watchdog is not None else None
+
+    def _ring(self, entry: _Packed, stats: StepStats) -> QuantizedRing:
+        """``entry``'s ring, started (its first round posted, its bytes counted) if it was not yet."""
         if entry.ring is None:
-            sl, timeout = entry.sl, entry.timeout
+            sl = entry.sl
             assert sl.packed is not None and sl.err is not None
             entry.ring = QuantizedRing(
                 sl.packed.view(-1),
@@ -147,9 +151,10 @@ class QuantizedChunks:
                 self.group,
                 bits=self.bits,
                 block=self.block,
-                timeout=timeout,
+                timeout=self._timeout,
                 levels=self.levels,
             )
+            stats.record_collective(entry.ring.payload_bytes)
         return entry.ring
 
     def _straight(self, rows: torch.Tensor, pool_rows: torch.Tensor) -> bool:
@@ -239,7 +244,7 @@ class QuantizedChunks:
         # one ring at a time, in slice order, keeps every rank's posting order the same (else a peer's message
         # lands in another ring's receive), as the quantised recipe's buckets do.
         for entry in self._running:
-            ring = self._ring(entry)
+            ring = self._ring(entry, stats)
             self._run(ring, entry.started, block=False)
             if not ring.exchange and not ring.done:
                 break
@@ -261,8 +266,8 @@ class QuantizedChunks:
         self._delivered = pairs
         running, self._running = self._running, []
         for entry in running:
-            sl, ring, started = entry.sl, self._ring(entry), entry.started
-            self._run(ring, started, block=True)
+            sl, ring = entry.sl, self._ring(entry, stats)
+            self._run(ring, entry.started, block=True)
             stats.record_done(time.perf_counter())
             assert sl.packed is not None
             sl.packed.div_(self.world_size)
