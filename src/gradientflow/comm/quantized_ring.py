@@ -50,8 +50,8 @@ import torch.distributed as dist
 from . import codec_native
 from .quantize import dequantize, encode, quantize, wire_bytes
 from .ring import _split
-from .waiter import WAITER as _WAITER
 from .waiter import Arrival as _Arrival
+from .waiter import waiter_for
 
 
 def encode_share(
@@ -103,7 +103,7 @@ class PairExchange:
         peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
         ops = [dist.P2POp(dist.irecv, recv, peer, group), dist.P2POp(dist.isend, send, peer, group)]
         self._works = dist.batch_isend_irecv(ops)
-        self._arrived = _WAITER.watch(self._works, timeout)
+        self._arrived = waiter_for(group).watch(self._works, timeout)
         self.done = False
 
     def poll(self) -> bool:
@@ -263,7 +263,7 @@ class QuantizedRing:
                     self._sent.append(send)
                 ops.append(dist.P2POp(dist.isend, send, self._peer(q), self.group))
         self._works = dist.batch_isend_irecv(ops) if ops else []
-        self._arrived = _WAITER.watch(self._works, self.timeout)
+        self._arrived = waiter_for(self.group).watch(self._works, self.timeout)
 
     def _advance(self) -> None:
         """Round t's messages have arrived: fold them in, post round t+1."""

@@ -19,7 +19,7 @@ Non-blocking: :meth:`TwoLevelPipeline.progress` moves every bucket whose stage c
 stage and never waits (the engine calls it at every gradient hook); :meth:`TwoLevelPipeline.drain`
 drives the rest, always blocking on the earliest bucket's current stage after issuing everything
 that can be issued (what a peer may be waiting for from this rank has then been issued).  Gloo's
-``reduce_scatter_single`` never reports completion to ``is_completed()``, so a waiter thread per stage
+``reduce_scatter_single`` never reports completion to ``is_completed()``, so a waiter thread per stage's group
 (:mod:`.waiter`) waits on the works and sets an event; collectives are issued from the training
 thread only.  CUDA tensors on Gloo are staged through host memory for the two stages inside the node
 (as the quantised ring stages its bytes); NCCL takes device memory directly.
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .collectives import all_gather_single, reduce_scatter_single, start_allreduce
 from .topology import Topology
-from .waiter import STAGE_WAITERS, Arrival
+from .waiter import Arrival, waiter_for
 
 
 @dataclass
@@ -139,7 +139,7 @@ def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
             start_allreduce(shard, group=groups.inter, algorithm="ring", what=item.what)
             return _Done()
         work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True)
-        return _Watched(STAGE_WAITERS["inter"].watch([work], groups.timeout))
+        return _Watched(waiter_for(groups.inter).watch([work], groups.timeout))
 
     return start
 
@@ -207,12 +207,12 @@ class TwoLevelPipeline:
             item.host = (full, shard)
         self._trace(item, "reduce-scatter", full)
         work = reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True)
-        item.handle = _Watched(STAGE_WAITERS["reduce-scatter"].watch([work] if work is not None else [], self._t))
+        item.handle = self._watched(self.groups.reduce_scatter, work)
         self._rs.append(item)
 
-    @property
-    def _t(self) -> timedelta | None:
-        return self.groups.timeout
+    def _watched(self, group: dist.ProcessGroup, work: dist.Work | None) -> _Watched:
+        """``work`` (on ``group``) handed to that group's waiter."""
+        return _Watched(waiter_for(group).watch([work] if work is not None else [], self.groups.timeout))
 
     def _trace(self, item: Item, stage: str, sent: torch.Tensor) -> None:
         """The stage starting now, as a collective event of the trace (when it records this step)."""
@@ -266,7 +266,7 @@ class TwoLevelPipeline:
                 self._trace(item, "all-gather", shard)
                 work = all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
                 item.stage = 2
-                item.handle = _Watched(STAGE_WAITERS["all-gather"].watch([work] if work is not None else [], self._t))
+                item.handle = self._watched(self.groups.all_gather, work)
                 self._ag.append(item)
                 moved = True
             if self._ag and self._head_done(self._ag):

@@ -1,6 +1,7 @@
-"""The wrapper's own process groups beside the user's: CSC's control group and two-level's node groups.
+"""The wrapper's own process groups beside the user's: CSC's control group, a compressed recipe's exchange group
+and two-level's node groups.
 
-Both are created once per wrapper (kept across engine rebuilds: ``.to()``, ``compression="auto"``)
+Each is created once per wrapper (kept across engine rebuilds: ``.to()``, ``compression="auto"``)
 and held by weak reference: torch's registry owns a group, so ``destroy_process_group()`` really
 frees it (a group kept alive past that by a stray reference is torn down at interpreter exit, where
 Gloo can abort the process).  Only a group's members take part in creating it
@@ -64,13 +65,31 @@ def control_group(model: DistributedDataParallel) -> dist.ProcessGroup:
     On one group, a backend runs collectives one after another: a few-KB score allreduce would queue
     behind the previous slice's megabytes of chunks, and backward would stall waiting for it.
     """
-    ref = model.__dict__.get("_gf_control")
-    control = ref() if ref is not None else None
-    if control is None:
+    return _own_group(model, "_gf_control")
+
+
+def exchange_group(model: DistributedDataParallel) -> dist.ProcessGroup:
+    """A third group over the same ranks, the wrapper's own, for a compressed recipe's exchanges.
+
+    CSC starts a slice's chunks when its scores have arrived, and the quantised ring posts a round when the
+    last one has arrived: moments that differ from rank to rank.  On the user's group, another model's
+    collectives (two wrapped models in one backward: CLIP's two towers, an encoder and a decoder wrapped
+    apart) would then be issued before them on one rank and after them on another, and a backend matches
+    collectives and point-to-point messages by the order they were issued (Gloo: "Received data size
+    doesn't match", or a hang).  On a group of its own a wrapper's exchanges are ordered among themselves only.
+    """
+    return _own_group(model, "_gf_exchange")
+
+
+def _own_group(model: DistributedDataParallel, attr: str) -> dist.ProcessGroup:
+    """The wrapper's group ``attr`` over its process group's ranks, created once (every rank, in the same order)."""
+    ref = model.__dict__.get(attr)
+    group = ref() if ref is not None else None
+    if group is None:
         ranks = dist.get_process_group_ranks(model.process_group)
-        control = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
-        model._gf_control = weakref.ref(control)
-    return control
+        group = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
+        setattr(model, attr, weakref.ref(group))
+    return group
 
 
 def node_groups(model: DistributedDataParallel) -> NodeGroups | None:
