@@ -1,15 +1,15 @@
-"""Two wrapped models in one backward (CLIP's two towers, an encoder and a decoder wrapped apart), and a collective
-of the model's own in backward (SyncBatchNorm's pattern), as with torch DDP.
+"""Two wrapped models in one backward (CLIP's two towers, an encoder and a decoder wrapped apart), and a collective of
+the model's own in backward (SyncBatchNorm's pattern), as with torch DDP.
 
-torch DDP issues every collective from autograd's hooks, so the two models' allreduces interleave in the
-same order on every rank.  gradientflow's compressed recipes also issue work when messages arrive (CSC: a
-slice's chunks once its scores are in; the quantised ring: its second round once its first is in), at
-moments that differ from rank to rank: on a shared group one rank would issue model A's exchange before
-model B's and another after, and the backend matches messages in the order they were issued (Gloo:
-"Received data size doesn't match", or a hang).  The same for a collective the model itself issues on the
-user's group in backward (SyncBatchNorm does; it needs a GPU, so a module of ours does the same here).  So each wrapper exchanges on a group of its own, with a
-waiter thread of its own (found with these tests: before, every case below but the dense one aborted or
-hung once one rank was late).
+torch DDP issues every collective from autograd's hooks, so the two models' allreduces interleave in the same order
+on every rank. gradientflow's compressed recipes also issue work when messages arrive (CSC: a slice's chunks once
+its scores are in; the quantised ring: its second round once its first is in), at moments that differ from rank to
+rank: on a shared group one rank would issue model A's exchange before model B's and another after, and the backend
+matches messages in the order they were issued (Gloo: "Received data size doesn't match", or a hang). The same for
+a collective the model itself issues on the user's group in backward (SyncBatchNorm does; it needs a GPU, so a
+module of ours does the same here). So each wrapper exchanges on a group of its own, with a waiter thread of its
+own (found with these tests: before, every two-model case under a compressed recipe aborted or hung once one
+rank was late, and so did CSC beside the model's own collective).
 """
 
 from __future__ import annotations
