@@ -33,7 +33,7 @@ from . import auto, compat, nested
 from .checkpoint import Checkpointing, OptimizerWatch
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
-from .groups import control_group, exchange_group, layout_stats, node_groups, resolved_topology
+from .groups import control_group, layout_stats, node_groups, resolved_topology, sync_group
 from .join import GradientFlowJoinHook, common_rank
 from .nested import Nesting
 from .shutdown import end_groups_at_exit
@@ -233,9 +233,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         if hooked:
             make_sync = self._gf_make_sync()
         else:
-            # a compressed recipe's exchanges on the wrapper's own group: they are issued as messages arrive
-            group = exchange_group(self) if self.config.needs_control_group else self.process_group
-            make_sync = build_strategy(self.config, group, self._gf_watchdog, control, node_groups(self))
+            make_sync = build_strategy(self.config, sync_group(self), self._gf_watchdog, control, node_groups(self))
         self._gf_engine = Reducer(
             self._gf_params,
             self._gf_names,

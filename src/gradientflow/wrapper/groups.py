@@ -81,6 +81,12 @@ def exchange_group(model: DistributedDataParallel) -> dist.ProcessGroup:
     return _own_group(model, "_gf_exchange")
 
 
+def sync_group(model: DistributedDataParallel) -> dist.ProcessGroup:
+    """The group the wrapper's strategy synchronises on: its exchange group under a compressed recipe (CSC, the
+    quantised ones), else the user's (dense collectives are issued from autograd's hooks, as torch DDP's)."""
+    return exchange_group(model) if model.config.needs_control_group else model.process_group
+
+
 def _own_group(model: DistributedDataParallel, attr: str) -> dist.ProcessGroup:
     """The wrapper's group ``attr`` over its process group's ranks, created once (every rank, in the same order)."""
     ref = model.__dict__.get(attr)
