@@ -26,6 +26,8 @@ import gradientflow as gf
 from _dist import run_distributed
 from _oracle import assert_same_grads
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
 
 def _tower() -> nn.Module:
     return nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
@@ -57,9 +59,10 @@ def test_two_models_in_one_backward_get_torch_ddps_gradients() -> None:
     run_distributed(_torch_worker, 2, timeout=120)
 
 
-def _late_rank_worker(rank: int, world_size: int, kw: dict) -> list[list[float]]:
+def _late_rank_worker(rank: int, world_size: int, kw: dict, kind: str = "cpu") -> list[list[float]]:
+    device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")  # every rank on the one GPU (Gloo)
     torch.manual_seed(0)
-    a, b = gf.DistributedDataParallel(_tower(), **kw), gf.DistributedDataParallel(_tower(), **kw)
+    a, b = (gf.DistributedDataParallel(_tower().to(device), **kw) for _ in range(2))
     if rank == 0:  # rank 0 dawdles inside both backwards: its exchanges' messages arrive before it goes on
         for m in (a, b):
             m.module[3].register_full_backward_hook(lambda *_: time.sleep(0.05))
@@ -67,7 +70,7 @@ def _late_rank_worker(rank: int, world_size: int, kw: dict) -> list[list[float]]
     gen = torch.Generator().manual_seed(rank)
     for _ in range(4):
         opt.zero_grad()
-        _loss(a, b, torch.randn(8, 32, generator=gen)).backward()
+        _loss(a, b, torch.randn(8, 32, generator=gen).to(device)).backward()
         opt.step()
     for m in (a, b):
         stats = m.comm_stats()
@@ -85,9 +88,11 @@ def _late_rank_worker(rank: int, world_size: int, kw: dict) -> list[list[float]]
     ],
     ids=["csc-2", "cscq-3", "quantized-3", "quantized-2x2"],
 )
-def test_two_models_in_one_backward_stay_in_step_with_one_rank_late(world_size: int, kw: dict) -> None:
-    """Every rank ends with the same parameters, bit for bit, under a compressed recipe."""
-    results = run_distributed(_late_rank_worker, world_size, kw, timeout=120)
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_two_models_in_one_backward_stay_in_step_with_one_rank_late(world_size: int, kw: dict, kind: str) -> None:
+    """Every rank ends with the same parameters, bit for bit, under a compressed recipe (on a GPU where there is one:
+    the bytes staged through the host for Gloo)."""
+    results = run_distributed(_late_rank_worker, world_size, kw, kind, timeout=120)
     for other in results[1:]:
         assert other == results[0]
 
