@@ -83,8 +83,10 @@ def exchange_group(model: DistributedDataParallel) -> dist.ProcessGroup:
 
 def sync_group(model: DistributedDataParallel) -> dist.ProcessGroup:
     """The group the wrapper's strategy synchronises on: its exchange group under a compressed recipe (CSC, the
-    quantised ones), else the user's (dense collectives are issued from autograd's hooks, as torch DDP's)."""
-    return exchange_group(model) if model.config.needs_control_group else model.process_group
+    quantised ones) on a flat layout, else the user's: dense collectives are issued from autograd's hooks, as torch
+    DDP's, and two-level synchronisation sends on the node groups (the wrapper's own already)."""
+    flat = not resolve_layout(model.config, model.process_group).two_level
+    return exchange_group(model) if model.config.needs_control_group and flat else model.process_group
 
 
 def _own_group(model: DistributedDataParallel, attr: str) -> dist.ProcessGroup:
