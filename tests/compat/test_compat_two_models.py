@@ -85,8 +85,10 @@ def _late_rank_worker(rank: int, world_size: int, kw: dict, kind: str = "cpu") -
         (3, {"compression": "cscq", "chunk_size": 128, "warmup_steps": 0, "fusion_threshold_mb": 0.001}),
         (3, {"compression": "quantized", "fusion_threshold_mb": 0.001}),
         (4, {"compression": "quantized", "fusion_threshold_mb": 0.001, "topology": "2x2"}),
+        (3, {"compression": "auto", "fusion_threshold_mb": 0.001}),  # AdamW: the quantised recipe from step 1
+        (3, {"comm_dtype": "fp16", "fusion_threshold_mb": 0.001}),
     ],
-    ids=["csc-2", "cscq-3", "quantized-3", "quantized-2x2"],
+    ids=["csc-2", "cscq-3", "quantized-3", "quantized-2x2", "auto-3", "fp16-3"],
 )
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_two_models_in_one_backward_stay_in_step_with_one_rank_late(world_size: int, kw: dict, kind: str) -> None:
