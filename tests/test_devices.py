@@ -323,7 +323,5 @@ def test_auto_width_codec_is_timed_on_the_device(kind: str) -> None:
     gradient on an H200, 2026-11-28), and "auto" then weighs that cost as measured."""
     from gradientflow.strategies import width
 
-    # On CUDA the engine's own sample (4M gradients: what it times for any model that large): at 1 << 18 a GPU
-    # times its kernel launches, not the codec (1.07 ns per gradient on an H200, 2026-11-28).
     extra = width.extra_seconds(_device(kind, 0), width.SAMPLE if kind == "cuda" else 1 << 18)
     assert 0.0 <= extra < (1e-9 if kind == "cuda" else 1e-6)

@@ -125,6 +125,11 @@ class _Span:
         return self.completed_at is not None
 
 
+def _watched(group: dist.ProcessGroup, work: dist.Work | None, timeout: timedelta | None) -> _Watched:
+    """``work`` (a stage's, on ``group``) handed to that group's waiter."""
+    return _Watched(waiter_for(group).watch([work] if work is not None else [], timeout))
+
+
 StartMiddle = Callable[[Item], Middle]
 """Starts an item's exchange between nodes on ``item.shard`` (in place), returns it in flight."""
 
@@ -139,7 +144,7 @@ def dense_middle(groups: NodeGroups, algorithm: str) -> StartMiddle:
             start_allreduce(shard, group=groups.inter, algorithm="ring", what=item.what)
             return _Done()
         work = dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True)
-        return _Watched(waiter_for(groups.inter).watch([work], groups.timeout))
+        return _watched(groups.inter, work, groups.timeout)
 
     return start
 
@@ -207,12 +212,8 @@ class TwoLevelPipeline:
             item.host = (full, shard)
         self._trace(item, "reduce-scatter", full)
         work = reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=self.groups.reduce_scatter, async_op=True)
-        item.handle = self._watched(self.groups.reduce_scatter, work)
+        item.handle = _watched(self.groups.reduce_scatter, work, self.groups.timeout)
         self._rs.append(item)
-
-    def _watched(self, group: dist.ProcessGroup, work: dist.Work | None) -> _Watched:
-        """``work`` (on ``group``) handed to that group's waiter."""
-        return _Watched(waiter_for(group).watch([work] if work is not None else [], self.groups.timeout))
 
     def _trace(self, item: Item, stage: str, sent: torch.Tensor) -> None:
         """The stage starting now, as a collective event of the trace (when it records this step)."""
@@ -266,7 +267,7 @@ class TwoLevelPipeline:
                 self._trace(item, "all-gather", shard)
                 work = all_gather_single(full, shard, group=self.groups.all_gather, async_op=True)
                 item.stage = 2
-                item.handle = self._watched(self.groups.all_gather, work)
+                item.handle = _watched(self.groups.all_gather, work, self.groups.timeout)
                 self._ag.append(item)
                 moved = True
             if self._ag and self._head_done(self._ag):
