@@ -17,8 +17,8 @@ and the sums with B.
 
 Variants (:data:`VARIANTS`): ``q<bits>[n][b<block>]`` the library's levels (``n``: without a zero);
 ``pre-...`` the same in *preconditioned* units: every coordinate divided by ``r = sqrt(v) + eps`` before
-the block quantiser and multiplied back after, ``v`` an EMA (``--pre-beta``) of the squared synchronised
-gradient, which every rank holds bit-identical (so ranks agree on ``r`` without a byte): AdamW divides each
+the block quantiser and multiplied back after, ``v`` an EMA (``--pre-beta``, the library's 0.9) of the squared
+synchronised gradient, which every rank holds bit-identical (so ranks agree on ``r`` without a byte): AdamW divides each
 coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative to that RMS, where
 a max-abs block quantiser leaves the small coordinates of a block with noise of the block's scale.
 """
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
 from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
-from gradientflow.strategies.precondition import precondition_root
+from gradientflow.strategies.precondition import PRECONDITION_BETA, precondition_root
 
-SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?q(\d)(n)?(?:b(\d+))?")
+SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?(h)?q(\d)(n)?(?:b(\d+))?")
 MEAN_SIGN = 1  # ``q1``: the sign of each element times the block's mean |x| (the L2-best 1-bit code)
 
 
@@ -57,6 +57,27 @@ def sign_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
     cnt[-1] = block - (-n) % block  # the padded tail of the last block is not part of its mean
     s = (rows.abs().sum(1, keepdim=True) / cnt).bfloat16().float()
     return torch.where(rows >= 0, s, -s).reshape(-1)[:n]
+
+
+def hadamard(block: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order ``block`` (a power of two), times fixed random
+    signs on its rows (the same on every rank: a seeded generator), as DRIVE/EDEN rotate before quantising:
+    a block's energy spreads evenly over its coordinates, so its largest entry (the scale) sits near
+    ~2.7 RMS (Gaussian) however heavy-tailed the block was."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (block,), generator=torch.Generator().manual_seed(1234)) * 2 - 1
+    return signs[:, None].float() * h / block**0.5
+
+
+def rotated(code, x: torch.Tensor, block: int) -> torch.Tensor:
+    """``code`` applied to each block of ``x`` rotated by :func:`hadamard`, rotated back (orthonormal: the
+    error energy is the rotated code's)."""
+    n = x.numel()
+    rot = hadamard(block)
+    rows = F.pad(x, (0, (-n) % block)).view(-1, block) @ rot
+    return (code(rows.reshape(-1)).view(-1, block) @ rot.T).reshape(-1)[:n]
 
 
 def block_quantize(x: torch.Tensor, lv: torch.Tensor, block: int) -> torch.Tensor:
@@ -78,14 +99,16 @@ class Quant:
         m = SPEC.fullmatch(spec)
         self.exact = spec == "q32"
         self.bits = 32.0  # exact: fp32 on the wire
+        self.pre = False
         if not self.exact:
             assert m is not None, f"unknown quantiser {spec!r}"
             self.pre = m[1] is not None
             self.beta = float(m[1][3:-1]) if self.pre and len(m[1]) > 4 else pre_beta
-            self.sign = int(m[2]) == MEAN_SIGN
-            self.lv = torch.ones(1) if self.sign else table(int(m[2]), m[3] is not None)
-            self.block = int(m[4]) if m[4] else 128
-            self.bits = int(m[2]) + 16 / self.block
+            self.rotate = m[2] is not None
+            self.sign = int(m[3]) == MEAN_SIGN
+            self.lv = torch.ones(1) if self.sign else table(int(m[3]), m[4] is not None)
+            self.block = int(m[5]) if m[5] else 128
+            self.bits = int(m[3]) + 16 / self.block
 
     def __call__(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         if self.exact:
@@ -95,6 +118,11 @@ class Quant:
         return self.code(x)
 
     def code(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotate:
+            return rotated(self.plain, x, self.block)
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         return sign_quantize(x, self.block) if self.sign else block_quantize(x, self.lv, self.block)
 
 
@@ -127,8 +155,15 @@ class Variant:
             self.phases.append((start, [(torch.nonzero(owner == j)[:, 0], *q) for j, q in enumerate(quants)]))
         self.err = [torch.zeros(n) for _ in range(nproc)]
         self.v: torch.Tensor | None = None
-        self.beta = pre_beta
+        # the EMA's beta is the one a ``pre<beta>-`` names (the last such), else ``--pre-beta``.  Until 2026-11-28
+        # it was always ``--pre-beta`` (then 0.99 by default): a ``pre0.9-`` without ``--pre-beta 0.9`` ran 0.99.
+        pres = [q.beta for _, grp in self.phases for _, qa, qb in grp for q in (qa, qb) if q.pre]
+        self.beta = pres[-1] if pres else pre_beta
         self.bits_sent = 0.0
+        # error energy each stage added, and the synchronised gradient's, over the quantised steps
+        self.energy = {k: 0.0 for k in ("contributions", "sums", "signal", "w-contributions", "w-sums", "w-signal")}
+        self.predict = 0.0  # --predict: code the difference to predict x the last synchronised gradient
+        self.last: torch.Tensor | None = None
 
     @staticmethod
     def _pair(spec: str, pre_beta: float) -> tuple[Quant, Quant]:
@@ -144,7 +179,12 @@ class Variant:
         else:
             groups = [g for start, g in self.phases if start <= step][-1]
             xs = [g / world + e for g, e in zip(grads, self.err)]
+            # every rank holds the last synchronised gradient bit-identical: a prediction that costs no byte
+            pred = torch.zeros_like(grads[0]) if self.last is None else self.last * self.predict
+            xs = [x - pred / world for x in xs]
             r = precondition_root(self.v) if self.v is not None else None  # the library's (one bucket)
+            # "w-": the same energies in the preconditioner's units (each coordinate over its RMS, as AdamW weighs it)
+            w = torch.ones_like(grads[0]) if r is None else r.square().reciprocal()
             total = torch.zeros_like(grads[0])
             for idx, qa, qb in groups:
                 ri = None if r is None else r[idx]
@@ -152,7 +192,10 @@ class Variant:
                     for i, x in enumerate(xs):
                         dec = qa(x[idx], ri)
                         self.err[i][idx] = x[idx] - dec
+                        self.energy["contributions"] += float(self.err[i][idx].square().sum())
+                        self.energy["w-contributions"] += float((self.err[i][idx].square() * w[idx]).sum())
                         total[idx] += dec
+                    total[idx] += pred[idx]
                     self.bits_sent += qa.bits * idx.numel()
                     continue
                 # direct reduce-scatter into `world` segments (each owned by one rank), then the owner's sum
@@ -164,18 +207,26 @@ class Variant:
                         if i != j:
                             dec = qa(xs[i][seg], rs)
                             self.err[i][seg] = xs[i][seg] - dec
+                            self.energy["contributions"] += float(self.err[i][seg].square().sum())
+                            self.energy["w-contributions"] += float((self.err[i][seg].square() * w[seg]).sum())
                             s += dec
                     out = qb(s, rs)
                     self.err[j][seg] = s - out
+                    self.energy["sums"] += float(self.err[j][seg].square().sum())
+                    self.energy["w-sums"] += float((self.err[j][seg].square() * w[seg]).sum())
                     total[seg] = out
+                total[idx] += pred[idx]
                 self.bits_sent += (qa.bits + qb.bits) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
+            self.energy["signal"] += float(total.square().sum())
+            self.energy["w-signal"] += float((total.square() * w).sum())
+        self.last = total.clone()
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
             sq = total.square()
             self.v = sq if self.v is None else self.v.mul_(self.beta).add_(sq, alpha=1 - self.beta)
         return total
 
 
-def train(variant: str, args: argparse.Namespace) -> tuple[float, float]:
+def train(variant: str, args: argparse.Namespace) -> tuple[float, ...]:
     opts = QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none", adamw_lr=args.lr)
     opts.adamw_beta2 = args.beta2
     if args.size:
@@ -189,6 +240,7 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, float]:
     batches = [d.batches() for d in ranks]
     names = [nm for nm, p in model.named_parameters() if p.requires_grad]
     v = Variant(variant, args.pre_beta, names, [p.numel() for p in params], args.nproc)
+    v.predict = args.predict
     for step in range(job.steps):
         grads = []
         for it in batches:
@@ -210,7 +262,13 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, float]:
         for i in range(0, len(vx), 64):
             out = model(vx[i : i + 64])
             loss += float(F.cross_entropy(out.reshape(-1, out.shape[-1]), vy[i : i + 64].reshape(-1), reduction="sum"))
-    return loss / vy.numel(), v.bits_sent / (32 * job.steps * sum(p.numel() for p in params))
+    e = v.energy
+    return (
+        loss / vy.numel(),
+        v.bits_sent / (32 * job.steps * sum(p.numel() for p in params)),
+        *(e[k] / (e["signal"] or 1.0) for k in ("contributions", "sums")),
+        *(e[k] / (e["w-signal"] or 1.0) for k in ("w-contributions", "w-sums")),
+    )
 
 
 def main() -> None:
@@ -222,18 +280,24 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="AdamW peak LR (default: the bench's)")
     ap.add_argument("--beta2", type=float, default=0.95)
     ap.add_argument("--size", default=None, help="transformer DxL (default the bench's 128x2)")
-    ap.add_argument("--pre-beta", type=float, default=0.99, help="EMA of the squared synchronised gradient")
+    ap.add_argument(
+        "--pre-beta", type=float, default=PRECONDITION_BETA, help="EMA of the squared synchronised gradient"
+    )
+    ap.add_argument("--predict", type=float, default=0.0, help="code x - this x the last synchronised gradient")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results: dict[str, tuple[float, float]] = {}
+    results: dict[str, tuple[float, ...]] = {}
     for name in dict.fromkeys(["dense", *args.variants]):
         t0 = time.time()
         results[name] = train(name, args)
-        loss, nbytes = results[name]
+        loss, nbytes, d_contrib, d_sum, w_contrib, w_sum = results[name]
         ratio = loss / results["dense"][0]
         print(
-            f"{name}: val loss {loss:.4f}, ratio {ratio:.4f}, bytes {nbytes:.4f} ({time.time() - t0:.0f} s)", flush=True
+            f"{name}: val loss {loss:.4f}, ratio {ratio:.4f}, bytes {nbytes:.4f}, error energy / the synchronised "
+            f"gradient's: contributions {d_contrib:.4f}, sums {d_sum:.4f}; over each coordinate's RMS: "
+            f"{w_contrib:.4f}, {w_sum:.4f} ({time.time() - t0:.0f} s)",
+            flush=True,
         )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@
 - as user code on 2 ranks, the link's measurement and the steps' exposed communication replaced (what a test
   cannot shape on loopback): a slow link that held the 3-bit steps back goes on at 2 bits after "q2npw20"'s
   20-step 3-bit warm-up (comm_stats says so and why; every step's bytes; ranks identical after every step); a
-  fast link, or a slow one whose bytes went while backward ran, keeps 3 bits; a run resumed inside the warm-up
-  decides at its end and one resumed after it keeps the checkpoint's width without measuring, both bit for bit;
+  fast link, or a slow one whose bytes went while backward ran, keeps 3 bits; a run resumed before the switch or
+  inside the warm-up decides at its end and one resumed after it keeps the checkpoint's width without measuring, both bit for bit;
   a wrapper that decided the other width refuses that checkpoint (ValueError).
 """
 
@@ -155,7 +155,8 @@ def _worker(rank: int, world: int, link_Bps: float, exposed_s: float) -> dict:
     stats, whole, sent, _, during = run(data)
     out: dict = {"compression": stats["compression"], "why": stats["compression_auto"], "per_step": sent}
     out["history"], out["measured"] = whole, len(measured)
-    for at in (5, WARMUP + 2):  # in the 3-bit warm-up (decided again at its end), and after the decision
+    # saved before the switch (after the dense step 0), in the 3-bit warm-up (decided again at its end), after it
+    for at in (1, 5, WARMUP + 2):
         _, head, _, ckpt, _ = run(data[:at])
         before = len(measured)
         resumed_stats, tail, _, _, _ = run(data[at:], ckpt)
@@ -197,6 +198,9 @@ def _check_resumes(r: dict, width_name: str) -> None:
     # width), bit for bit; after the decision: the checkpoint's width, without measuring again
     assert r["measured"] == 1 and r["measured_on_resume_5"] == 1, r
     assert r["resumed_5"] == r["history"]
+    # saved before the switch: the checkpoint names the optimizer that chose, so the resumed switch is an Adam-type
+    # optimizer's (2 ranks: the 3-bit warm-up, then the width), not plain "quantized"
+    assert r["measured_on_resume_1"] == 1 and r["resumed_1"] == r["history"], r["resumed_why_1"]
     assert r["measured_on_resume_22"] == 0 and r["resumed_why_22"].startswith(width_name), r["resumed_why_22"]
     assert r["resumed_22"] == r["history"]
 

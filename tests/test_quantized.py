@@ -6,8 +6,8 @@
 - training: the recipe with the quantiser off ("q32") gives torch DDP's parameters; with 3 bits
   ranks hold identical parameters after every step; checkpoint + resume == uninterrupted run;
 - options: a mismatch across ranks is a ValueError on every rank; conflicting keywords raise;
-  "auto" picks cscq for SGD (with and without momentum), quantized for Adam and AdamW, and
-  ``comm_stats()`` says which.
+  "auto" picks cscq for SGD (with and without momentum), for Adam and AdamW quantized (two parties) or q3p
+  (3 ranks: preconditioned), and ``comm_stats()`` says which.
 """
 
 from __future__ import annotations
@@ -291,8 +291,9 @@ def test_training_full_precision_identical_ranks_resume_and_auto_picks():
     assert per_rank[0]["picks"] == {
         "SGD": ("cscq", "SGD -> cscq"),
         "SGD momentum": ("cscq", "SGD -> cscq"),
-        "Adam": ("quantized", "Adam -> quantized"),
-        "AdamW": ("quantized", "AdamW -> quantized"),
+        # 3 ranks: each segment's sum is quantised again, so Adam-type optimizers get the preconditioned 3 bits
+        "Adam": ("q3p", "Adam -> q3p (3 bits, preconditioned: 3 parties)"),
+        "AdamW": ("q3p", "AdamW -> q3p (3 bits, preconditioned: 3 parties)"),
     }
 
 

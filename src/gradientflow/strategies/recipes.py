@@ -31,6 +31,22 @@ the SGD transformer at 4 ranks 1.0151x DDP's final loss on 0.040 of its bytes as
 less of the codec's CPU (0.5: 1.0095x on 0.067)."""
 
 
+MANY_PARTIES_ADAM = "q3p"
+"""What ``"auto"`` gives an Adam-type optimizer where the quantised exchange has more than two parties (more than
+two flat ranks, or more than two nodes): 3 bits, preconditioned (each coordinate quantised in units of its own RMS,
+``strategies.precondition``).  There every segment's sum is quantised once more after the contributions, and AdamW
+divides each coordinate's step by its RMS, so a max-abs block's noise on its small coordinates weighs most; the
+preconditioner spreads it by each coordinate's RMS.  Measured at 4 flat ranks (docs/adamw.md, the AdamW transformer):
+1.014x DDP's final loss against plain 3 bits' 1.031x, seed 0, the same bytes.  Two parties (2 ranks, 2 nodes) keep
+plain 3 bits (or ``"q2npw20"``'s choice on 2 ranks): measured there within 1.02x."""
+
+
+def adam_recipe(parties: int) -> str:
+    """The quantiser ``"auto"`` runs for an Adam-type optimizer whose exchange has ``parties`` parties (before
+    ``"q2npw20"``'s width rule on two flat ranks): :data:`MANY_PARTIES_ADAM` beyond two, else ``"quantized"``."""
+    return MANY_PARTIES_ADAM if parties > 2 else "quantized"
+
+
 def recipe_options(recipe: str, world_size: int) -> dict[str, float]:
     """The options ``"auto"`` sets beside ``recipe`` on ``world_size`` ranks: ``"cscq"`` at :data:`CSCQ_MANY_DENSITY`
     beyond a pair of ranks (nodes of several ranks are always more than two), nothing else."""

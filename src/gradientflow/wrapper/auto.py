@@ -9,7 +9,9 @@
    same recipe, and the wrapper rebuilds its engine with it (the observed pool order is kept).
    An Adam-type optimizer on two ranks gets ``"q2npw20"``, whose first 20 steps send the 3-bit codes of
    ``"quantized"``; at their end (:func:`_watch_width`) it keeps 2 bits or goes on at 3, whichever costs less per
-   step on this link and device, measured there (:mod:`gradientflow.strategies.width`).
+   step on this link and device, measured there (:mod:`gradientflow.strategies.width`); one whose exchange has
+   more than two parties (flat ranks or nodes) gets ``"q3p"``, 3 bits preconditioned
+   (:data:`gradientflow.strategies.recipes.MANY_PARTIES_ADAM`).
 3. ``comm_state_dict()`` records the active recipe; loading it into a fresh ``"auto"`` wrapper
    switches to that recipe first, so a resumed run continues exactly.
 """
@@ -32,12 +34,14 @@ from ..engine.schedule import measure as measure_link
 from ..strategies import width
 from ..strategies.recipes import (
     AUTO_RECIPES,
+    adam_recipe,
     agree_on_recipe,
     recipe_for_optimizer,
     recipe_options,
     unmeasured_warning,
 )
 from .compat import recipe_theta
+from .groups import resolve_layout
 
 QUANT_FIELDS = ("bits", "block", "clip", "levels", "precondition", "warmup")
 DistributedDataParallel = Any
@@ -90,6 +94,11 @@ def switch_if_chosen(model: DistributedDataParallel) -> None:
         recipe = width.FEWER_BITS  # its warm-up sends "quantized"'s 3-bit codes meanwhile
         _start_deciding(auto)
         auto.reason = f"{auto.optimizer} -> quantized (3 bits; 3 or 2 decided at step {width.WARMUP})"
+    elif recipe == "quantized" and auto.adam:
+        parties = resolve_layout(model.config, model.process_group).nodes  # flat: every rank its own node
+        recipe = adam_recipe(parties)
+        if recipe != "quantized":
+            auto.reason = f"{auto.optimizer} -> {recipe} (3 bits, preconditioned: {parties} parties)"
     _rebuild(model, recipe)
 
 
@@ -192,6 +201,8 @@ def save(model: DistributedDataParallel, state: dict[str, Any]) -> dict[str, Any
     if model.config.compression == "auto" and model._gf_auto.pending is not None:
         state["auto_pending"] = model._gf_auto.pending
         state["auto_steps"] = model._gf_watchdog.step + model._gf_auto.offset  # where the switched recipe's ramp starts
+        # the optimizer that chose: the switch's rules for Adam-type ones (2 ranks: "q2npw20"; more parties: "q3p")
+        state["auto_optimizer"], state["auto_adam"] = model._gf_auto.optimizer, model._gf_auto.adam
     return state
 
 
@@ -203,6 +214,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
     steps = int(state.pop("auto_steps", 0))
     picked = state.pop("auto_recipe", saved)
     deciding = bool(state.pop("auto_deciding", False))
+    optimizer, adam = str(state.pop("auto_optimizer", "")), bool(state.pop("auto_adam", False))
     active = model.config.compression
     mine = model._gf_auto.picked
     if saved == active and mine is not None and picked != mine:  # "auto" switched here to another width
@@ -215,6 +227,7 @@ def prepare_load(model: DistributedDataParallel, state: dict[str, Any]) -> dict[
         _start_deciding(model._gf_auto, deciding and model._gf_auto.requested)
         if pending is not None and active == "auto":
             model._gf_auto.pending, model._gf_auto.offset = pending, steps
+            model._gf_auto.optimizer, model._gf_auto.adam = optimizer, adam
             model._gf_auto.reason = f"{pending} (chosen before the loaded communication state was saved)"
         return state
     if active == "auto" and model._gf_auto.requested and saved in AUTO_RECIPES:  # "csc": an "auto" run of before
