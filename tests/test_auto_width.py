@@ -7,9 +7,9 @@
 - as user code on 2 ranks, the link's measurement and the steps' exposed communication replaced (what a test
   cannot shape on loopback): a slow link that held the 3-bit steps back goes on at 2 bits after "q2npw20"'s
   20-step 3-bit warm-up (comm_stats says so and why; every step's bytes; ranks identical after every step); a
-  fast link, or a slow one whose bytes went while backward ran, keeps 3 bits; a run resumed before the switch or
-  inside the warm-up decides at its end and one resumed after it keeps the checkpoint's width without measuring, both bit for bit;
-  a wrapper that decided the other width refuses that checkpoint (ValueError).
+  fast link, or a slow one whose bytes went while backward ran, keeps 3 bits; a run resumed before the switch
+  or inside the warm-up decides at its end and one resumed after it keeps the checkpoint's width without
+  measuring, both bit for bit; a wrapper that decided the other width refuses that checkpoint (ValueError).
 """
 
 from __future__ import annotations
