@@ -128,6 +128,7 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
         ("adamw_matrix_q2npw20_2x2", 7),
         ("adamw_matrix_2x2", 7),
         ("adamw_matrix_auto_200mbit", 7),  # "auto" behind a 200 Mbit/s link: it picked 2 bits
+        ("adamw_matrix_4flat", 7),  # "auto" at 4 flat ranks: "q3p"
     ],
 )
 def test_adamw_matrix_rows_on_the_page_are_the_committed_table(name: str, settings: int) -> None:

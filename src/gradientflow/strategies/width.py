@@ -17,7 +17,8 @@ ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (do
 
 and 2 bits go on where the saving is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges (2 ranks,
 flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's seven settings
-ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link.
+ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link (preconditioned beyond two parties:
+``strategies.recipes.MANY_PARTIES_ADAM``).
 """
 
 from __future__ import annotations
