@@ -20,7 +20,11 @@ Variants (:data:`VARIANTS`): ``q<bits>[n][b<block>]`` the library's levels (``n`
 the block quantiser and multiplied back after, ``v`` an EMA (``--pre-beta``, the library's 0.9) of the squared
 synchronised gradient, which every rank holds bit-identical (so ranks agree on ``r`` without a byte): AdamW divides each
 coordinate's step by its own RMS, so it sees a coordinate's quantisation noise relative to that RMS, where
-a max-abs block quantiser leaves the small coordinates of a block with noise of the block's scale.
+a max-abs block quantiser leaves the small coordinates of a block with noise of the block's scale
+(``pre<beta>-``: that EMA's beta); ``hq...``: each block rotated (:func:`hadamard`) before its scale, rotated
+back after.  ``--predict c``: every message codes its value less ``c`` x the last synchronised gradient (known
+to every rank).  Each variant's line also reports the error energy each stage added over the synchronised
+gradient's, plain and in the preconditioner's units (``w-``).
 """
 
 from __future__ import annotations
