@@ -30,9 +30,11 @@ gradient's, plain and in the preconditioner's units (``w-``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,6 +65,7 @@ def sign_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(rows >= 0, s, -s).reshape(-1)[:n]
 
 
+@functools.cache
 def hadamard(block: int) -> torch.Tensor:
     """The orthonormal Sylvester-Hadamard matrix of order ``block`` (a power of two), times fixed random
     signs on its rows (the same on every rank: a seeded generator), as DRIVE/EDEN rotate before quantising:
@@ -75,7 +78,7 @@ def hadamard(block: int) -> torch.Tensor:
     return signs[:, None].float() * h / block**0.5
 
 
-def rotated(code, x: torch.Tensor, block: int) -> torch.Tensor:
+def rotated(code: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block: int) -> torch.Tensor:
     """``code`` applied to each block of ``x`` rotated by :func:`hadamard`, rotated back (orthonormal: the
     error energy is the rotated code's)."""
     n = x.numel()
@@ -136,7 +139,9 @@ class Variant:
     one quantiser for every message or ``A/B``: from 3 ranks, ``A`` for the reduce-scatter's contributions,
     ``B`` for the segment sums of the all-gather (two ranks exchange contributions only: ``A``)."""
 
-    def __init__(self, name: str, pre_beta: float, names: list[str], sizes: list[int], nproc: int = 2) -> None:
+    def __init__(
+        self, name: str, pre_beta: float, names: list[str], sizes: list[int], nproc: int = 2, predict: float = 0.0
+    ) -> None:
         self.name, self.dense = name, name == "dense"
         n = sum(sizes)
         self.phases: list[tuple[int, list[tuple[torch.Tensor, Quant, Quant]]]] = []
@@ -166,13 +171,19 @@ class Variant:
         self.bits_sent = 0.0
         # error energy each stage added, and the synchronised gradient's, over the quantised steps
         self.energy = {k: 0.0 for k in ("contributions", "sums", "signal", "w-contributions", "w-sums", "w-signal")}
-        self.predict = 0.0  # --predict: code the difference to predict x the last synchronised gradient
+        self.predict = predict  # --predict: code the difference to predict x the last synchronised gradient
         self.last: torch.Tensor | None = None
 
     @staticmethod
     def _pair(spec: str, pre_beta: float) -> tuple[Quant, Quant]:
         a, _, b = spec.partition("/")
         return Quant(a, pre_beta), Quant(b or a, pre_beta)
+
+    def _count(self, what: str, x: torch.Tensor, w: torch.Tensor) -> None:
+        """``x``'s energy into ``what``, plain and weighted by ``w`` (``"w-" + what``)."""
+        sq = x.square()
+        self.energy[what] += float(sq.sum())
+        self.energy["w-" + what] += float((sq * w).sum())
 
     def sync(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
         """The averaged gradient every rank's optimizer gets (the library's direct quantised ring)."""
@@ -196,8 +207,7 @@ class Variant:
                     for i, x in enumerate(xs):
                         dec = qa(x[idx], ri)
                         self.err[i][idx] = x[idx] - dec
-                        self.energy["contributions"] += float(self.err[i][idx].square().sum())
-                        self.energy["w-contributions"] += float((self.err[i][idx].square() * w[idx]).sum())
+                        self._count("contributions", self.err[i][idx], w[idx])
                         total[idx] += dec
                     total[idx] += pred[idx]
                     self.bits_sent += qa.bits * idx.numel()
@@ -211,18 +221,15 @@ class Variant:
                         if i != j:
                             dec = qa(xs[i][seg], rs)
                             self.err[i][seg] = xs[i][seg] - dec
-                            self.energy["contributions"] += float(self.err[i][seg].square().sum())
-                            self.energy["w-contributions"] += float((self.err[i][seg].square() * w[seg]).sum())
+                            self._count("contributions", self.err[i][seg], w[seg])
                             s += dec
                     out = qb(s, rs)
                     self.err[j][seg] = s - out
-                    self.energy["sums"] += float(self.err[j][seg].square().sum())
-                    self.energy["w-sums"] += float((self.err[j][seg].square() * w[seg]).sum())
+                    self._count("sums", self.err[j][seg], w[seg])
                     total[seg] = out
                 total[idx] += pred[idx]
                 self.bits_sent += (qa.bits + qb.bits) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
-            self.energy["signal"] += float(total.square().sum())
-            self.energy["w-signal"] += float((total.square() * w).sum())
+            self._count("signal", total, w)
         self.last = total.clone()
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
             sq = total.square()
@@ -243,8 +250,7 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, ...]:
     sched = lr_schedule(opt, job)
     batches = [d.batches() for d in ranks]
     names = [nm for nm, p in model.named_parameters() if p.requires_grad]
-    v = Variant(variant, args.pre_beta, names, [p.numel() for p in params], args.nproc)
-    v.predict = args.predict
+    v = Variant(variant, args.pre_beta, names, [p.numel() for p in params], args.nproc, args.predict)
     for step in range(job.steps):
         grads = []
         for it in batches:
