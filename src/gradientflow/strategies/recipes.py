@@ -38,8 +38,8 @@ two flat ranks, or more than two nodes): 3 bits, preconditioned (each coordinate
 divides each coordinate's step by its RMS, so a max-abs block's noise on its small coordinates weighs most; the
 preconditioner spreads it by each coordinate's RMS.  Measured at 4 flat ranks (docs/adamw.md, the AdamW transformer):
 1.016x DDP's final loss against plain 3 bits' 1.028x, seed 0, one launch, the same bytes; on the AdamW matrix (7
-settings, 3 seeds) 1.0098-1.0192x.  Two parties (2 ranks, 2 nodes) keep plain 3 bits (or ``"q2npw20"``'s choice on 2 ranks):
-measured there within 1.02x."""
+settings, 3 seeds) 1.0098-1.0192x.  Two parties (2 ranks, 2 nodes) keep plain 3 bits (or ``"q2npw20"``'s choice
+on 2 ranks): measured there within 1.02x."""
 
 
 def adam_recipe(parties: int) -> str:
