@@ -24,13 +24,15 @@ a max-abs block quantiser leaves the small coordinates of a block with noise of 
 (``pre<beta>-``: that EMA's beta); ``hq...``: each block rotated (:func:`hadamard`) before its scale, rotated
 back after.  ``--predict c``: every message codes its value less ``c`` x the last synchronised gradient (known
 to every rank).  Each variant's line also reports the error energy each stage added over the synchronised
-gradient's, plain and in the preconditioner's units (``w-``).
+gradient's, plain and in the preconditioner's units (``w-``), and what its codes would cost entropy-coded
+(:class:`Rate`: a table per message; Shannon's bound and a Huffman code).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import heapq
 import json
 import re
 import time
@@ -87,15 +89,51 @@ def rotated(code: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block
     return (code(rows.reshape(-1)).view(-1, block) @ rot.T).reshape(-1)[:n]
 
 
-def block_quantize(x: torch.Tensor, lv: torch.Tensor, block: int) -> torch.Tensor:
+def huffman_bits(counts: list[int]) -> int:
+    """Bits a Huffman code built for these symbol counts spends on them (its table not counted)."""
+    heap = [(c, i, 0) for i, c in enumerate(counts) if c]
+    if len(heap) < 2:
+        return sum(counts)  # one symbol still takes a bit each in a prefix code
+    heapq.heapify(heap)
+    total, tie = 0, len(heap)
+    while len(heap) > 1:
+        a, _, _ = heapq.heappop(heap)
+        b, _, _ = heapq.heappop(heap)
+        total += a + b  # every symbol below the merged node gets one bit longer
+        heapq.heappush(heap, (a + b, tie, 0))
+        tie += 1
+    return total
+
+
+class Rate:
+    """What the codes of the messages would cost entropy-coded, one table per message (its size not counted):
+    the ideal (Shannon) bits and a Huffman code's."""
+
+    def __init__(self) -> None:
+        self.symbols, self.shannon, self.huffman = 0, 0.0, 0
+
+    def add(self, codes: torch.Tensor, nsym: int) -> None:
+        counts = torch.bincount(codes, minlength=nsym)
+        n = int(counts.sum())
+        p = counts[counts > 0].double() / n
+        self.symbols += n
+        self.shannon += float(-(p * p.log2()).sum()) * n
+        self.huffman += huffman_bits(counts.tolist())
+
+
+def block_quantize(x: torch.Tensor, lv: torch.Tensor, block: int, rate: Rate | None = None) -> torch.Tensor:
     """Decoded values: per block of ``block`` a bf16 max-abs scale, each element the nearest of ``±lv``
-    (a tie toward the smaller level), as comm/quantize.py."""
+    (a tie toward the smaller level), as comm/quantize.py.  ``rate``: the codes' entropy tallied there (a
+    table with a zero level: one symbol for 0, else the sign is a symbol's lowest bit)."""
     n = x.numel()
     rows = F.pad(x, (0, (-n) % block)).view(-1, block)
     s = rows.abs().amax(1, keepdim=True).bfloat16().float()
     u = rows / torch.where(s > 0, s, torch.ones_like(s))
     mids = (lv[1:] + lv[:-1]) / 2
     k = torch.bucketize(u.abs(), mids)  # right=False: a value equal to a midpoint takes the lower level
+    if rate is not None:
+        neg = (u < 0) & ((k > 0) | bool(lv[0] > 0))  # a zero level has no sign
+        rate.add((k * 2 + neg).reshape(-1)[:n], 2 * len(lv))
     return (lv[k].copysign(u) * s).reshape(-1)[:n]
 
 
@@ -116,6 +154,7 @@ class Quant:
             self.lv = torch.ones(1) if self.sign else table(int(m[3]), m[4] is not None)
             self.block = int(m[5]) if m[5] else 128
             self.bits = int(m[3]) + 16 / self.block
+        self.rate = Rate()
 
     def __call__(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         if self.exact:
@@ -130,7 +169,7 @@ class Quant:
         return self.plain(x)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
-        return sign_quantize(x, self.block) if self.sign else block_quantize(x, self.lv, self.block)
+        return sign_quantize(x, self.block) if self.sign else block_quantize(x, self.lv, self.block, self.rate)
 
 
 class Variant:
@@ -169,6 +208,7 @@ class Variant:
         pres = [q.beta for _, grp in self.phases for _, qa, qb in grp for q in (qa, qb) if q.pre]
         self.beta = pres[-1] if pres else pre_beta
         self.bits_sent = 0.0
+        self.bits_shannon = self.bits_huffman = 0.0  # the same bytes entropy-coded (:class:`Rate`)
         # error energy each stage added, and the synchronised gradient's, over the quantised steps
         self.energy = {k: 0.0 for k in ("contributions", "sums", "signal", "w-contributions", "w-sums", "w-signal")}
         self.predict = predict  # --predict: code the difference to predict x the last synchronised gradient
@@ -185,12 +225,26 @@ class Variant:
         self.energy[what] += float(sq.sum())
         self.energy["w-" + what] += float((sq * w).sum())
 
+    def _entropy(self, q: Quant, before: tuple[int, float, int], weight: float) -> None:
+        """This step's bits had ``q``'s codes been entropy-coded (Shannon and Huffman, a table per message), at
+        ``weight`` coordinates' share of the bytes; codes without a tally (exact, 1-bit) at their fixed width."""
+        n = q.rate.symbols - before[0]
+        over = 0.0 if q.exact else 16 / q.block  # the scales' bits per coordinate
+        if n == 0:
+            self.bits_shannon += q.bits * weight
+            self.bits_huffman += q.bits * weight
+            return
+        self.bits_shannon += ((q.rate.shannon - before[1]) / n + over) * weight
+        self.bits_huffman += ((q.rate.huffman - before[2]) / n + over) * weight
+
     def sync(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
         """The averaged gradient every rank's optimizer gets (the library's direct quantised ring)."""
         n, world = grads[0].numel(), len(grads)
         if self.dense or step == 0:
             total = sum(grads) / world
             self.bits_sent += 32 * n
+            self.bits_shannon += 32 * n
+            self.bits_huffman += 32 * n
         else:
             groups = [g for start, g in self.phases if start <= step][-1]
             xs = [g / world + e for g, e in zip(grads, self.err)]
@@ -203,6 +257,7 @@ class Variant:
             total = torch.zeros_like(grads[0])
             for idx, qa, qb in groups:
                 ri = None if r is None else r[idx]
+                before = [(q.rate.symbols, q.rate.shannon, q.rate.huffman) for q in (qa, qb)]
                 if world == 2:  # one exchange of whole contributions, the sum never requantised
                     for i, x in enumerate(xs):
                         dec = qa(x[idx], ri)
@@ -211,6 +266,7 @@ class Variant:
                         total[idx] += dec
                     total[idx] += pred[idx]
                     self.bits_sent += qa.bits * idx.numel()
+                    self._entropy(qa, before[0], idx.numel())
                     continue
                 # direct reduce-scatter into `world` segments (each owned by one rank), then the owner's sum
                 # quantised once and sent to all (its residual keeps that error too)
@@ -229,6 +285,8 @@ class Variant:
                     total[seg] = out
                 total[idx] += pred[idx]
                 self.bits_sent += (qa.bits + qb.bits) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
+                self._entropy(qa, before[0], idx.numel() / 2)
+                self._entropy(qb, before[1], idx.numel() / 2)
             self._count("signal", total, w)
         self.last = total.clone()
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
@@ -275,7 +333,7 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, ...]:
     e = v.energy
     return (
         loss / vy.numel(),
-        v.bits_sent / (32 * job.steps * sum(p.numel() for p in params)),
+        *(b / (32 * job.steps * sum(p.numel() for p in params)) for b in (v.bits_sent, v.bits_shannon, v.bits_huffman)),
         *(e[k] / (e["signal"] or 1.0) for k in ("contributions", "sums")),
         *(e[k] / (e["w-signal"] or 1.0) for k in ("w-contributions", "w-sums")),
     )
@@ -301,10 +359,11 @@ def main() -> None:
     for name in dict.fromkeys(["dense", *args.variants]):
         t0 = time.time()
         results[name] = train(name, args)
-        loss, nbytes, d_contrib, d_sum, w_contrib, w_sum = results[name]
+        loss, nbytes, shannon, huffman, d_contrib, d_sum, w_contrib, w_sum = results[name]
         ratio = loss / results["dense"][0]
         print(
-            f"{name}: val loss {loss:.4f}, ratio {ratio:.4f}, bytes {nbytes:.4f}, error energy / the synchronised "
+            f"{name}: val loss {loss:.4f}, ratio {ratio:.4f}, bytes {nbytes:.4f} (entropy-coded: Shannon "
+            f"{shannon:.4f}, Huffman {huffman:.4f}), error energy / the synchronised "
             f"gradient's: contributions {d_contrib:.4f}, sums {d_sum:.4f}; over each coordinate's RMS: "
             f"{w_contrib:.4f}, {w_sum:.4f} ({time.time() - t0:.0f} s)",
             flush=True,
