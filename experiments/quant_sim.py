@@ -91,17 +91,15 @@ def rotated(code: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block
 
 def huffman_bits(counts: list[int]) -> int:
     """Bits a Huffman code built for these symbol counts spends on them (its table not counted)."""
-    heap = [(c, i, 0) for i, c in enumerate(counts) if c]
+    heap = [c for c in counts if c]
     if len(heap) < 2:
         return sum(counts)  # one symbol still takes a bit each in a prefix code
     heapq.heapify(heap)
-    total, tie = 0, len(heap)
+    total = 0
     while len(heap) > 1:
-        a, _, _ = heapq.heappop(heap)
-        b, _, _ = heapq.heappop(heap)
-        total += a + b  # every symbol below the merged node gets one bit longer
-        heapq.heappush(heap, (a + b, tie, 0))
-        tie += 1
+        merged = heapq.heappop(heap) + heapq.heappop(heap)
+        total += merged  # every symbol below the merged node gets one bit longer
+        heapq.heappush(heap, merged)
     return total
 
 
