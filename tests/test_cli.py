@@ -537,3 +537,17 @@ def test_torch_suite_subcommand_takes_the_runners_options():
     assert args.tests == ["test_ddp_namedtuple"] and args.pg_timeout == 60.0 and args.only is None
     args = build_parser(["torch-suite", "--only", "gradientflow"]).parse_args(["torch-suite", "--only", "gradientflow"])
     assert args.only == "gradientflow"  # the torch DDP column is then read from --out's earlier results.json
+
+
+def test_torch_suite_only_without_the_other_column_stops_before_running_a_test(tmp_path, monkeypatch, capsys):
+    """`--only gradientflow` into a folder without torch DDP's column: exit 1 with "run both first" at once, not
+    after minutes of tests (each test a pair of ranks)."""
+    pytest.importorskip("expecttest")  # the runner requires it before anything else (docs/install.md)
+    from gradientflow.bench.torch_suite import runner
+    from gradientflow.cli import main
+
+    ran: list[str] = []
+    monkeypatch.setattr(runner, "run_tests", lambda impl, *a, **k: ran.append(impl) or [])
+    assert main(["torch-suite", "--only", "gradientflow", "--out", str(tmp_path), "test_ddp_namedtuple"]) == 1
+    assert "run both first" in capsys.readouterr().err
+    assert ran == []  # nothing ran

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from .selection import CI, DEFAULT
+
+if TYPE_CHECKING:
+    from .runner import Outcome
 
 __all__ = ["CI", "DEFAULT", "add_arguments", "main", "run"]
 
@@ -53,12 +57,14 @@ def run(args: argparse.Namespace, command: str) -> int:
     else:
         names = args.tests or list(DEFAULT)
     note = ""
+    other: dict[str, list[Outcome]] = {}
+    if args.only is not None:  # torch DDP's outcomes do not depend on gradientflow's code: re-use them
+        # read before running: a missing column is the user's to fix now, not after minutes of tests
+        other, source = read_other(args.out, args.only, names)
+        note = f"; the other column re-used from: {source}"
     impls = ("torch", "gradientflow") if args.only is None else (args.only,)
     by_impl = {impl: run_tests(impl, names, args.pg_timeout) for impl in impls}
-    if args.only is not None:  # torch DDP's outcomes do not depend on gradientflow's code: re-use them
-        other, source = read_other(args.out, args.only, names)
-        by_impl.update(other)
-        note = f"; the other column re-used from: {source}"
+    by_impl.update(other)
     print(write(args.out, names, by_impl, command.strip(), note))
     return 0
 
