@@ -205,8 +205,7 @@ class Variant:
         # it was always ``--pre-beta`` (then 0.99 by default): a ``pre0.9-`` without ``--pre-beta 0.9`` ran 0.99.
         pres = [q.beta for _, grp in self.phases for _, qa, qb in grp for q in (qa, qb) if q.pre]
         self.beta = pres[-1] if pres else pre_beta
-        self.bits_sent = 0.0
-        self.bits_shannon = self.bits_huffman = 0.0  # the same bytes entropy-coded (:class:`Rate`)
+        self.bits = [0.0, 0.0, 0.0]  # bits sent: fixed-width codes, and entropy-coded (Shannon, Huffman: :class:`Rate`)
         # error energy each stage added, and the synchronised gradient's, over the quantised steps
         self.energy = {k: 0.0 for k in ("contributions", "sums", "signal", "w-contributions", "w-sums", "w-signal")}
         self.predict = predict  # --predict: code the difference to predict x the last synchronised gradient
@@ -223,26 +222,25 @@ class Variant:
         self.energy[what] += float(sq.sum())
         self.energy["w-" + what] += float((sq * w).sum())
 
-    def _entropy(self, q: Quant, before: tuple[int, float, int], weight: float) -> None:
-        """This step's bits had ``q``'s codes been entropy-coded (Shannon and Huffman, a table per message), at
-        ``weight`` coordinates' share of the bytes; codes without a tally (exact, 1-bit) at their fixed width."""
+    def _spend(self, q: Quant, before: tuple[int, float, int], weight: float) -> None:
+        """This step's bits of ``q``'s messages at ``weight`` coordinates' share of the bytes: fixed-width, and had
+        its codes been entropy-coded (Shannon and Huffman, a table per message; codes without a tally, exact or
+        1-bit, at their fixed width)."""
         n = q.rate.symbols - before[0]
         over = 0.0 if q.exact else 16 / q.block  # the scales' bits per coordinate
-        if n == 0:
-            self.bits_shannon += q.bits * weight
-            self.bits_huffman += q.bits * weight
-            return
-        self.bits_shannon += ((q.rate.shannon - before[1]) / n + over) * weight
-        self.bits_huffman += ((q.rate.huffman - before[2]) / n + over) * weight
+        coded = (
+            [q.bits] * 2
+            if n == 0
+            else [(q.rate.shannon - before[1]) / n + over, (q.rate.huffman - before[2]) / n + over]
+        )
+        self.bits = [b + per * weight for b, per in zip(self.bits, [q.bits, *coded])]
 
     def sync(self, grads: list[torch.Tensor], step: int) -> torch.Tensor:
         """The averaged gradient every rank's optimizer gets (the library's direct quantised ring)."""
         n, world = grads[0].numel(), len(grads)
         if self.dense or step == 0:
             total = sum(grads) / world
-            self.bits_sent += 32 * n
-            self.bits_shannon += 32 * n
-            self.bits_huffman += 32 * n
+            self.bits = [b + 32 * n for b in self.bits]
         else:
             groups = [g for start, g in self.phases if start <= step][-1]
             xs = [g / world + e for g, e in zip(grads, self.err)]
@@ -263,8 +261,7 @@ class Variant:
                         self._count("contributions", self.err[i][idx], w[idx])
                         total[idx] += dec
                     total[idx] += pred[idx]
-                    self.bits_sent += qa.bits * idx.numel()
-                    self._entropy(qa, before[0], idx.numel())
+                    self._spend(qa, before[0], idx.numel())
                     continue
                 # direct reduce-scatter into `world` segments (each owned by one rank), then the owner's sum
                 # quantised once and sent to all (its residual keeps that error too)
@@ -282,9 +279,9 @@ class Variant:
                     self._count("sums", self.err[j][seg], w[seg])
                     total[seg] = out
                 total[idx] += pred[idx]
-                self.bits_sent += (qa.bits + qb.bits) / 2 * idx.numel()  # per copy, as DDP's 4 bytes a gradient
-                self._entropy(qa, before[0], idx.numel() / 2)
-                self._entropy(qb, before[1], idx.numel() / 2)
+                # per copy, as DDP's 4 bytes a gradient: contributions and sums, half the coordinates' share each
+                self._spend(qa, before[0], idx.numel() / 2)
+                self._spend(qb, before[1], idx.numel() / 2)
             self._count("signal", total, w)
         self.last = total.clone()
         if not self.dense and step > 0:  # the library's quantised strategy starts after the dense step 0
@@ -331,7 +328,7 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, ...]:
     e = v.energy
     return (
         loss / vy.numel(),
-        *(b / (32 * job.steps * sum(p.numel() for p in params)) for b in (v.bits_sent, v.bits_shannon, v.bits_huffman)),
+        *(b / (32 * job.steps * sum(p.numel() for p in params)) for b in v.bits),
         *(e[k] / (e["signal"] or 1.0) for k in ("contributions", "sums")),
         *(e[k] / (e["w-signal"] or 1.0) for k in ("w-contributions", "w-sums")),
     )
