@@ -222,6 +222,11 @@ class Variant:
         self.energy[what] += float(sq.sum())
         self.energy["w-" + what] += float((sq * w).sum())
 
+    @property
+    def bits_sent(self) -> float:
+        """The bits the fixed-width codes sent (the dense steps' 32 a coordinate included)."""
+        return self.bits[0]
+
     def _spend(self, q: Quant, before: tuple[int, float, int], weight: float) -> None:
         """This step's bits of ``q``'s messages at ``weight`` coordinates' share of the bytes: fixed-width, and had
         its codes been entropy-coded (Shannon and Huffman, a table per message; codes without a tally, exact or
