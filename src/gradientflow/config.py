@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -13,13 +14,25 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from .recipes import (
+    ALIASES,
+    MECHANISM_OPTIONS,
+    NAMES,
+    QUANT_BITS,
+    QUANT_DEFAULTS,
+    QUANT_OPTIONS,
+    Mechanism,
+    Resolved,
+    UnknownRecipe,
+    resolve,
+)
+
 # The closed option sets, as types (mypy checks what code passes) and as the tuples validation names.
 CommDtype = Literal["fp32", "fp16", "bf16", "half"]
 Algorithm = Literal["native", "ring"]
 ChunkScore = Literal["l1", "sampled_l1"]
 CscScope = Literal["slice", "global"]
 Schedule = Literal["fixed", "auto"]
-Recipe = Literal["none", "fp16", "csc", "cscq", "quantized", "auto"]
 QuantLevels = Literal["fitted", "uniform", "zeroless"]
 
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
@@ -89,69 +102,41 @@ def check_theta(name: str, value: object) -> None:
         )
 
 
-COMPRESSIONS: tuple[Recipe, ...] = get_args(Recipe)
-"""``compression``: named recipes (see :func:`parse_compression` for ``"q<bits>"`` / ``"q<bits>b<block>"``)."""
-CSC_RECIPE: dict[str, Any] = {"comm_dtype": "fp16", "density": 0.1}
-"""``compression="csc"``: fp16 CSC at 0.1, measured for SGD first (``"auto"``'s SGD recipe until 2026-11-27)."""
-CSCQ_RECIPE: dict[str, Any] = {"comm_dtype": "fp32", "density": 0.3}
-"""``compression="cscq"`` (``"auto"`` with SGD): CSC at 0.3 (or the ``density`` passed), chunks in 3-bit blocks."""
-QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
-"""Quantiser widths: 2 = ternary {-s, 0, s}, 3 = the default (7 levels), 32 = the quantiser off (fp32 ring)."""
 QUANT_LEVELS: tuple[QuantLevels, ...] = get_args(QuantLevels)
 """The quantiser's levels: ``comm.levels.CODEBOOKS`` (with a zero), steps ``k / L`` of the scale, or ``ZEROLESS``."""
 ZEROLESS_BITS = (2,)
-"""The widths with a ``comm.levels.ZEROLESS`` table (``"q2n"``)."""
-DEFAULT_QUANT = (3, 128)
-"""``compression="quantized"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
+"""The widths with a ``comm.levels.ZEROLESS`` table (``quant_levels="zeroless"``)."""
+DEFAULT_QUANT = (QUANT_DEFAULTS["quant_bits"], QUANT_DEFAULTS["quant_block"])
+"""``compression="3bit"``: 3 bits, 128-element blocks (0.0977 of fp32's bytes; kept AdamW's quality)."""
 QUANT_THETA_MB = 8.0
-"""The quantised recipe's θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): its wire
+"""The quantised recipes' θ where the user gives none (``bucket_cap_mb`` / ``fusion_threshold_mb``): their wire
 carries 0.1 of the pool's bytes, so 25 MB buckets left a small transformer one message after backward; 8 MB
-buckets overlap it (measured: docs/adamw.md, experiments/quantized_theta.py)."""
+buckets overlap it (measured: docs/results/adamw.md, experiments/quantized_theta.py)."""
 
 
-class Compression(NamedTuple):
-    """A ``compression`` value parsed: the recipe and, for ``"quantized"``, its quantiser."""
-
-    recipe: Recipe
-    bits: int = DEFAULT_QUANT[0]
-    block: int = DEFAULT_QUANT[1]
-    clip: float = 0.0  # k: each block's scale clipped at k x its RMS (0 = max-abs)
-    levels: QuantLevels = "fitted"
-    precondition: bool = False  # each coordinate quantised in units of its own RMS
-    warmup: int = 0  # the first steps at the default quantiser (3 bits)
-
-
-def parse_compression(value: object) -> Compression:
-    """The :class:`Compression` a ``compression`` value names; ``ValueError`` saying what is accepted.
-
-    ``"quantized"`` = ``"q3"`` = 3 bits in 128-element blocks with max-abs scales and the non-uniform levels
-    of ``comm.levels.CODEBOOKS``; ``"q<bits>"`` another width (2-8, or 32 = the quantiser off);
-    ``"q<bits>b<block>"`` also another block (a multiple of 16); a ``"u"`` after them: uniform levels
-    (``"q3u"``: the first version of the recipe); an ``"n"``: levels with no zero (``comm.levels.ZEROLESS``,
-    2 bits: ``"q2n"``); a ``"p"``: preconditioned (each coordinate quantised in units of its own RMS, see
-    ``strategies.quantized``); ``"w<steps>"``: the first steps at the default quantiser (3 bits); a trailing
-    ``"c<k>"`` clips each block's scale at k x its RMS (an experiment; 0 = max-abs).
-    """
-    value = value.strip().lower() if isinstance(value, str) else value  # "Auto", "Quantized" as meant
-    for recipe in COMPRESSIONS:
-        if value == recipe:
-            return Compression(recipe)
-    if value == "quantised":  # the British spelling names the same recipe
-        return Compression("quantized")
-    pattern = r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?"
-    m = re.fullmatch(pattern, value) if isinstance(value, str) else None
-    if m is not None:
-        bits, block = int(m[1]), int(m[2]) if m[2] else DEFAULT_QUANT[1]
-        clip = float(m[6]) if m[6] else 0.0
-        levels: QuantLevels = "uniform" if m[3] == "u" else "zeroless" if m[3] == "n" else "fitted"
-        if bits in QUANT_BITS and block >= 16 and block % 16 == 0 and (levels != "zeroless" or bits in ZEROLESS_BITS):
-            return Compression("quantized", bits, block, clip, levels, m[4] is not None, int(m[5] or 0))
-    # The short answer first: most bad values are a mistyped name; the quantiser grammar is for experiments.
-    raise ValueError(
-        f"compression must be a recipe's name, got {value!r}{did_you_mean(value, [*COMPRESSIONS, 'q2npw20'])}: one of "
-        f"{', '.join(map(repr, COMPRESSIONS))} or 'q2npw20' (docs/adamw.md); other quantisers are written "
-        f"'q<bits>[b<block>][u|n][p][w<steps>][c<k>]', bits in {list(QUANT_BITS)}, block a multiple of 16"
+def recipe_error(value: object) -> ValueError:
+    """The ``ValueError`` for a ``compression`` value that names no recipe: the closest name, then every one."""
+    return ValueError(
+        f"compression must be a recipe's name, got {value!r}{did_you_mean(value, [*NAMES, *ALIASES])}: one of "
+        f"{', '.join(map(repr, NAMES))} (docs/recipes.md); earlier names {', '.join(map(repr, ALIASES))} are "
+        f"accepted too, and the quantised family by width: '<bits>bit' or '<bits>bit-precond', bits in "
+        f"{list(QUANT_BITS)}"
     )
+
+
+def lookup(value: object) -> Resolved:
+    """The recipe a ``compression`` value names (:func:`gradientflow.recipes.resolve`), or :func:`recipe_error`."""
+    try:
+        return resolve(value)
+    except UnknownRecipe:
+        raise recipe_error(value) from None
+
+
+@functools.lru_cache(maxsize=256)
+def mechanism_of(name: str, density: float | None) -> Mechanism:
+    """The mechanism a resolved recipe runs: ``"none"`` with a ``density`` is CSC (the options as passed)."""
+    mech = lookup(name).recipe.mechanism
+    return "topk" if mech == "dense" and density is not None else mech
 
 
 TOPOLOGY_PATTERN = re.compile(r"([1-9]\d*)x([1-9]\d*)")
@@ -176,6 +161,17 @@ def half_wire_dtype(device: torch.device) -> str:
     Accelerators (NCCL): "fp16" — both go at line rate there, and fp16 keeps 3 more mantissa bits.
     """
     return "bf16" if device.type == "cpu" else "fp16"
+
+
+class Quantizer(NamedTuple):
+    """The quantiser a quantising recipe runs (:meth:`GradientFlowConfig.quantizer`)."""
+
+    bits: int
+    block: int
+    levels: str
+    precondition: bool
+    warmup_steps: int
+    clip: float
 
 
 @dataclass(frozen=True)
@@ -234,22 +230,35 @@ class GradientFlowConfig:
     """``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when ``trace_path`` is
     given, which the config then holds; ``None`` without it]."""
     compression: str = "none"
-    """A named recipe (:data:`COMPRESSIONS`): "none" (DDP's exact behaviour, or what comm_dtype / density say),
-    "fp16" (= comm_dtype="fp16"), "csc" (comm_dtype="fp16", density=0.1), "cscq" (CSCQ_RECIPE), "quantized" / "q3"
-    (3-bit blocks of 128 with error feedback, on a ring; others: :func:`parse_compression`),
-    "auto" (dense until the first optimizer step, then "cscq" for SGD, "quantized" for Adam and the others)."""
+    """A recipe's name from the one table (:mod:`gradientflow.recipes`, docs/recipes.md): "none" (DDP's exact
+    behaviour, or what comm_dtype / density say), "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit",
+    "3bit-precond", "2bit-precond" or "auto" (dense until the first optimizer step, then the recipe measured
+    for it: :mod:`gradientflow.policy.auto_choice`); earlier names (``"csc"``, ``"cscq"``, ``"quantized"``,
+    ``"q3p"``, ``"q2npw20"``) are accepted and stored as these.  The recipe sets its row's options; an option
+    passed explicitly overrides them, but for those its name states (an error), and an option its mechanism does
+    not read is an error (the rule: :mod:`gradientflow.recipes`)."""
     topology: str = "auto"
     """The node layout: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK``; else,
     with one node of every rank, or a group not the whole world: flat), "flat" (one exchange over every rank),
     or "MxG" (M nodes of G ranks, node-contiguous: rank = node * G + local).  Several nodes of several ranks
     synchronise two-level (:mod:`gradientflow.comm.two_level`).  Resolved at construction: "flat" or "MxG"."""
-    # The quantiser of "quantized", set from ``compression`` (the fields of :class:`Compression`):
-    quant_bits: int = DEFAULT_QUANT[0]  # bits per gradient: one of QUANT_BITS (32 = the quantiser off)
-    quant_block: int = DEFAULT_QUANT[1]  # gradients per scale: a multiple of 16
-    quant_clip: float = 0.0  # each block's scale clipped at this many times its RMS (0 = max-abs)
-    quant_levels: QuantLevels = "fitted"  # one of QUANT_LEVELS (comm.levels.LEVELS)
-    quant_precondition: bool = False  # each coordinate quantised in units of its own RMS (strategies.quantized)
-    quant_warmup: int = 0  # the first steps at the default quantiser (3 bits)
+    # The quantiser of the quantised recipes ("3bit" and its family, "topk-3bit"'s chunks).  None = the recipe's;
+    # the config holds the values that run (None beside recipes that do not quantise).
+    quant_bits: int | None = None
+    """Bits per gradient: one of :data:`gradientflow.recipes.QUANT_BITS` (32 = the quantiser off: an fp32 ring
+    with the same error feedback) [the recipe's: 3, or 2 for "2bit-precond"]."""
+    quant_block: int | None = None
+    """Gradients per scale (one bf16 scale each), a multiple of 16 [128]."""
+    quant_levels: QuantLevels | None = None
+    """The quantiser's levels: "fitted" (``comm.levels.CODEBOOKS``: non-uniform, with a zero), "uniform" (steps
+    ``k / L`` of the scale) or "zeroless" (2 bits: four levels, no zero) [fitted; "2bit-precond": zeroless]."""
+    quant_precondition: bool | None = None
+    """Each coordinate quantised in units of its own RMS (:mod:`gradientflow.strategies.precondition`)
+    [False; the "-precond" recipes: True]."""
+    quant_warmup_steps: int | None = None
+    """The first steps sent at 3 bits before the recipe's width [0; "2bit-precond": 20]."""
+    quant_clip: float | None = None
+    """Each block's scale clipped at this many times its RMS; 0 = max-abs (an experiment) [0.0]."""
 
     def __post_init__(self) -> None:
         check_theta("fusion_threshold_mb", self.fusion_threshold_mb)
@@ -280,30 +289,49 @@ class GradientFlowConfig:
         self._apply_compression()
 
     def _apply_compression(self) -> None:
-        """Fold ``compression`` into the options it sets; a conflicting explicit value is a ``ValueError``.
-
-        Idempotent (``dataclasses.replace`` of a resolved config gives the same config).
-        """
-        parsed = parse_compression(self.compression)
-        recipe = parsed.recipe
-        if self.compression != "quantized" and recipe == "quantized":
-            for name in ("bits", "block", "clip", "levels", "precondition", "warmup"):
-                object.__setattr__(self, f"quant_{name}", getattr(parsed, name))
-        object.__setattr__(self, "compression", recipe)
-        sets: dict[str, Any] = {"fp16": {"comm_dtype": "fp16"}, "csc": CSC_RECIPE, "cscq": CSCQ_RECIPE}.get(recipe, {})
-        if recipe in ("quantized", "auto"):
-            sets = {"comm_dtype": "fp32", "density": None}
-        elif recipe == "cscq" and self.density is not None:  # a density passed beside "cscq" is its density
-            sets = {"comm_dtype": "fp32"}
-        for name, value in sets.items():
-            if getattr(self, name) not in (value, "fp32" if name == "comm_dtype" else None):
+        """Fold ``compression`` into the options its recipe sets, by the rule of :mod:`gradientflow.recipes`:
+        the row's values, overridden by options passed explicitly, except those the name states (a conflict is a
+        ``ValueError``), and a ``ValueError`` for an option the recipe's mechanism does not read.  ``comm_dtype``
+        reads as passed when it is not its default ("fp32").  Idempotent: ``dataclasses.replace`` of a resolved
+        config gives the same config (:meth:`with_recipe` switches recipe)."""
+        found = lookup(self.compression)
+        recipe = found.recipe
+        name = found.name
+        base = {**recipe.settings(), **found.stated}
+        named = set(recipe.named) | set(found.stated)
+        if recipe.name == "3bit" and name != "3bit":  # a width of the family without a row: its name states it
+            named |= {"quant_bits", "quant_precondition"}
+        passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
+        if self.comm_dtype != "fp32":
+            passed["comm_dtype"] = self.comm_dtype
+        reads = set(MECHANISM_OPTIONS[recipe.mechanism]) | ({"density"} if name == "none" else set())
+        for k, v in passed.items():
+            if k not in reads:
+                raise ValueError(_unread_message(name, recipe.mechanism, k, v))
+            if k in named and k in base and v != base[k]:
                 raise ValueError(
-                    f"compression={self.compression!r} sets {name}={value!r}, but {name}={getattr(self, name)!r} was "
-                    f"passed too. Pass either compression={self.compression!r} or {name}=... (with "
-                    "compression='none'), not both."
+                    f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={v!r} was passed too. "
+                    f"{_named_hint(name, k, v)}"
                 )
-            object.__setattr__(self, name, value)
-        if self.quant_bits not in QUANT_BITS or self.quant_block < 16 or self.quant_block % 16:
+        settled = {**base, **passed}
+        object.__setattr__(self, "compression", name)
+        for k in ("comm_dtype", "density"):
+            if k in settled:
+                object.__setattr__(self, k, settled[k])
+        for k in QUANT_OPTIONS:  # the values that run; None where the recipe's mechanism has no such option
+            object.__setattr__(self, k, settled.get(k))
+        if "quant_bits" in settled:
+            self._validate_quantizer()
+
+    def _validate_quantizer(self) -> None:
+        block = self.quant_block
+        if (
+            self.quant_bits not in QUANT_BITS
+            or not isinstance(block, int)
+            or isinstance(block, bool)
+            or block < 16
+            or block % 16
+        ):
             raise ValueError(
                 f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got "
                 f"{self.quant_bits!r}, {self.quant_block!r}"
@@ -315,12 +343,21 @@ class GradientFlowConfig:
                 f"quant_levels must be one of {list(QUANT_LEVELS)} ('zeroless' with quant_bits in "
                 f"{list(ZEROLESS_BITS)}), got {self.quant_levels!r} at quant_bits={self.quant_bits!r}"
             )
-        w = self.quant_warmup
-        if not isinstance(self.quant_precondition, bool) or isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        w, pre = self.quant_warmup_steps, self.quant_precondition  # None: the mechanism has no such option
+        if (pre is not None and not isinstance(pre, bool)) or (w is not None and (_not_int(w) or w < 0)):
             raise ValueError(
-                f"quant_precondition must be True or False and quant_warmup an int >= 0 (steps at 3 bits), got "
+                f"quant_precondition must be True or False and quant_warmup_steps an int >= 0 (steps at 3 bits), got "
                 f"{self.quant_precondition!r}, {w!r}"
             )
+        c = self.quant_clip
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0):
+            raise ValueError(f"quant_clip must be a number >= 0 (0 = max-abs scales), got {c!r}")
+
+    def with_recipe(self, name: str, **options: Any) -> GradientFlowConfig:
+        """This config running recipe ``name`` (with ``options``) instead: every recipe option back to unset
+        first, so the new row's values apply (``compression="auto"``'s switch)."""
+        unset: dict[str, Any] = {"comm_dtype": "fp32", "density": None, **dict.fromkeys(QUANT_OPTIONS)}
+        return dataclasses.replace(self, compression=name, **{**unset, **options})
 
     def _validate_fault_options(self) -> None:
         t = self.timeout
@@ -367,8 +404,11 @@ class GradientFlowConfig:
         """This config for a model of ``n_elements`` on ``device``: ``chunk_size="auto"`` and
         ``comm_dtype="half"`` replaced by what they mean there."""
         changes: dict[str, Any] = {}
-        if self.chunk_size == "auto":  # "cscq" (or "auto", which may pick it): whole quantiser blocks per chunk
-            floor = self.quant_block if self.compression in ("cscq", "auto") else 16
+        if self.chunk_size == "auto":  # "topk-3bit" (or "auto", which may pick it): whole quantiser blocks per chunk
+            mech = self.mechanism
+            floor = int(QUANT_DEFAULTS["quant_block"]) if mech == "auto" else 16
+            if mech == "topk-quantized":
+                floor = self.quantizer().block
             changes["chunk_size"] = auto_chunk_size(n_elements, floor)
         if self.comm_dtype == "half":
             changes["comm_dtype"] = half_wire_dtype(device)
@@ -379,8 +419,28 @@ class GradientFlowConfig:
         return self.density is not None
 
     @property
+    def mechanism(self) -> Mechanism:
+        """What the recipe's strategy does (:data:`gradientflow.recipes.Mechanism`)."""
+        return mechanism_of(self.compression, self.density)
+
+    def quantizer(self) -> Quantizer:
+        """The quantiser this config runs (``ValueError`` for a recipe that does not quantise; options its
+        mechanism has no use for, such as ``"topk-3bit"``'s warm-up, read as the defaults)."""
+        if self.quant_bits is None or self.quant_block is None or self.quant_levels is None:
+            raise ValueError(f"compression={self.compression!r} does not quantise")
+        return Quantizer(
+            self.quant_bits,
+            self.quant_block,
+            self.quant_levels,
+            bool(self.quant_precondition),
+            self.quant_warmup_steps or 0,
+            self.quant_clip or 0.0,
+        )
+
+    @property
     def quantized(self) -> bool:
-        return self.compression == "quantized"
+        """Every gradient quantised every step (the "3bit" family)."""
+        return self.mechanism == "quantized"
 
     @property
     def needs_control_group(self) -> bool:
@@ -398,3 +458,40 @@ DEFAULT_TRACE_STEPS = (1, 4)
 
 LOCAL_OPTIONS = frozenset({"timeout", "trace_path", "trace_steps"})
 """Options that may differ between ranks; every other option must agree (checked at construction)."""
+
+
+def _not_int(v: object) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int)
+
+
+def _unread_message(name: str, mechanism: str, option: str, value: object) -> str:
+    """Rule 3's message: what the recipe does instead, and what to pass."""
+    if mechanism == "auto":
+        return (
+            f"compression='auto' picks {option} itself (by the optimizer, at its first step), but {option}={value!r} "
+            f"was passed too. Pass compression='auto' alone, or a recipe by name with {option}=... (docs/recipes.md)."
+        )
+    if option == "density":
+        return (
+            f"compression={name!r} sends every coordinate (no top-k), so density={value!r} has no effect there. "
+            "For top-k chunks pass compression='topk-3bit' (quantised) or 'topk-fp16' with density=...; for the "
+            "quantised exchange drop density."
+        )
+    if option == "comm_dtype":
+        return (
+            f"compression={name!r} puts its own codes on the wire, so comm_dtype={value!r} has no effect there. "
+            "Drop comm_dtype, or pass compression='none' with comm_dtype=..."
+        )
+    return (
+        f"compression={name!r} does not quantise, so {option}={value!r} has no effect there. Pass a quantised "
+        "recipe ('3bit', '3bit-precond', '2bit-precond', 'topk-3bit') with it, or drop it."
+    )
+
+
+def _named_hint(name: str, option: str, value: object) -> str:
+    """Rule 2's hint: the recipe whose name states ``value``."""
+    if option == "comm_dtype":
+        return f"Pass compression='none' with comm_dtype={value!r}."
+    if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
+        return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
+    return f"Drop {option}: compression={name!r} sends that by definition."

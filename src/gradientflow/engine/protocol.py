@@ -117,10 +117,6 @@ class SyncStrategy(ABC):
     def register_grad_scaler(self, scaler: Any) -> None:  # noqa: B027 — dense needs no loss scale
         """Tell the strategy which ``torch.amp.GradScaler`` scales the gradients."""
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:  # noqa: B027
-        """Warn about an optimizer setting that conflicts with the strategy (``stacklevel``: the
-        warning's frame, counted from this method, so that it names the user's line)."""
-
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Of these parameters (used by no rank this step), those the step delivered nothing to.
 

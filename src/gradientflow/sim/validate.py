@@ -36,7 +36,7 @@ from pathlib import Path
 from gradientflow.bench.models import WORKLOADS, build_model
 from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
-from gradientflow.strategies.recipes import recipe_options
+from gradientflow.policy.auto_choice import recipe_options
 
 from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile

@@ -1,13 +1,15 @@
 """Synchronisation strategies: *what* goes on the wire for each bucket (the engine decides *when*).
 
 - :mod:`.dense` — every gradient, averaged (optionally cast to a 16-bit wire);
-- :mod:`.csc` — coarse-grained sparse communication: the top chunks by score, the rest kept in a
-  residual (:mod:`.selection`, :mod:`.residual`, :mod:`.slices`, :mod:`.pitfalls`);
-- :mod:`.quantized` — every gradient every step, block-quantised to a few bits with error feedback,
-  on a quantised ring (:mod:`gradientflow.comm.quantized_ring`);
-- :mod:`.recipes` — which of them ``compression="auto"`` picks for an optimizer.
+- :mod:`.csc` — coarse-grained sparse communication (the ``"topk"`` recipes): the top chunks by score, the rest
+  kept in a residual (:mod:`.selection`, :mod:`.residual`, :mod:`.slices`, :mod:`.scorer`, :mod:`.writeback`);
+  ``"topk-3bit"``'s chunks on the quantised exchange (:mod:`.csc_quantized`);
+- :mod:`.quantized` — every gradient every step, block-quantised to a few bits with error feedback
+  (the ``"3bit"`` family), on a quantised ring (:mod:`gradientflow.comm.quantized_ring`).
 
-:func:`build_strategy` is the one place that maps a validated config to a strategy.
+Mechanisms only: which recipe runs is policy (:mod:`gradientflow.policy`), what each name sets is the recipe table
+(:mod:`gradientflow.recipes`).  :func:`build_strategy` is the one place that maps a validated config's mechanism to
+a strategy.
 """
 
 from __future__ import annotations
@@ -35,19 +37,20 @@ def build_strategy(
     ``nodes``: two-level synchronisation's groups (nodes of several ranks), ``None`` = flat."""
 
     def make(pool: GradPool, shapes: list[torch.Size]) -> SyncStrategy:
-        if config.quantized:
+        if config.mechanism == "quantized":
             from .quantized import QuantizedSync  # noqa: PLC0415 — only quantised runs need it
 
+            q = config.quantizer()
             return QuantizedSync(
                 pool,
                 group=group,
                 world_size=dist.get_world_size(group),
-                bits=config.quant_bits,
-                block=config.quant_block,
-                clip=config.quant_clip,
-                levels=config.quant_levels,
-                precondition=config.quant_precondition,
-                warmup=config.quant_warmup,
+                bits=q.bits,
+                block=q.block,
+                clip=q.clip,
+                levels=q.levels,
+                precondition=q.precondition,
+                warmup=q.warmup_steps,
                 shapes=shapes,
                 watchdog=watchdog,
                 nodes=nodes,

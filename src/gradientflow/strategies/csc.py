@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +63,6 @@ from ..engine.protocol import SyncStrategy
 from . import csc_native
 from .csc_quantized import QuantizedChunks
 from .dense import DenseSync
-from .pitfalls import optimizer_pitfalls
 from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
 from .scorer import ChunkScorer
 from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
@@ -169,11 +167,6 @@ class SparseSync(SyncStrategy):
     def register_grad_scaler(self, scaler: Any) -> None:
         """Follow ``scaler``'s loss scale so residuals keep their unscaled value across changes."""
         self._scaler = scaler
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, stacklevel: int = 3) -> None:
-        """Warn about the measured pitfalls of ``optimizer`` under this CSC (:mod:`.pitfalls`)."""
-        for message in optimizer_pitfalls(optimizer, self.density, self.momentum, self.chunks is not None):
-            warnings.warn(message, stacklevel=stacklevel)
 
     # ---- per step -------------------------------------------------------------------------
     def density_now(self) -> float:

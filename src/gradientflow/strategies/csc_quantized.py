@@ -1,4 +1,4 @@
-"""CSC's selected chunks on the quantised exchange (``compression="cscq"``): sparse *and* few bits.
+"""CSC's selected chunks on the quantised exchange (``compression="topk-3bit"``): sparse *and* few bits.
 
 CSC sends the top ``density`` of the chunks at 16 bits; the quantised recipe sends every coordinate at a few
 bits.  Here the selected chunks of a slice (the rows of the residual ``v``, undivided, fp32) go through the
@@ -97,15 +97,16 @@ class QuantizedChunks:
 
     @classmethod
     def for_config(cls, config: GradientFlowConfig, dense: DenseSync) -> QuantizedChunks | None:
-        """``"cscq"``'s exchange over the data group (the quantiser of ``config``), else ``None``."""
-        if config.compression != "cscq":
+        """``"topk-3bit"``'s exchange over the data group (the quantiser of ``config``), else ``None``."""
+        if config.mechanism != "topk-quantized":
             return None
+        q = config.quantizer()
         return cls(
             dense.group,
             dense.world_size,
-            bits=config.quant_bits,
-            block=config.quant_block,
-            levels=config.quant_levels,
+            bits=q.bits,
+            block=q.block,
+            levels=q.levels,
             watchdog=dense.watchdog,
             groups=dense.groups,
         )

@@ -8,6 +8,7 @@ of the wrapper: its own state (the optimizer hook, the optimizers checked, the g
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -16,12 +17,26 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ..config import GradientFlowConfig
 from ..engine import comm_state
+from ..policy.pitfalls import optimizer_pitfalls
 from . import auto
 from .surface import WrapperSurface
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
 _PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto", "_gf_torch"}
+
+
+def warn_pitfalls(config: GradientFlowConfig, optimizer: torch.optim.Optimizer, stacklevel: int) -> None:
+    """Warn about the measured pitfalls of ``optimizer`` under the top-k recipe ``config`` runs
+    (:mod:`gradientflow.policy.pitfalls`; nothing for dense or quantised synchronisation).  ``stacklevel``: the
+    warning's frame counted from here, so that it names the user's line."""
+    if not config.sparse:
+        return
+    quantized_chunks = config.mechanism == "topk-quantized"
+    assert config.density is not None
+    for message in optimizer_pitfalls(optimizer, config.density, config.momentum, quantized_chunks):
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 class OptimizerWatch:
@@ -51,7 +66,7 @@ class OptimizerWatch:
             checked.add(optimizer)
             own = {id(p) for p in model._gf_params}
             if any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
-                model._gf_engine.sync.check_optimizer(optimizer, stacklevel=4)  # the user's optimizer.step() line
+                warn_pitfalls(model.config, optimizer, stacklevel=4)  # the user's optimizer.step() line
                 auto.note_optimizer(model, optimizer, stacklevel=3)  # the user's optimizer.step() line
 
         self.hook = register_optimizer_step_pre_hook(first_step)
@@ -114,9 +129,10 @@ class Checkpointing(WrapperSurface):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if CSC momentum correction is on and ``optimizer`` applies momentum too, or if an
-        Adam-type optimizer meets a CSC density below ``pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose quality).
+        Adam-type optimizer meets a CSC density below ``policy.pitfalls.ADAPTIVE_MIN_DENSITY`` (measured to lose
+        quality).
 
         Runs by itself at the first ``step()`` of every optimizer holding this model's parameters;
         calling it first (to see the warnings before training) keeps that from repeating them."""
         self._gf_optimizers.checked.add(optimizer)
-        self._gf_engine.sync.check_optimizer(optimizer)
+        warn_pitfalls(self.config, optimizer, stacklevel=3)

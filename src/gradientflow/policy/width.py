@@ -1,11 +1,11 @@
-"""How many bits ``compression="auto"`` sends an Adam-type optimizer's gradients with: 3 or 2 (``"q2npw20"``).
+"""How many bits ``compression="auto"`` sends an Adam-type optimizer's gradients with: 3 or 2 (``"2bit-precond"``).
 
 Both keep AdamW's quality at 2 ranks (docs/adamw.md: 3 bits 1.006-1.013x DDP's final loss on the matrix,
-``"q2npw20"`` 1.007-1.020x); 2 bits send 0.068 of DDP's bytes against 0.098, but their codec (the
+``"2bit-precond"`` 1.007-1.020x); 2 bits send 0.068 of DDP's bytes against 0.098, but their codec (the
 preconditioner's work, the window floors) costs more per gradient.  Which reaches DDP's loss sooner is which
 costs less per step: the bytes they save count only where the 3-bit step waited on them.  On this project's CPU
 ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (docs/adamw.md).  ``"auto"`` runs
-``"q2npw20"``, whose first :data:`WARMUP` steps send the 3-bit codes, and decides at their end, once:
+``"2bit-precond"``, whose first :data:`WARMUP` steps send the 3-bit codes, and decides at their end, once:
 
 * the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the link
   (``link_Bps``: the bytes per second allreduce moved, :func:`gradientflow.engine.schedule.measure`);
@@ -18,7 +18,7 @@ ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (do
 and 2 bits go on where the saving is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges (2 ranks,
 flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's seven settings
 ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link (preconditioned beyond two parties:
-``strategies.recipes.MANY_PARTIES_ADAM``).
+``policy.auto_choice.MANY_PARTIES_ADAM``).
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ import torch
 from ..comm import codec_native
 from ..comm import quantize as qz
 from ..comm.quantized_ring import encode_share, sum_shares
-from ..config import DEFAULT_QUANT, parse_compression
-from .precondition import Root
+from ..config import DEFAULT_QUANT, GradientFlowConfig
+from ..strategies.precondition import Root
 
-FEWER_BITS = "q2npw20"
-"""The 2-bit recipe ``"auto"`` may pick (docs/adamw.md, "Below 0.07 of the bytes")."""
-_TWO = parse_compression(FEWER_BITS)  # its quantiser (bits, block, levels): timed and counted as the recipe runs it
-WARMUP = _TWO.warmup
-"""Steps ``"q2npw20"`` sends at 3 bits first (the run's, step 0 included): the decision is made at their end."""
+FEWER_BITS = "2bit-precond"
+"""The 2-bit recipe ``"auto"`` may pick (docs/recipes.md#2bit-precond)."""
+_TWO = GradientFlowConfig(compression=FEWER_BITS).quantizer()  # timed and counted as the recipe runs it
+TWO_BITS, TWO_BLOCK, TWO_LEVELS = _TWO.bits, _TWO.block, _TWO.levels
+WARMUP = _TWO.warmup_steps
+"""Steps ``"2bit-precond"`` sends at 3 bits first (the run's, step 0 included): the decision is made at their end."""
 SETTLE = 3
 """Steps left out of the exposure's quartile, the first a process runs in the warm-up: the first quantised steps
 allocate the residual and buffers (and a resumed run's first forward has no step of its own behind it)."""
@@ -53,8 +54,8 @@ REPEATS = 5
 
 def saved_bytes() -> float:
     """Wire bytes per gradient :data:`FEWER_BITS` saves over 3 bits (codes only: the scales are the same): 0.125."""
-    n = 1024 * _TWO.block
-    return (qz.wire_bytes(n, DEFAULT_QUANT[0], DEFAULT_QUANT[1]) - qz.wire_bytes(n, _TWO.bits, _TWO.block)) / n
+    n = 1024 * TWO_BLOCK
+    return (qz.wire_bytes(n, DEFAULT_QUANT[0], DEFAULT_QUANT[1]) - qz.wire_bytes(n, TWO_BITS, TWO_BLOCK)) / n
 
 
 def fewer_bits_pay(link_Bps: float, extra_s: float, exposed_s: float = math.inf) -> bool:
@@ -84,7 +85,7 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
     # each width's wire exactly (the torch ops, as on CUDA, take the scales from the bytes after the codes)
     wires = {
         b: torch.empty(qz.wire_bytes(n, b, blk), dtype=torch.uint8, device=device)
-        for b, blk in [(bits, block), (_TWO.bits, _TWO.block)]
+        for b, blk in [(bits, block), (TWO_BITS, TWO_BLOCK)]
     }
     x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
 
@@ -104,7 +105,7 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
         fused = root.fused(x, e)  # on CPU: inside the codec's passes
         if fused is None:
             root.divide(x, e)  # x = (x + e) / r: the exchange adds nothing more
-        exchange(_TWO.bits, _TWO.block, _TWO.levels, carry=fused is not None, fused=fused)
+        exchange(TWO_BITS, TWO_BLOCK, TWO_LEVELS, carry=fused is not None, fused=fused)
         if fused is None:
             root.restore(x, e, ema=True)
 

@@ -1,0 +1,282 @@
+"""The one table of compression recipes: what each name puts on the wire, when to use it, what it sets.
+
+A recipe is a named bundle of the wrapper's options (``compression="3bit"`` sets ``quant_bits=3``,
+``quant_block=128``, ...).  Every place that names recipes reads this table: the options' validation
+(:mod:`gradientflow.config`), ``compression="auto"``'s policy (:mod:`gradientflow.policy`), the bench's modes,
+``gradientflow simulate`` and the docs' table (docs/recipes.md, checked against :func:`markdown_table`).
+Adding a recipe of an existing mechanism is one row here; a new mechanism is one strategy module and one
+branch of :func:`gradientflow.strategies.build_strategy`.
+
+The rule for options passed beside a recipe (stated once, here; tested in tests/test_recipes.py):
+
+1. The recipe sets the options of its row.
+2. An option passed explicitly overrides the row's value, except one the recipe's *name* states
+   (:attr:`Recipe.named`: the wire dtype of ``"fp16"``, the width of ``"3bit"``, the preconditioning of
+   ``"3bit-precond"``): passing another value is a ``ValueError`` naming the recipe that has it.
+3. An option the recipe's mechanism does not read (``density`` beside a quantised recipe, ``quant_bits``
+   beside ``"fp16"``, any of them beside ``"auto"``, which picks them) is a ``ValueError``.
+
+Beyond the rows, the quantised family is named by its width: ``"<bits>bit"`` and ``"<bits>bit-precond"`` for
+``bits`` in :data:`QUANT_BITS` (``"4bit"``, ``"32bit"`` = the quantiser off, an fp32 ring); a width without a
+row takes the ``"3bit"`` row's other settings.  The rows are the measured ones.
+
+This module imports nothing of gradientflow: it is data, at the bottom of the layers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mechanism = Literal["dense", "topk", "quantized", "topk-quantized", "auto"]
+"""What a recipe's strategy does with a bucket (``gradientflow.strategies``):
+
+- ``"dense"``: every gradient, averaged, in ``comm_dtype`` (:mod:`gradientflow.strategies.dense`);
+- ``"topk"``: the top ``density`` of the chunks by score, the rest kept in the residual (the paper's CSC,
+  :mod:`gradientflow.strategies.csc`);
+- ``"quantized"``: every gradient every step in ``quant_bits``-bit blocks with error feedback
+  (:mod:`gradientflow.strategies.quantized`);
+- ``"topk-quantized"``: the top chunks, quantised in blocks with error feedback (:mod:`gradientflow.strategies.csc`
+  with :mod:`gradientflow.strategies.csc_quantized`);
+- ``"auto"``: dense fp32 until the first optimizer step, then a row picked for the optimizer
+  (:mod:`gradientflow.policy.auto_choice`)."""
+
+QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
+"""The quantiser's widths: 2 = ternary {-s, 0, s} (or four levels with ``quant_levels="zeroless"``), 3 = 7
+levels, 32 = the quantiser off (fp32 on the same ring, with the same error feedback: an exact average)."""
+
+QUANT_DEFAULTS: Mapping[str, Any] = {
+    "quant_bits": 3,
+    "quant_block": 128,
+    "quant_levels": "fitted",
+    "quant_precondition": False,
+    "quant_warmup_steps": 0,
+    "quant_clip": 0.0,
+}
+"""The quantiser of ``"3bit"`` (3 bits in 128-element blocks, each with a bf16 scale: 0.0977 of fp32's bytes),
+and of every width of the family without a row of its own."""
+
+QUANT_OPTIONS = tuple(QUANT_DEFAULTS)
+"""The quantiser's keyword options (README's options table; :class:`gradientflow.config.GradientFlowConfig`)."""
+
+MECHANISM_OPTIONS: Mapping[str, tuple[str, ...]] = {
+    "dense": ("comm_dtype",),
+    "topk": ("comm_dtype", "density"),
+    "quantized": QUANT_OPTIONS,
+    "topk-quantized": ("density", "quant_bits", "quant_block", "quant_levels"),
+    "auto": (),
+}
+"""The recipe options each mechanism reads (rule 3: passing another beside a recipe is an error).  ``"dense"``
+and ``"topk"`` also read the CSC options (``chunk_size``, ``warmup_steps``, ...) and every mechanism the
+engine's (θ, ``topology``, ...): those are not a recipe's and are never refused."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One row of the table."""
+
+    name: str
+    """What goes on the wire, in words (lower case, ASCII)."""
+    mechanism: Mechanism
+    summary: str
+    """One line: what is sent each step."""
+    when: str
+    """One line: the training it is for."""
+    options: Mapping[str, Any]
+    """The options it sets (rule 2: an explicit keyword overrides all but :attr:`named`)."""
+    named: tuple[str, ...] = ()
+    """The options its name states: fixed (rule 2)."""
+    doc: str = "docs/recipes.md"
+    """Where it is explained and measured."""
+    aliases: tuple[str, ...] = ()
+    """Earlier names, still accepted: each means exactly this row."""
+    measured: str = ""
+    """The headline figure, with the page that dates it (empty: a baseline)."""
+
+    def settings(self) -> dict[str, Any]:
+        """Every option the recipe's mechanism reads, at this recipe's values (the quantiser's defaults filled
+        in for the quantised mechanisms)."""
+        quant = {k: v for k, v in QUANT_DEFAULTS.items() if k in MECHANISM_OPTIONS[self.mechanism]}
+        return {**quant, **self.options}
+
+
+RECIPES: tuple[Recipe, ...] = (
+    Recipe(
+        name="none",
+        mechanism="dense",
+        summary="every gradient in comm_dtype (fp32 by default: torch DDP's exact bytes); the options as you pass them",
+        when="a fast network, or the final loss must be DDP's to the digit",
+        options={},
+        doc="docs/recipes.md#none",
+    ),
+    Recipe(
+        name="fp16",
+        mechanism="dense",
+        summary="every gradient cast to fp16: half of DDP's bytes",
+        when="AdamW whose final loss must equal DDP's, on a network twice too slow",
+        options={"comm_dtype": "fp16"},
+        named=("comm_dtype",),
+        doc="docs/recipes.md#fp16-and-bf16",
+        measured="AdamW: DDP's final loss on half its bytes (docs/results/quality.md)",
+    ),
+    Recipe(
+        name="bf16",
+        mechanism="dense",
+        summary="every gradient cast to bf16: half of DDP's bytes, the fastest dense wire on Gloo (CPU)",
+        when="CPU ranks on a fast network",
+        options={"comm_dtype": "bf16"},
+        named=("comm_dtype",),
+        doc="docs/recipes.md#fp16-and-bf16",
+    ),
+    Recipe(
+        name="topk-fp16",
+        mechanism="topk",
+        summary="the top 10% of the gradient's chunks by L1 in fp16, the rest kept in a residual (the paper's CSC)",
+        when="SGD with momentum where the CPU, not the link, bounds the step",
+        options={"comm_dtype": "fp16", "density": 0.1},
+        named=("comm_dtype",),
+        doc="docs/recipes.md#topk-fp16",
+        aliases=("csc",),
+        measured="ResNet-50 at 1 Gbit/s: 264 ms a step against DDP's 966 (docs/results/benchmarks.md)",
+    ),
+    Recipe(
+        name="topk-3bit",
+        mechanism="topk-quantized",
+        summary="the top 30% of the chunks, in 3-bit blocks of 128 with a bf16 scale, error kept",
+        when="SGD with momentum on a slow network (what auto picks for SGD)",
+        options={"density": 0.3},
+        named=("quant_bits",),
+        doc="docs/recipes.md#topk-3bit",
+        aliases=("cscq",),
+        measured="SGD transformer: 1.015x DDP's final loss on 0.047 of its bytes (docs/results/quality.md)",
+    ),
+    Recipe(
+        name="3bit",
+        mechanism="quantized",
+        summary="every gradient every step in 3-bit blocks of 128 with a bf16 scale, error feedback",
+        when="Adam or AdamW on a slow network, 2 ranks or 2 nodes (what auto picks there)",
+        options={},
+        named=("quant_bits", "quant_precondition"),
+        doc="docs/recipes.md#3bit",
+        aliases=("quantized", "quantised"),
+        measured="AdamW: 1.006-1.013x DDP's final loss on 0.0999 of its bytes, 2 ranks (docs/results/adamw.md)",
+    ),
+    Recipe(
+        name="3bit-precond",
+        mechanism="quantized",
+        summary="3bit, each coordinate quantised in units of its own RMS (its share of the block's noise spread)",
+        when="Adam or AdamW on a slow network, more than two flat ranks or nodes (what auto picks there)",
+        options={"quant_precondition": True},
+        named=("quant_bits", "quant_precondition"),
+        doc="docs/recipes.md#3bit-precond",
+        aliases=("q3p",),
+        measured="AdamW, 4 flat ranks: 1.0098-1.0192x DDP's final loss on 0.0999 of its bytes (docs/results/adamw.md)",
+    ),
+    Recipe(
+        name="2bit-precond",
+        mechanism="quantized",
+        summary="every gradient in four zeroless 2-bit levels, preconditioned; the first 20 steps at 3 bits",
+        when="Adam or AdamW, 2 ranks or 2 nodes, a link slow enough to hold 3-bit steps back",
+        options={"quant_bits": 2, "quant_levels": "zeroless", "quant_precondition": True, "quant_warmup_steps": 20},
+        named=("quant_bits", "quant_precondition"),
+        doc="docs/recipes.md#2bit-precond",
+        aliases=("q2npw20",),
+        measured="AdamW: 1.007-1.020x DDP's final loss on 0.068 of its bytes, 2 ranks (docs/results/adamw.md)",
+    ),
+    Recipe(
+        name="auto",
+        mechanism="auto",
+        summary="dense fp32 until the first optimizer step, then by its class: SGD topk-3bit, Adam-type 3bit family",
+        when="the default to reach for: the measured choice per optimizer, layout and link",
+        options={},
+        doc="docs/recipes.md#auto",
+    ),
+)
+"""Every recipe, in the order the docs list them."""
+
+BY_NAME: Mapping[str, Recipe] = {r.name: r for r in RECIPES}
+ALIASES: Mapping[str, str] = {a: r.name for r in RECIPES for a in r.aliases}
+"""Earlier names -> the recipe they mean (besides the experiments' quantiser shorthand, :func:`parse_shorthand`)."""
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+
+FAMILY = re.compile(r"(\d+)bit(-precond)?")
+"""The quantised family's names: ``"<bits>bit"`` / ``"<bits>bit-precond"``."""
+
+
+def family_name(bits: int, precondition: bool) -> str:
+    """The quantised family's name for a width and preconditioning: ``(3, True)`` -> ``"3bit-precond"``."""
+    return f"{bits}bit" + ("-precond" if precondition else "")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A ``compression`` value read against the table: the row whose settings apply, the canonical name, and the
+    options the value itself states (a family width, or the experiments' shorthand)."""
+
+    recipe: Recipe
+    name: str
+    stated: dict[str, Any] = field(default_factory=dict)
+
+
+class UnknownRecipe(ValueError):
+    """A ``compression`` value that names no recipe."""
+
+
+SHORTHAND = re.compile(r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?")
+"""The experiments' quantiser shorthand (kept as aliases: docs/recipes.md#aliases): ``q<bits>`` then optional
+``b<block>``, ``u`` (uniform levels) or ``n`` (zeroless), ``p`` (preconditioned), ``w<steps>`` (warm-up steps at
+3 bits), ``c<k>`` (each block's scale clipped at k x its RMS)."""
+
+
+def parse_shorthand(value: str) -> dict[str, Any] | None:
+    """The quantiser options a shorthand string states (``"q2npw20"`` -> 2 bits, zeroless, preconditioned, 20
+    warm-up steps), or ``None`` when ``value`` is not of that form.  Values are checked by the config."""
+    m = SHORTHAND.fullmatch(value)
+    if m is None:
+        return None
+    out: dict[str, Any] = {"quant_bits": int(m[1]), "quant_precondition": m[4] is not None}
+    if m[2]:
+        out["quant_block"] = int(m[2])
+    if m[3]:
+        out["quant_levels"] = "uniform" if m[3] == "u" else "zeroless"
+    if m[5]:
+        out["quant_warmup_steps"] = int(m[5])
+    if m[6]:
+        out["quant_clip"] = float(m[6])
+    return out
+
+
+def resolve(value: object) -> Resolved:
+    """The recipe a ``compression`` value names (case and surrounding spaces ignored): a row's name, an alias,
+    a quantised family name, or the experiments' shorthand; :class:`UnknownRecipe` otherwise."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    if not isinstance(key, str):
+        raise UnknownRecipe(f"compression must be a recipe's name (a str), got {value!r}")
+    key = ALIASES.get(key, key)
+    if key in BY_NAME:
+        return Resolved(BY_NAME[key], key)
+    m = FAMILY.fullmatch(key)
+    stated = None
+    if m is not None:
+        stated = {"quant_bits": int(m[1]), "quant_precondition": m[2] is not None}
+    else:
+        stated = parse_shorthand(key)
+    if stated is None:
+        raise UnknownRecipe(value)
+    name = family_name(int(stated["quant_bits"]), bool(stated["quant_precondition"]))
+    row = BY_NAME.get(name, BY_NAME["3bit"])
+    if name == "2bit-precond" and m is None:  # the shorthand states all it means: "q2np" has no warm-up, 3 levels
+        row = BY_NAME["3bit"]
+    return Resolved(row, name, stated)
+
+
+def markdown_table() -> str:
+    """The table as docs/recipes.md shows it (the docs test compares the page with this)."""
+    lines = ["| `compression=` | what goes on the wire | use it for | sets | earlier names |", "|---|---|---|---|---|"]
+    for r in RECIPES:
+        sets = ", ".join(f"`{k}={v!r}`" for k, v in r.settings().items()) or "—"
+        aliases = ", ".join(f"`{a!r}`" for a in r.aliases) or "—"
+        lines.append(f"| `{r.name!r}` | {r.summary} | {r.when} | {sets} | {aliases} |")
+    return "\n".join(lines)
