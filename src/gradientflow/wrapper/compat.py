@@ -221,5 +221,5 @@ DDP_ARGS = (
 GF_OPTIONS = (
     "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
     "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
-    "topology",
+    "topology", "quant_bits", "quant_block", "quant_levels", "quant_precondition", "quant_warmup_steps", "quant_clip",
 )  # fmt: skip

@@ -69,9 +69,11 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         fusion_threshold_mb [25.0; quantised: 8.0], comm_dtype ["fp32"], algorithm ["native"],
         density [None = dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
         chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
-        measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; named
-        recipes "fp16", "csc", "cscq", "quantized" / "q3", "auto": docs/adamw.md], topology ["auto": torchrun's node
-        layout, two-level synchronisation with nodes of several ranks; "flat"; "MxG"];
+        measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; a recipe of the
+        table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit", "3bit-precond",
+        "2bit-precond", "auto"; docs/recipes.md], quant_bits, quant_block, quant_levels, quant_precondition,
+        quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
+        synchronisation with nodes of several ranks; "flat"; "MxG"];
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -121,6 +123,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         trace_steps: tuple[int, int] | None = None,
         compression: str = "none",
         topology: str = "auto",
+        quant_bits: int | None = None,
+        quant_block: int | None = None,
+        quant_levels: str | None = None,
+        quant_precondition: bool | None = None,
+        quant_warmup_steps: int | None = None,
+        quant_clip: float | None = None,
     ) -> None:
         nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
         Joinable.__init__(self)
