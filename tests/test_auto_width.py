@@ -20,7 +20,7 @@ import pytest
 import torch
 from _quant_training import batches, small_net
 
-from gradientflow.strategies import width
+from gradientflow.policy import width
 
 from _dist import run_distributed
 
@@ -30,7 +30,7 @@ GBIT = 1e9 / 8  # bytes per second
 def test_two_bits_pay_where_their_saved_bytes_take_longer_on_the_link_than_their_codec():
     # 3 bits: 128 * 3 / 8 = 48 B of codes a block, 2 bits: 32 B; the bf16 scale (2 B) is the same: 16 B / 128
     assert width.saved_bytes() == 0.125
-    # 1 Gbit/s: 0.125 B take 1 ns; a CPU codec 2.5 ns slower (this project's CPU, docs/adamw.md) -> 3 bits
+    # 1 Gbit/s: 0.125 B take 1 ns; a CPU codec 2.5 ns slower (this project's CPU, docs/results/adamw.md) -> 3 bits
     assert not width.fewer_bits_pay(GBIT, 2.5e-9)
     # 200 Mbit/s: 5 ns > 2.5 ns -> 2 bits (both as measured: benchmarks/tta_adamw_q2)
     assert width.fewer_bits_pay(0.2 * GBIT, 2.5e-9)
@@ -212,16 +212,16 @@ def test_auto_sends_two_bits_where_the_link_holds_the_step_back():
     # gradients are ~100 ns each here
     slow = run_distributed(_worker, 2, 1e5, 1.0, timeout=300)
     for r in slow:
-        assert r["compression"] == "q2npw20", r["why"]
-        assert r["why"].startswith("AdamW -> q2npw20 (2 bits: 2-bit codes would save 1250.00 ns"), r["why"]
+        assert r["compression"] == "2bit-precond", r["why"]
+        assert r["why"].startswith("AdamW -> 2bit-precond (2 bits: 2-bit codes would save 1250.00 ns"), r["why"]
         assert "3-bit steps left exposed 1000.0 ms a step" in r["why"], r["why"]
-        assert r["during_warmup"] == "quantized"  # until step 20 the codes are 3-bit ones
+        assert r["during_warmup"] == "2bit-precond"  # its warm-up: until step 20 the codes are 3-bit ones
         # step 0 dense fp32 (auto has not seen the optimizer), then the whole gradient quantised, sent to the
         # one peer: 3 bits (14 x 48 B codes + 14 x 2 B scales) until the warm-up's 20 steps are done (they count
         # the run's steps, so step 0 is the first), then 2 bits (14 x 32 + 14 x 2)
         assert r["per_step"] == [4 * n] + [14 * 50] * (WARMUP - 1) + [14 * 34] * (STEPS - WARMUP)
-        _check_resumes(r, "q2npw20")
-        assert "sending 'q2npw20', this model switched to 'quantized' already" in r["other_width"], r["other_width"]
+        _check_resumes(r, "2bit-precond")
+        assert "sending '2bit-precond', this model switched to '3bit' already" in r["other_width"], r["other_width"]
     assert slow[0]["history"] == slow[1]["history"]  # identical ranks after every step
 
 
@@ -231,14 +231,14 @@ def test_auto_keeps_three_bits_on_a_fast_link_or_where_the_wire_was_hidden(link_
     # went while backward ran): nothing to save. Either way the codec's extra time is not repaid
     n = 20 * 64 + 64 + 64 * 5 + 5
     for r in run_distributed(_worker, 2, link_Bps, exposed_s, timeout=300):
-        assert r["compression"] == "quantized", r["why"]
+        assert r["compression"] == "3bit", r["why"]
         assert r["why"].startswith("AdamW -> quantized (3 bits"), r["why"]
         assert r["per_step"] == [4 * n] + [14 * 50] * (STEPS - 1)  # 3 bits throughout, no step lost or doubled
         # decided at the switch, no step's exposure is known: on the fast link 3 bits, the same run bit for bit; on
         # the slow one 2 bits (what "auto" picked before it watched the warm-up), another run
         assert (r["decided_at_switch"] == r["history"]) == (link_Bps > 1e9)
-        _check_resumes(r, "quantized")
-        assert "sending 'quantized', this model switched to 'q2npw20' already" in r["other_width"], r["other_width"]
+        _check_resumes(r, "3bit")
+        assert "sending '3bit', this model switched to '2bit-precond' already" in r["other_width"], r["other_width"]
 
 
 def test_the_exposure_is_the_lower_quartile_of_a_bimodal_warm_up():

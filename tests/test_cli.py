@@ -505,7 +505,7 @@ def test_public_names_load_on_first_use():
 
 
 def test_bench_quality_adamw_settings_reach_the_job(monkeypatch, capsys):
-    """--adamw-lr / --adamw-beta2 set the quality transformer's AdamW (the settings docs/adamw.md sweeps);
+    """--adamw-lr / --adamw-beta2 set the quality transformer's AdamW (the settings docs/results/adamw.md sweeps);
     a beta2 outside [0, 1) is refused by the parser."""
     import gradientflow.bench.quality as quality
 

@@ -115,7 +115,7 @@ def test_inplace_writes_the_decoded_values_over_the_input() -> None:
 
 
 def test_a_cpu_segment_takes_the_kernel() -> None:
-    """Not a timing claim (see docs/adamw.md), only that the dispatch reaches the kernel: a CPU segment
+    """Not a timing claim (see docs/results/adamw.md), only that the dispatch reaches the kernel: a CPU segment
     must not take the torch ops' ~40 passes."""
     calls: list[int] = []
     lib = codec_native.library()

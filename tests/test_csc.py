@@ -899,7 +899,7 @@ def test_device_tensor_loss_scale_path_equals_the_host_path() -> None:
 
 def test_optimizer_pitfalls_rules() -> None:
     """The rules check_optimizer warns with, as a pure function of the optimizer and the CSC options."""
-    from gradientflow.strategies.pitfalls import ADAPTIVE_MIN_DENSITY, optimizer_pitfalls
+    from gradientflow.policy.pitfalls import ADAPTIVE_MIN_DENSITY, optimizer_pitfalls
 
     w = [nn.Parameter(torch.zeros(2))]
     sgd_m, sgd, adamw = torch.optim.SGD(w, lr=0.1, momentum=0.9), torch.optim.SGD(w, lr=0.1), torch.optim.AdamW(w)

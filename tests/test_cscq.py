@@ -30,18 +30,18 @@ EPS32 = torch.finfo(torch.float32).eps
 def test_cscq_is_density_0_3_on_fp32_rows_unless_a_density_is_passed_and_refuses_a_conflicting_wire() -> None:
     cfg = GradientFlowConfig(compression="cscq")
     assert (cfg.compression, cfg.density, cfg.comm_dtype, cfg.quant_bits, cfg.quant_block) == (
-        "cscq",
+        "topk-3bit",
         0.3,
         "fp32",
         3,
         128,
     )
     assert cfg.sparse and not cfg.quantized  # CSC's strategy, its chunks quantised
-    with pytest.raises(ValueError, match="compression='cscq' sets comm_dtype='fp32'"):
+    with pytest.raises(ValueError, match="compression='topk-3bit' puts its own codes on the wire"):
         GradientFlowConfig(compression="cscq", comm_dtype="fp16")
-    # a density passed beside it is cscq's at that density: nothing else spells its quantised chunks
+    # a density passed beside it overrides the recipe's (docs/recipes.md, the rule)
     denser = GradientFlowConfig(compression="cscq", density=0.5)
-    assert (denser.compression, denser.density, denser.comm_dtype, denser.quant_bits) == ("cscq", 0.5, "fp32", 3)
+    assert (denser.compression, denser.density, denser.comm_dtype, denser.quant_bits) == ("topk-3bit", 0.5, "fp32", 3)
     assert dataclasses.replace(denser) == denser  # resolving again keeps it (a resumed or rebuilt config)
     with pytest.raises(ValueError, match="density must be None"):
         GradientFlowConfig(compression="cscq", density=1.5)
@@ -51,11 +51,11 @@ def test_auto_gives_cscq_half_the_chunks_beyond_a_pair_of_ranks() -> None:
     """More than two parties quantise the chunks twice (a ring's reduce-scatter and its sum, or the node sums); a pair
     once: "auto" sends 0.5 of the chunks there (measured 1.015x / 1.019x DDP's loss at 4 ranks where 0.3 ended 1.021x
     / 1.027x), 0.3 on two ranks.  Nothing for the other recipes, nor for "cscq" passed by name (the wrapper only)."""
-    from gradientflow.strategies.recipes import recipe_options
+    from gradientflow.policy.auto_choice import recipe_options
 
-    assert recipe_options("cscq", 2) == {}
-    assert recipe_options("cscq", 3) == recipe_options("cscq", 4) == recipe_options("cscq", 6) == {"density": 0.5}
-    assert recipe_options("quantized", 4) == recipe_options("csc", 4) == {}
+    assert recipe_options("topk-3bit", 2) == {}
+    assert recipe_options("topk-3bit", 3) == recipe_options("topk-3bit", 4) == recipe_options("topk-3bit", 6) == {"density": 0.5}
+    assert recipe_options("3bit", 4) == recipe_options("topk-fp16", 4) == {}
 
 
 def test_cscq_and_auto_chunks_hold_whole_quantiser_blocks() -> None:
@@ -152,10 +152,10 @@ def _resume_worker(rank: int, world_size: int) -> None:
     _run(first, first_opt, batches[:3])
     ckpt = copy.deepcopy({"opt": first_opt.state_dict(), "comm": first.comm_state_dict()})
     params = [p.detach().clone() for p in first.module.parameters()]
-    assert ckpt["comm"]["compression"] == "cscq" and ckpt["comm"]["step"] == 3
+    assert ckpt["comm"]["compression"] == "topk-3bit" and ckpt["comm"]["step"] == 3
 
     plain_csc = gf.DistributedDataParallel(_mlp(), compression="csc", chunk_size=CHUNK)
-    with pytest.raises(ValueError, match="saved with compression='cscq'"):
+    with pytest.raises(ValueError, match="saved with compression='topk-3bit'"):
         plain_csc.load_comm_state_dict(ckpt["comm"])  # the same residual, another wire: refused, not guessed
 
     second = _model(**kw)

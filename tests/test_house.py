@@ -109,10 +109,9 @@ def test_the_check_sees_a_mixin_that_assigns() -> None:
 
 def test_every_config_field_is_documented_under_it() -> None:
     """Each option of ``GradientFlowConfig`` says what it is where it is declared: a docstring right under the
-    field, or a comment on its line (not only in a class docstring far from it)."""
+    field (not only in a class docstring far from it, and not a comment: a ``# noqa`` is one too)."""
     path = PACKAGE / "config.py"
     text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
     cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "GradientFlowConfig")
     undocumented = []
     for field, after in zip(cls.body, [*cls.body[1:], None]):
@@ -121,21 +120,6 @@ def test_every_config_field_is_documented_under_it() -> None:
         docstring = (
             isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
         )
-        if not docstring and "  # " not in lines[field.lineno - 1]:
+        if not docstring:
             undocumented.append(field.target.id)
-    assert not undocumented, f"config fields without a docstring or comment under them: {undocumented}"
-
-
-def test_parse_compression_names_its_parts() -> None:
-    from gradientflow.config import Compression, parse_compression
-
-    parsed = parse_compression("q2npw20")
-    assert isinstance(parsed, Compression)
-    assert (parsed.recipe, parsed.bits, parsed.levels, parsed.precondition, parsed.warmup) == (
-        "quantized",
-        2,
-        "zeroless",
-        True,
-        20,
-    )
-    assert parse_compression(" CSC ") == Compression("csc")
+    assert not undocumented, f"config fields without a docstring under them: {undocumented}"

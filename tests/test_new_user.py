@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from gradientflow import GradientFlowConfig
-from gradientflow.strategies.recipes import unmeasured_warning
+from gradientflow.policy.auto_choice import unmeasured_warning
 
 from _dist import run_distributed
 
 
 # ---- 14. options as a torch DDP user writes them ----------------------------------------------
 @pytest.mark.parametrize(
-    ("given", "runs"), [("Auto", "auto"), ("QUANTIZED", "quantized"), ("quantised", "quantized"), (" csc ", "csc")]
+    ("given", "runs"), [("Auto", "auto"), ("QUANTIZED", "3bit"), ("quantised", "3bit"), (" csc ", "topk-fp16"), ("3BIT", "3bit")]
 )
 def test_recipe_names_ignore_case_and_spelling(given: str, runs: str) -> None:
     assert GradientFlowConfig(compression=given).compression == runs
@@ -134,8 +134,8 @@ def test_a_ddp_users_first_hour_on_two_ranks() -> None:
             (message, where), *more = r["warnings"][name]
             assert not more and name in message and "not measured" in message, r["warnings"][name]
             assert where == Path(__file__).name, where
-        assert r["warnings"]["AdamW"] == []  # measured: docs/adamw.md
-        assert r["auto totals"]["steps"] == 3 and r["auto totals"]["compression"] == "quantized"
+        assert r["warnings"]["AdamW"] == []  # measured: docs/results/adamw.md
+        assert r["auto totals"]["steps"] == 3 and r["auto totals"]["compression"] == "2bit-precond"
 
         one, before, after = r["totals"]
         assert before == after  # loading a checkpoint changes no counter of the run

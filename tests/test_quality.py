@@ -128,8 +128,8 @@ def test_quality_on_link_lets_auto_measure_a_slow_link(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["tta"] == []
     rows = {r["recipe"]: r for r in res["workloads"]["transformer"]["rows"]}
-    assert rows["gf-auto"]["picked"].startswith("AdamW -> q2npw20 (2 bits"), rows["gf-auto"]["picked"]
-    assert '- gf-auto: `"auto"` picked AdamW -> q2npw20' in (tmp_path / "table.md").read_text()
+    assert rows["gf-auto"]["picked"].startswith("AdamW -> 2bit-precond (2 bits"), rows["gf-auto"]["picked"]
+    assert '- gf-auto: `"auto"` picked AdamW -> 2bit-precond' in (tmp_path / "table.md").read_text()
     assert leftovers(prefix) == []
 
 

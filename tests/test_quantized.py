@@ -286,14 +286,14 @@ def test_training_full_precision_identical_ranks_resume_and_auto_picks():
         assert per_rank[1]["q3_history"][step] == per_rank[0]["q3_history"][step]
         assert per_rank[2]["q3_history"][step] == per_rank[0]["q3_history"][step]
     payload, dense, name = per_rank[0]["q3_bytes"]
-    assert name == "quantized"
+    assert name == "3bit"
     assert payload / dense < 0.11  # 0.0977 plus each bucket's short last block
     assert per_rank[0]["picks"] == {
-        "SGD": ("cscq", "SGD -> cscq"),
-        "SGD momentum": ("cscq", "SGD -> cscq"),
+        "SGD": ("topk-3bit", "SGD -> topk-3bit"),
+        "SGD momentum": ("topk-3bit", "SGD -> topk-3bit"),
         # 3 ranks: each segment's sum is quantised again, so Adam-type optimizers get the preconditioned 3 bits
-        "Adam": ("q3p", "Adam -> q3p (3 bits, preconditioned: 3 parties)"),
-        "AdamW": ("q3p", "AdamW -> q3p (3 bits, preconditioned: 3 parties)"),
+        "Adam": ("3bit-precond", "Adam -> 3bit-precond (3 bits, preconditioned: 3 parties)"),
+        "AdamW": ("3bit-precond", "AdamW -> 3bit-precond (3 bits, preconditioned: 3 parties)"),
     }
 
 
@@ -331,11 +331,13 @@ def test_mismatch_across_ranks_is_a_value_error_on_every_rank():
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
-        ({"compression": "csc", "density": 0.3}, "density"),
+        ({"compression": "csc", "comm_dtype": "bf16"}, "comm_dtype='fp16' by its name"),
+        ({"compression": "3bit", "density": 0.3}, "sends every coordinate"),
         ({"compression": "quantized", "comm_dtype": "fp16"}, "comm_dtype"),
         ({"compression": "auto", "density": 0.1}, "density"),
         ({"compression": "q9"}, "compression must be"),
-        ({"compression": "q3b100"}, "compression must be"),
+        ({"compression": "q3b100"}, "quant_block a multiple of 16"),
+        ({"compression": "3bit", "quant_block": 100}, "quant_block a multiple of 16"),
     ],
 )
 def test_conflicting_or_unknown_compression_raises(kwargs, says):
@@ -350,12 +352,12 @@ def test_named_recipes_set_todays_keywords():
     )
     assert GradientFlowConfig(compression="fp16").wire_dtype == torch.float16
     q = GradientFlowConfig(compression="q4b64")
-    assert (q.compression, q.quant_bits, q.quant_block) == ("quantized", 4, 64)
+    assert (q.compression, q.quant_bits, q.quant_block) == ("4bit", 4, 64)
     assert GradientFlowConfig().compression == "none" and not GradientFlowConfig().quantized
     # "quantized" = "q3": non-uniform levels; a "u" asks for uniform ones (the first version of the recipe)
     d, u = GradientFlowConfig(compression="quantized"), GradientFlowConfig(compression="q3u")
     assert (d.quant_bits, d.quant_block, d.quant_levels) == (3, 128, "fitted")
-    assert (u.compression, u.quant_bits, u.quant_block, u.quant_levels) == ("quantized", 3, 128, "uniform")
+    assert (u.compression, u.quant_bits, u.quant_block, u.quant_levels) == ("3bit", 3, 128, "uniform")
     assert GradientFlowConfig(compression="q2b64uc2").quant_levels == "uniform"
 
 
@@ -389,4 +391,4 @@ def test_quantized_recipe_default_theta_unless_the_user_gives_one():
     assert r["quantized, bucket_cap_mb=25"] == 25.0
     assert r["quantized, fusion_threshold_mb=2"] == 2.0
     assert r["csc"] == 25.0
-    assert r["auto + AdamW"] == (25.0, 8.0, "quantized")
+    assert r["auto + AdamW"] == (25.0, 8.0, "2bit-precond")

@@ -1,6 +1,6 @@
 """The documented benchmark tables are the committed results of their commands, not hand copies.
 
-Each table in ``docs/benchmarks.md`` and ``docs/quality.md`` was made by its command (shown beside it)
+Each table in ``docs/results/benchmarks.md`` and ``docs/results/quality.md`` was made by its command (shown beside it)
 into ``benchmarks/<dir>/``; these tests rebuild the table from the committed ``results.json`` /
 ``table.md`` and look for it, verbatim, on its page.  The README's headline table is a few columns of
 one of them, cell for cell.  A re-run that changes the results without the pages (or the other way
@@ -20,8 +20,8 @@ from gradientflow.bench.report import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BENCHMARKS = (ROOT / "docs" / "benchmarks.md").read_text()
-QUALITY = (ROOT / "docs" / "quality.md").read_text()
+BENCHMARKS = (ROOT / "docs" / "results" / "benchmarks.md").read_text()
+QUALITY = (ROOT / "docs" / "results" / "quality.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["resnet50_1gbit", "alexnet_1gbit", "resnet50_loopback"])
@@ -132,9 +132,9 @@ def test_every_option_is_in_the_readme_options_table_with_its_default() -> None:
     ],
 )
 def test_adamw_matrix_rows_on_the_page_are_the_committed_table(name: str, settings: int) -> None:
-    """docs/adamw.md's AdamW matrices: every row (model, setting, per-seed ratios, mean, bytes) is the committed
+    """docs/results/adamw.md's AdamW matrices: every row (model, setting, per-seed ratios, mean, bytes) is the committed
     ``table.md`` row of ``experiments/adamw_matrix.py``'s output, and the page names the command's ``--out``."""
-    page = (ROOT / "docs" / "adamw.md").read_text()
+    page = (ROOT / "docs" / "results" / "adamw.md").read_text()
     table = (ROOT / "benchmarks" / name / "table.md").read_text()
     rows = [line for line in table.splitlines() if re.match(r"\| \d+x\d+ \|", line)]
     assert len(rows) == settings, table

@@ -196,11 +196,11 @@ def test_every_recipe_two_level(nodes: int, per_node: int) -> None:
     for name in ("quantized", "q2npw20"):
         _conserved(two, name)
     # "auto" with SGD on nodes of several ranks: "cscq" at half the chunks (each rank sends 1/G of them between nodes)
-    assert two[0]["auto-sgd"]["config"] == ["cscq", 0.5]
-    assert two[0]["cscq"]["config"] == ["cscq", 0.3]  # passed by name: the recipe's own density
+    assert two[0]["auto-sgd"]["config"] == ["topk-3bit", 0.5]
+    assert two[0]["cscq"]["config"] == ["topk-3bit", 0.3]  # passed by name: the recipe's own density
     # "auto" with AdamW: plain 3 bits between 2 nodes (two parties); beyond two nodes each shard's sum is quantised
-    # again, and the preconditioned 3 bits run ("q3p", strategies.recipes.MANY_PARTIES_ADAM)
-    assert two[0]["auto-adamw"]["stats"]["compression"] == ("q3p" if nodes > 2 else "quantized")
+    # again, and the preconditioned 3 bits run ("3bit-precond", policy.auto_choice.MANY_PARTIES_ADAM)
+    assert two[0]["auto-adamw"]["stats"]["compression"] == ("3bit-precond" if nodes > 2 else "3bit")
     # error feedback on the node-reduced shard: each rank's residual is its buckets' shards, 1/G of the pool
     for r in two:
         for name in ("quantized", "q2npw20", "q2npw1", "auto-adamw"):

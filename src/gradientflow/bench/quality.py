@@ -47,6 +47,8 @@ from gradientflow.bench.quality_peers import (
     register_torch_hook,
     torch_peer_bytes,
 )
+from gradientflow.recipes import BY_NAME
+from gradientflow.recipes import RECIPES as RECIPE_TABLE
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,10 @@ RECIPES = (
     "ddp-powersgd",
     "ddp-postlocal",
 )
-DENSITY = 0.1
+TABLE_RECIPES = tuple(f"gf-{r.name}" for r in RECIPE_TABLE if r.name != "auto")
+"""``gf-<recipe>``: ``compression="<recipe>"``, one per row of the recipe table (docs/recipes.md; ``gf-auto`` above),
+trained when named (``--recipes``)."""
+DENSITY = BY_NAME["topk-fp16"].options["density"]
 USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
 """fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
 0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
@@ -132,8 +137,8 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     from gradientflow.config import GradientFlowConfig
 
     base, _, rest = recipe.partition(":")
-    if base not in RECIPES:
-        raise ValueError(f"unknown recipe {base!r}; choose from {', '.join(RECIPES)}")
+    if base not in RECIPES and base not in TABLE_RECIPES:
+        raise ValueError(f"unknown recipe {base!r}; choose from {', '.join((*RECIPES, *TABLE_RECIPES))}")
     if not rest:
         return base, {}
     if not base.startswith("gf-"):  # torch DDP and its peers
@@ -178,6 +183,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     else:
         if recipe == "gf-auto":
             options = {"compression": "auto"}
+        elif recipe in TABLE_RECIPES:
+            options = {"compression": recipe.removeprefix("gf-")}
         elif recipe in USER_OPTIMIZER_DENSITY:
             options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
         elif recipe == "gf-paper":

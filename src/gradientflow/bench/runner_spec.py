@@ -14,7 +14,26 @@ from torch import nn
 
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.config import check_topology_value
+from gradientflow.recipes import BY_NAME, RECIPES
 
+RECIPE_MODES = tuple(f"gf-{r.name}" for r in RECIPES)
+"""``gf-<recipe>``: ``compression="<recipe>"``, one mode per row of the recipe table (docs/recipes.md), run when
+named (``--modes``); ``gf-auto`` runs the recipe of the bench's optimizer (SGD: ``"topk-3bit"``; ``--optimizer
+adamw``: the ``"3bit"`` family)."""
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gf-fp32": ("none", {}),
+    "gf-fp16": ("fp16", {}),
+    "gf-bf16": ("bf16", {}),
+    "gf-fp16-csc": ("topk-fp16", {"csc_scope": "global"}),
+    "gf-fp16-csc-slice": ("topk-fp16", {}),
+    "gf-bf16-csc-slice": ("none", {"comm_dtype": "bf16", "density": 0.1}),
+    "gf-fp16-csc-auto": ("topk-fp16", {"schedule": "auto", "csc_scope": "global"}),
+    "gf-cscq": ("topk-3bit", {}),
+}
+"""The bench's default gradientflow modes (named before the recipe table; its committed tables carry these names),
+each a recipe of the table with options beside it: ``gf-fp32`` is ``gf-none``, ``gf-fp16-csc-slice``
+``gf-topk-fp16``, ``gf-cscq`` ``gf-topk-3bit``; the others vary one option of a recipe (``csc_scope``,
+``schedule``, a bf16 wire)."""
 MODES = (
     "gf-fp32",
     "gf-fp16",
@@ -28,10 +47,18 @@ MODES = (
     "ddp-powersgd",
     "compute",
 )
-EXTRA_MODES = ("gf-auto", "gf-cscq")
-"""Modes run only when named (``--modes``): ``gf-auto`` is ``compression="auto"``, the recipe of the
-bench's optimizer (SGD: CSC; ``--optimizer adamw``: the quantised ring); ``gf-cscq`` is ``compression="cscq"``
-(CSC at density 0.3, its chunks in 3-bit blocks), timed on sparse steps as the CSC modes are."""
+"""What ``gradientflow bench`` runs by default (the tables of docs/results/benchmarks.md)."""
+EXTRA_MODES = (*RECIPE_MODES, "gf-cscq")
+"""Modes run only when named (``--modes``): every recipe of the table, and ``gf-cscq`` (= ``gf-topk-3bit``)."""
+
+
+def gf_recipe(mode: str) -> tuple[str, dict[str, Any]]:
+    """The recipe and the options a gradientflow mode (``gf-*``, no ``@``) passes to the wrapper."""
+    if mode in VARIANTS:
+        return VARIANTS[mode]
+    return mode.removeprefix("gf-"), {}
+
+
 TOPOLOGY_SUFFIX = "@"
 """``gf-fp16@flat``: a gradientflow mode with the engine's ``topology`` option (``flat``, ``auto`` or
 ``MxG``), so one table holds a mode forced flat beside the same mode on the node layout torchrun gives."""
@@ -40,7 +67,8 @@ ISOLATED = ("ddp-powersgd",)
 """Modes run in their own launch: a failure of torch's PowerSGD hook (see POWERSGD_BUCKET_MB)
 must not take the other modes with it."""
 DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb default
-CSC_DENSITY = 0.1
+CSC_DENSITY = BY_NAME["topk-fp16"].options["density"]
+"""The top-k modes' density (the ``"topk-fp16"`` row's); the cost model's validation charges it."""
 POWERSGD_RANK = 1  # torch's default matrix_approximation_rank
 POWERSGD_BUCKET_MB = 1e6
 """torch DDP's bucket cap for ``ddp-powersgd``: the whole model in one bucket.  torch's
@@ -57,8 +85,9 @@ def split_mode(mode: str) -> tuple[str, str | None]:
     """``"gf-fp16@flat"`` -> ``("gf-fp16", "flat")``; ``"ddp"`` -> ``("ddp", None)``.  ``ValueError`` saying
     what to pass for an unknown mode, a topology on a mode that is not gradientflow's, or a bad topology."""
     base, at, topology = mode.partition(TOPOLOGY_SUFFIX)
-    if base not in MODES + EXTRA_MODES:
-        raise ValueError(f"unknown mode {base!r}: choose from {' '.join(MODES + EXTRA_MODES)}")
+    if base not in (*MODES, *EXTRA_MODES):
+        known = " ".join(dict.fromkeys((*MODES, *EXTRA_MODES)))
+        raise ValueError(f"unknown mode {base!r}: choose from {known}")
     if not at:
         return base, None
     if not base.startswith("gf-"):

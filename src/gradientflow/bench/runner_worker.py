@@ -29,13 +29,13 @@ from torch import nn
 from gradientflow.bench.bench_memory import PeakRss, rss_mb, timing_allocator
 from gradientflow.bench.link_bytes import LinkCounter, close_window, node_of_rank, open_window, per_node
 from gradientflow.bench.runner_spec import (
-    CSC_DENSITY,
     DDP_DEFAULT_BUCKET_MB,
     MARK,
     POWERSGD_BUCKET_MB,
     POWERSGD_RANK,
     BenchSpec,
     Variant,
+    gf_recipe,
     make_batch,
     make_model,
     process_group_backend,
@@ -43,7 +43,7 @@ from gradientflow.bench.runner_spec import (
     split_mode,
     topology_kwargs,
 )
-from gradientflow.config import auto_chunk_size
+from gradientflow.config import auto_chunk_size, lookup, mechanism_of
 from gradientflow.diagnostics.stats import PHASES
 
 logger = logging.getLogger(__name__)
@@ -84,33 +84,25 @@ def _build(
     if mode == "compute":
         wrapped: nn.Module = model
         wire = 0
-    elif mode in ("gf-auto", "gf-cscq"):
-        # gf-auto: the optimizer's recipe, from its first step (the warm-up steps cover it); gf-cscq: as the CSC
-        # modes, its sparse steps timed (no density ramp) at the bench's chunk size
-        cscq: dict[str, Any] = {"chunk_size": chunk_size, "warmup_steps": 0} if mode == "gf-cscq" else {}
-        wrapped = gf.DistributedDataParallel(
-            model,
-            device_ids=ids,
-            process_group=group,
-            fusion_threshold_mb=v.theta_mb,
-            compression=mode.removeprefix("gf-"),
-            **cscq,
-            **topology_kwargs(v.mode),
-        )
     elif mode.startswith("gf-"):
-        csc = "-csc" in mode
+        # a recipe of the table and the mode's options (runner_spec.gf_recipe); the top-k recipes' sparse steps
+        # are timed (no density ramp: the bench's own warm-up steps are dense-free) at the bench's chunk size;
+        # "auto" from its first optimizer step (the warm-up steps cover the switch)
+        recipe, options = gf_recipe(mode)
+        mechanism = mechanism_of(lookup(recipe).name, options.get("density"))
+        timing: dict[str, Any] = {}
+        if mechanism in ("dense", "topk"):
+            timing["algorithm"] = spec.algorithm
+        if mechanism in ("topk", "topk-quantized"):
+            timing.update(chunk_size=chunk_size, warmup_steps=0)
         wrapped = gf.DistributedDataParallel(
             model,
             device_ids=ids,
             process_group=group,
             fusion_threshold_mb=v.theta_mb,
-            comm_dtype="fp32" if mode == "gf-fp32" else "bf16" if mode.startswith("gf-bf16") else "fp16",
-            algorithm=spec.algorithm,
-            density=CSC_DENSITY if csc else None,
-            chunk_size=chunk_size,
-            warmup_steps=0,  # the bench's own warm-up steps are dense-free: we time sparse steps
-            csc_scope="slice" if mode.endswith("-slice") else "global",
-            schedule="auto" if mode.endswith("-auto") else "fixed",  # auto: θ and scope from the link
+            compression=recipe,
+            **options,
+            **timing,
             **topology_kwargs(v.mode),  # mode@flat: the engine's layout forced (a TypeError before it has one)
         )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:
@@ -135,7 +127,7 @@ def _build(
             torch_ddp.register_comm_hook(state, psgd.powerSGD_hook)
             wire = powersgd_wire_bytes(params)
     opt: torch.optim.Optimizer
-    if spec.optimizer == "adamw":  # the transformer's optimizer in bench --quality (docs/adamw.md)
+    if spec.optimizer == "adamw":  # the transformer's optimizer in bench --quality (docs/results/adamw.md)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     else:
         opt = torch.optim.SGD(wrapped.parameters(), lr=spec.lr, momentum=momentum)

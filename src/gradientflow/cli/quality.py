@@ -10,7 +10,7 @@ from . import types
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     """The ``--quality options`` group of ``gradientflow bench``."""
-    from gradientflow.bench.quality import RECIPES
+    from gradientflow.bench.quality import RECIPES, TABLE_RECIPES
 
     q = b.add_argument_group(
         "--quality options",
@@ -20,7 +20,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "accuracy of a bigger transformer and of digits_wide (AlexNet-shaped, 8.4M parameters) on the emulated "
         "cluster, ddp vs gf-recommended (the transformer also gf-fp16-dense and gf-density-0.3). Writes "
         "results.json, table.md, quality_*.png and tta*.png to --out. "
-        "See docs/quality.md.",
+        "See docs/results/quality.md.",
     )
     q.add_argument("--quality", action="store_true", help="run the quality benchmark instead of timing steps")
     q.add_argument(
@@ -29,7 +29,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         type=types.recipe,
         default=None,
         metavar="RECIPE",
-        help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}; "
+        help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}; also every "
+        f"recipe of the table (docs/recipes.md): {' '.join(TABLE_RECIPES)}; "
         "a gf-* recipe may change wrapper options, e.g. gf-recommended:warmup_steps=300,dense_1d=False "
         "(an ablation, trained beside the others on the same seed and batches)",
     )
@@ -40,7 +41,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RECIPE",
         help="recipes on the time-to-accuracy clock instead of the default ones (ddp is always added), e.g. "
-        "gf-auto gf-auto:compression=q2nw20",
+        "gf-auto gf-2bit-precond",
     )
     q.add_argument(
         "--transformer-size",

@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) void encode_block8(const float *x, 
  * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2); in a
  * two-rank exchange they run inside gf_quantize's and gf_dequantize's own passes, block by block while the
  * block is in L1 (no pass of their own: 1.6 ns a gradient over 3 bits' codec instead of 2.5 on this
- * project's CPU, docs/adamw.md).
+ * project's CPU, docs/results/adamw.md).
  * The floors come from torch (their means keep torch's summation order); per element these are the
  * torch path's fp32 operations in its order, so the results are bit-identical (tests/test_codec.py).
  * wf: one floor per window of `window` coordinates, coordinate i (offset + i in its bucket) in window

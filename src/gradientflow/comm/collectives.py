@@ -112,7 +112,7 @@ def start_allreduce(
             # The group's own allreduce, as torch DDP's C++ reducer calls it: dist.all_reduce's Python
             # checks (torch-function modes, complex views, coalescing) do not apply to a real pool slice
             # of a group this rank is in, and cost a small model's step much of its gap to torch DDP
-            # (measured: docs/benchmarks.md, per-step fixed cost on small models)
+            # (measured: docs/results/benchmarks.md, per-step fixed cost on small models)
             work = group.allreduce([tensor], _SUM_ASYNC)
         handle = PendingAllreduce(work, tensor, watchdog, what)
     elif algorithm == "ring":

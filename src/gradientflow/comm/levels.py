@@ -33,7 +33,7 @@ ZEROLESS: dict[int, tuple[float, ...]] = {2: (0.15, 0.54)}
 """Levels without a zero, ``l_0 < .. < l_{K-1}`` (``K = 2**(bits-1)``; code ``k`` is ``+l_k``, with the sign
 bit ``-l_k``), fitted as :data:`CODEBOOKS` (``experiments/fit_levels.py``).  At 2 bits the fitted table
 has three levels (``0, ±l_1``: the code "-0" is unused); these four carry less error energy at the same
-bytes (``docs/adamw.md``, "Below 0.07 of the bytes")."""
+bytes (``docs/results/adamw.md``, "Below 0.07 of the bytes")."""
 
 LEVELS = QUANT_LEVELS
 """``levels``: :data:`CODEBOOKS` (with a zero), ``k / L`` of the scale, or :data:`ZEROLESS`."""

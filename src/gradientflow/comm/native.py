@@ -47,7 +47,7 @@ def _cpu_flags() -> set[str]:
 
 def flags() -> tuple[str, ...]:
     """:data:`FLAGS`, plus 8-wide vectors where torch found AVX2 on this CPU (the codec's encode faster:
-    docs/benchmarks.md#figures-behind-the-codes-comments), and the fp16 conversion
+    docs/results/benchmarks.md#figures-behind-the-codes-comments), and the fp16 conversion
     instructions where the CPU lists them (else ``_Float16`` casts are libgcc calls); the same bits.  ``-mfma``
     with them: torch's AVX2 kernels fuse some multiply-adds (``addcmul_``), and a kernel that mirrors one calls
     ``fmaf`` where ``__FMA__`` is defined (no contraction elsewhere: ``-ffp-contract=off``)."""

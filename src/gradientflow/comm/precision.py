@@ -42,7 +42,7 @@ def to_wire(
     ``flat`` itself is divided in place (its content is replaced by the reduced result anyway),
     unless ``divided`` says :func:`divide` already ran on it; then cast by a plain copy: on CPU
     ``torch.mul(fp32, s, out=fp16)`` takes a slow mixed-dtype path where ``mul_`` + ``copy_`` are several
-    times faster, with the same rounding (measured: docs/benchmarks.md#figures-behind-the-codes-comments).
+    times faster, with the same rounding (measured: docs/results/benchmarks.md#figures-behind-the-codes-comments).
     """
     if not divided:
         divide(flat, world_size, wire_dtype)

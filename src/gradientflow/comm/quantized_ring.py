@@ -15,14 +15,14 @@ Why not a chain round the ring (dequantise-add-requantise at every hop): each ho
 growing partial sum, so a segment collects the noise of N quantisations at 1/N, 2/N, .., N/N of its
 magnitude (1.9x one quantisation of the sum at 4 ranks); the direct reduce-scatter quantises only
 the contributions (N-1 of them at 1/N) and the sum once (1.2x).  Measured on the quality bench's
-AdamW transformer at 4 ranks, see docs/adamw.md.  The bytes are the same: each rank sends
+AdamW transformer at 4 ranks, see docs/results/adamw.md.  The bytes are the same: each rank sends
 ``(N-1)/N`` of one quantised copy in each round, ``2 (N-1)/N`` in all, as a dense ring, so they do
 not grow with the world size; two rounds instead of the ring's 2 (N-1) hops.
 
 Two ranks: one exchange of each rank's whole quantised contribution, the same bytes (one quantised
 copy each way), and each rank adds the two decoded contributions.  The sum is then never
 requantised: its noise is that of the two contributions alone (measured: 1.030 -> 1.018 of DDP's
-loss against requantising the sum, docs/adamw.md).
+loss against requantising the sum, docs/results/adamw.md).
 
 Error feedback: each rank quantises every element exactly once per allreduce (the segments it
 sends, and the sum of the one it owns), and ``err`` receives ``value before quantisation - decoded

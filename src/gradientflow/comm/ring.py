@@ -199,7 +199,7 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
     Kept between calls because on a CPU rank a fresh buffer costs a page fault per 4 KB on
     first touch, a large part of the ring's time at 256 MB (measured:
-    docs/benchmarks.md#figures-behind-the-codes-comments).  Only one ring runs at a time per process
+    docs/results/benchmarks.md#figures-behind-the-codes-comments).  Only one ring runs at a time per process
     (they are synchronous, from one thread), so one buffer per (device, dtype) suffices.  Its size is
     bounded by depth * pipeline_bytes.
     """

@@ -104,7 +104,7 @@ class Reducer:
         self.bind_pending = False  # .grad is still to be bound by the first hook of the coming backward
         # The last unbound backward's fresh gradients, already in the pool (or CSC's residual), kept until the next
         # forward as torch DDP keeps `.grad`: freed mid-backward, glibc trimmed its heap top and the next step
-        # faulted it back in (docs/benchmarks.md#figures-behind-the-codes-comments).
+        # faulted it back in (docs/results/benchmarks.md#figures-behind-the-codes-comments).
         self.held: list[torch.Tensor] = []
         self.backward: _Backward | None = None  # the open synchronised backward's record
         self.last_stats = StepStats(dense_bytes=self.dense_bytes)
@@ -226,7 +226,7 @@ class Reducer:
         """A parameter's post-accumulate hook: step 2 for one gradient.
 
         The hot path of a step (once per parameter, in Python where torch DDP's reducer is C++): one frame
-        with the unbound copy inlined (what the frames cost: docs/benchmarks.md, per-step fixed cost)."""
+        with the unbound copy inlined (what the frames cost: docs/results/benchmarks.md, per-step fixed cost)."""
         g = param.grad
         if g is None:  # an undefined gradient (autograd produced none): the parameter counts as unused
             return

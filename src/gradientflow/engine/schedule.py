@@ -12,7 +12,7 @@ With ``schedule="auto"`` the wrapper measures its process group once, at constru
 The fastest, not the median: what another process does to this machine only ever adds time, and a
 construction that happens to run while the CPUs are busy must not turn a bandwidth-bound link into
 a "latency-bound" one for the whole run (a median under load once sent the schedule to one collective:
-docs/benchmarks.md#figures-behind-the-codes-comments).
+docs/results/benchmarks.md#figures-behind-the-codes-comments).
 
 Both are rank 0's measurement, broadcast, so every rank derives the same schedule from the same
 bits; the rule (:func:`plan`) is a pure function of them and of the model's sizes:

@@ -156,7 +156,7 @@ class UnusedSearch:
         self.sync, self.usage = sync, usage
         # As torch DDP: without find_unused_parameters no step sends anything but gradients (a used exchange
         # every step made small models' steps slower than torch DDP's:
-        # docs/benchmarks.md#figures-behind-the-codes-comments).
+        # docs/results/benchmarks.md#figures-behind-the-codes-comments).
         self.find_unused = find_unused
         self.pending_error: RuntimeError | None = None  # raised at the next forward with grad (torch's timing)
 

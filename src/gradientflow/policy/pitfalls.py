@@ -22,10 +22,10 @@ def optimizer_pitfalls(
 
     1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
        reaches Adam in bursts every few steps, and Adam, normalising by what it sees, moves it
-       less; ``gradientflow bench --quality`` measures the loss (docs/quality.md#the-adamw-studies).
+       less; ``gradientflow bench --quality`` measures the loss (docs/results/quality.md#the-adamw-studies).
     2. Momentum correction on (``momentum > 0``) while ``optimizer`` applies momentum as well.
     3. ``"cscq"`` with an Adam-type optimizer: its density (0.3) is no pitfall of rule 1, but measured it loses as
-       CSC does (docs/quality.md#sgd-momentum-cscs-chunks-quantised-cscq-2026-11-27).
+       CSC does (docs/results/quality.md#sgd-momentum-cscs-chunks-quantised-cscq-2026-11-27).
     """
     groups = optimizer.param_groups
     found = []
@@ -33,9 +33,9 @@ def optimizer_pitfalls(
         found.append(
             f"gradientflow: CSC at density={density} with an Adam-type optimizer "
             f"({type(optimizer).__name__}) trains to a worse loss than dense (`gradientflow bench --quality`, "
-            "docs/quality.md#the-adamw-studies). For Adam-type optimizers pass compression='auto' instead of "
+            "docs/results/quality.md#the-adamw-studies). For Adam-type optimizers pass compression='auto' instead of "
             "density (3-bit quantised gradients with error feedback: 1.006-1.013x DDP's final loss on 0.0999 of its "
-            "bytes, docs/adamw.md), or comm_dtype='fp16' without density (no measurable loss); "
+            "bytes, docs/results/adamw.md), or comm_dtype='fp16' without density (no measurable loss); "
             f"density={ADAPTIVE_MIN_DENSITY} loses less than {density}, and so does csc_scope='global' on a "
             "model cut into several slices."
         )
@@ -43,7 +43,7 @@ def optimizer_pitfalls(
         found.append(
             f"gradientflow: compression='cscq' (CSC at density {density}, its chunks in 3-bit blocks) with an "
             f"Adam-type optimizer ({type(optimizer).__name__}) ended 1.063x torch DDP's final validation loss on the "
-            "quality bench's AdamW transformer, where compression='auto' ended 1.012x (docs/quality.md). "
+            "quality bench's AdamW transformer, where compression='auto' ended 1.012x (docs/results/quality.md). "
             "For Adam-type optimizers pass compression='auto' (the quantised recipe)."
         )
     if momentum > 0 and any(g.get("momentum", 0) or (g.get("betas") is not None and g["betas"][0] > 0) for g in groups):

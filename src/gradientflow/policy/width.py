@@ -1,10 +1,10 @@
 """How many bits ``compression="auto"`` sends an Adam-type optimizer's gradients with: 3 or 2 (``"2bit-precond"``).
 
-Both keep AdamW's quality at 2 ranks (docs/adamw.md: 3 bits 1.006-1.013x DDP's final loss on the matrix,
+Both keep AdamW's quality at 2 ranks (docs/results/adamw.md: 3 bits 1.006-1.013x DDP's final loss on the matrix,
 ``"2bit-precond"`` 1.007-1.020x); 2 bits send 0.068 of DDP's bytes against 0.098, but their codec (the
 preconditioner's work, the window floors) costs more per gradient.  Which reaches DDP's loss sooner is which
 costs less per step: the bytes they save count only where the 3-bit step waited on them.  On this project's CPU
-ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (docs/adamw.md).  ``"auto"`` runs
+ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (docs/results/adamw.md).  ``"auto"`` runs
 ``"2bit-precond"``, whose first :data:`WARMUP` steps send the 3-bit codes, and decides at their end, once:
 
 * the wire: the 2-bit codes save :func:`saved_bytes` per gradient, ``saved / link_Bps`` seconds on the link
@@ -17,7 +17,7 @@ ranks 3 bits were sooner at 1 Gbit/s and at 500 Mbit/s, 2 bits at 200 Mbit/s (do
 
 and 2 bits go on where the saving is larger (:func:`fewer_bits_pay`).  Only for two-party exchanges (2 ranks,
 flat): from 3 ranks each segment's sum is requantised, and at 2 nodes x 2 three of the matrix's seven settings
-ended above 1.02x (docs/adamw.md), so those keep 3 bits whatever the link (preconditioned beyond two parties:
+ended above 1.02x (docs/results/adamw.md), so those keep 3 bits whatever the link (preconditioned beyond two parties:
 ``policy.auto_choice.MANY_PARTIES_ADAM``).
 """
 
@@ -47,7 +47,7 @@ allocate the residual and buffers (and a resumed run's first forward has no step
 SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
 the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
-0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/adamw.md): a sample that fits the caches
+0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/results/adamw.md): a sample that fits the caches
 flatters the slower codec.  (Since the preconditioner runs inside the exchange's passes: 1.4-1.8 ns on 4M.)"""
 REPEATS = 5
 

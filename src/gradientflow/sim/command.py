@@ -19,6 +19,7 @@ from .config import CONFIGS, SimConfig, parse_bandwidth
 from .model_profile import INPUT_DTYPES, ModelProfile, flop_profile, measured_profile
 from .planner import plan, plan_markdown, recommendation
 from .presets import IMAGENET_SHAPE, MEASURED_LATENCY_1GBIT, PAPER_COMMON, PAPER_MODEL, PAPER_TARGETS, paper_values
+from .recipes import recipe_rows, recipes_markdown
 from .report import ablation, ablation_markdown, paper_comparison, plot, to_json
 
 DEFAULTS: dict[str, Any] = {
@@ -116,6 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plan",
         action="store_true",
         help="planner: DDP, DDP + fp16 and gradientflow at several densities, with the best θ per GPU count",
+    )
+    p.add_argument(
+        "--recipes",
+        action="store_true",
+        help="also model every recipe of the table (compression=..., docs/recipes.md) at --theta-mb; "
+        "'auto' as it runs for --optimizer (default sgd)",
     )
     p.add_argument(
         "--optimizer",
@@ -220,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         name, profile, cfg, assumptions = build(args)
         rows = ablation(profile, cfg, args.gpus)
         planned = plan(profile, cfg, args.gpus) if args.plan else None
+        per_recipe = recipe_rows(profile, cfg, args.gpus, args.optimizer or "sgd") if args.recipes else None
     except ValueError as exc:
         print(f"gradientflow simulate: {exc}", file=sys.stderr)
         return 2
@@ -243,6 +251,12 @@ def run(args: argparse.Namespace) -> int:
             ]
             if args.optimizer is not None:
                 out["recommendation"] = recommendation(planned, args.optimizer).splitlines()
+        if per_recipe is not None:
+            out["recipes"] = [
+                {"gpus": r.gpus, "recipe": r.config, "iteration_s": r.iteration_s, "speedup": r.speedup,
+                 "bytes_per_gpu": r.bytes_per_gpu}
+                for r in per_recipe
+            ]  # fmt: skip
         print(json.dumps(out, indent=1, default=lambda v: None))
         return 0
     print(
@@ -257,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Latency α: {assumptions['latency_source']}.")
         if args.optimizer is not None:
             print(recommendation(planned, args.optimizer))
+    if per_recipe is not None:
+        print(recipes_markdown(per_recipe, args.optimizer or "sgd"))
     if plotted:
         print(f"plot: {Path(args.plot)}")
     return 0

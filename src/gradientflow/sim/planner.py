@@ -68,7 +68,7 @@ OPTIMIZERS = ("sgd", "adamw")
 
 KEEPS_QUALITY: dict[str, dict[str, str]] = {
     # The plan's systems measured to keep DDP's quality with each optimizer, and the measurement
-    # (docs/adamw.md, "Which recipe for which training"); the planner recommends nothing else.
+    # (docs/results/adamw.md, "Which recipe for which training"); the planner recommends nothing else.
     "adamw": {
         "DDP (fp32)": "the reference",
         "DDP + fp16 hook": "1.000x DDP's loss",
@@ -83,7 +83,7 @@ KEEPS_QUALITY: dict[str, dict[str, str]] = {
     },
 }
 NOT_KEPT = {
-    "adamw": "CSC (any density): 1.07-1.13x DDP's loss at density 0.1 (docs/adamw.md)",
+    "adamw": "CSC (any density): 1.07-1.13x DDP's loss at density 0.1 (docs/results/adamw.md)",
     "sgd": "CSC at densities other than 0.1 and the quantised recipe: not measured with SGD",
 }
 
@@ -135,7 +135,7 @@ def plan_markdown(rows: list[PlanRow], optimizer: str | None = None) -> str:
     if optimizer is None:
         lines.append(
             "Speed alone (the model knows no quality): give --optimizer sgd|adamw for what keeps DDP's quality; "
-            "with AdamW, CSC reaches 1.07-1.13x DDP's loss (docs/adamw.md)."
+            "with AdamW, CSC reaches 1.07-1.13x DDP's loss (docs/results/adamw.md)."
         )
     for n in dict.fromkeys(r.gpus for r in rows):
         best = min((r for r in rows if r.gpus == n), key=lambda r: r.result.iteration_s)

@@ -36,11 +36,13 @@ from pathlib import Path
 from gradientflow.bench.models import WORKLOADS, build_model
 from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
-from gradientflow.policy.auto_choice import recipe_options
+from gradientflow.policy.auto_choice import SGD_RECIPE, recipe_options
+from gradientflow.recipes import RECIPES
 
 from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile
 from .planner import DDP, DDP_FP16
+from .recipes import recipe_technique
 from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
 
 MODE_TECHNIQUE: dict[str, Technique] = {
@@ -55,9 +57,11 @@ MODE_TECHNIQUE: dict[str, Technique] = {
     # scope's (exposed after backward): conservative for it
     "gf-fp16-csc-slice": TECHNIQUES["csc"],
     "gf-cscq": CSCQ,
+    # every recipe of the table as the bench's gf-<recipe> mode (bench.runner_spec.RECIPE_MODES)
+    **{f"gf-{r.name}": recipe_technique(r) for r in RECIPES if r.mechanism != "auto"},
 }
 AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
-"""``gf-auto`` (``compression="auto"``): ``"cscq"`` with SGD (at density 0.5 beyond a pair of ranks, as the engine:
+"""``gf-auto`` (``compression="auto"``): ``"topk-3bit"`` with SGD (at density 0.5 beyond a pair of ranks, as the engine:
 :func:`mode_plan`), the quantised recipe with AdamW (the bench's --optimizer)."""
 
 TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: flat rings whatever the layout
@@ -89,8 +93,11 @@ def mode_plan(mode: str, optimizer: str, layout: tuple[int, int]) -> tuple[Techn
     nodes, per_node = layout
     if topo not in ("", "flat", "auto", f"{nodes}x{per_node}"):
         raise ValueError(f"mode {mode!r}: the model knows the launch's layout {nodes}x{per_node}, flat and auto")
-    if base == "gf-auto" and tech.density is not None:  # "cscq" as "auto" sets it on this many ranks (the engine's)
-        tech = dataclasses.replace(tech, density=recipe_options("cscq", nodes * per_node).get("density", tech.density))
+    if (
+        base == "gf-auto" and tech.density is not None
+    ):  # "topk-3bit" as "auto" sets it on this many ranks (the engine's)
+        density = recipe_options(SGD_RECIPE, nodes * per_node).get("density", tech.density)
+        tech = dataclasses.replace(tech, density=density)
     return tech, topo == "flat" or base in TORCH_MODES
 
 

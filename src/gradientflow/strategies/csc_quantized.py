@@ -4,7 +4,7 @@ CSC sends the top ``density`` of the chunks at 16 bits; the quantised recipe sen
 bits.  Here the selected chunks of a slice (the rows of the residual ``v``, undivided, fp32) go through the
 :class:`~gradientflow.comm.quantized_ring.QuantizedRing` instead of a 16-bit allreduce: 3-bit blocks, about a
 fifth of fp16's bytes, so a density of 0.3 costs fewer bytes than fp16's 0.1 and delays fewer coordinates
-(SGD momentum's quality under CSC is a matter of how much it delays: docs/quality.md).
+(SGD momentum's quality under CSC is a matter of how much it delays: docs/results/quality.md).
 
 Error feedback goes where CSC already keeps what it did not send: the quantisation error of a sent row
 becomes that row of ``v`` (instead of 0), so nothing is lost, only delayed.  Summed over ranks, per sent row:

@@ -66,7 +66,7 @@ class DenseSync(SyncStrategy):
         if self._plain_divide and grad.dtype is torch.float32:
             # divide()'s own first branch without its frame (once per parameter per step), by a 0-dim fp32
             # tensor: the same fp32 quotient bit for bit (tests/test_precision.py), cheaper a call than a Python
-            # int divisor (measured: docs/benchmarks.md, per-step fixed cost on small models)
+            # int divisor (measured: docs/results/benchmarks.md, per-step fixed cost on small models)
             torch.div(grad, self._divisor32, out=out)
         else:
             divide(grad, self.world_size, self.wire_dtype, out=out)

@@ -15,7 +15,7 @@ from ..comm import codec_native
 PRECONDITION_BETA = 0.9
 """EMA of the squared result behind ``precondition``'s ``r``: 0.9 ended closer to DDP's loss than 0.99 (which
 lags the gradient's scale) and than 0.7 or 0.5 (r as noisy as one step's gradient), on the bench's
-transformer with 2 bits (experiments/quant_sim.py, docs/adamw.md)."""
+transformer with 2 bits (experiments/quant_sim.py, docs/results/adamw.md)."""
 PRECONDITION_FLOOR = 1e-6
 """``q`` is clamped at this fraction of its bucket's mean before the root: a coordinate that never had a
 gradient (q = 0) would otherwise divide by 0."""
@@ -24,7 +24,7 @@ PRECONDITION_WINDOW_FLOOR = 1e-2
 """...and at this fraction of the mean of its window of :data:`PRECONDITION_WINDOW` coordinates: ``r`` at least a
 tenth of the window's RMS.  The warm-up's levels have a zero, so a small coordinate can decode to 0 for every
 warm-up step (q = 0) while its error feedback grows; with the bucket's floor alone its ``x / r`` then set its
-whole block's scale at the first preconditioned step (SGD on the digits CNN diverged there: docs/adamw.md)."""
+whole block's scale at the first preconditioned step (SGD on the digits CNN diverged there: docs/results/adamw.md)."""
 
 
 def _floors(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def precondition_root(q: torch.Tensor) -> torch.Tensor:
         r.copy_(r.double().sqrt_())  # ~0.7% of the bench's q), and ranks with and without the kernel must agree
     else:
         r.sqrt_()  # IEEE sqrt on CUDA
-    # not torch.where(mean > 0, r, 1): with a 0-dim condition it is many times slower (docs/benchmarks.md)
+    # not torch.where(mean > 0, r, 1): with a 0-dim condition it is many times slower (docs/results/benchmarks.md)
     return r.masked_fill_(mean <= 0, 1.0)
 
 

@@ -23,7 +23,7 @@ over time.  Per synchronised step and bucket (launched as buckets become ready, 
 Bytes per step: ``bits/8 + 2/block`` per gradient (3 bits, 128-element blocks: 0.0977 of fp32),
 ``2 (N-1)/N`` times of it per rank, as a dense ring.  No host read on the step's path.
 
-Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07 of the bytes"):
+Two options for fewer bits (``compression="q2npw20"``, docs/results/adamw.md "Below 0.07 of the bytes"):
 
 - ``warmup``: the first ``warmup`` quantised steps run the default quantiser (3 bits, fitted levels): at 2 bits
   the early steps, while the loss falls fastest, cost most of the quality, and 3 bits there cost little of
@@ -34,7 +34,7 @@ Two options for fewer bits (``compression="q2npw20"``, docs/adamw.md "Below 0.07
   to that RMS, where a max-abs block leaves its small coordinates the noise of its largest.  ``q`` is
   computed from the ring's result, bit-identical on every rank, so ranks agree on ``r`` without a byte.
   ``q`` is kept from the first quantised step on, the warm-up's included (started after the warm-up instead,
-  AdamW lost quality: docs/benchmarks.md, "Figures behind the code's comments"), and floored per window of
+  AdamW lost quality: docs/results/benchmarks.md, "Figures behind the code's comments"), and floored per window of
   coordinates (:mod:`.precondition`).
 """
 

@@ -12,7 +12,7 @@ import torch
 
 # Rows of a CPU score pass handled per step: ~1M floats (4 MB) stay in cache between the abs and
 # the sum, faster than ``vector_norm(ord=1, dim=1)`` and than ``abs().sum(1)`` (a pool-sized temporary);
-# measured: docs/benchmarks.md#figures-behind-the-codes-comments.
+# measured: docs/results/benchmarks.md#figures-behind-the-codes-comments.
 _CPU_BLOCK_ELEMENTS = 1 << 20
 
 

@@ -1,0 +1,81 @@
+"""Every recipe of the table (:mod:`gradientflow.recipes`) as the cost model's :class:`~.schedule.Technique`.
+
+``gradientflow simulate --recipes`` prints one row per recipe; ``simulate --validate`` models a bench's
+``gf-<recipe>`` modes with the same mapping.  A recipe is modelled by its mechanism and its settings, so a row
+added to the table is modelled without a line here:
+
+- ``"dense"``: lazy allreduce of every gradient, 4 bytes (fp32) or 2 (fp16, bf16) each on the wire;
+- ``"topk"``: CSC at the recipe's density, its chunks in ``comm_dtype``;
+- ``"quantized"``: every gradient in ``quant_bits``-bit blocks of ``quant_block`` with a bf16 scale each;
+- ``"topk-quantized"``: CSC at the recipe's density, the selected chunks in those blocks;
+- ``"auto"``: what it picks for the optimizer (:func:`gradientflow.policy.auto_choice.recipe_for_optimizer`'s
+  rows: SGD ``"topk-3bit"``, AdamW ``"3bit"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gradientflow.config import GradientFlowConfig
+from gradientflow.policy.auto_choice import ADAM_RECIPE, SGD_RECIPE
+from gradientflow.recipes import RECIPES, Recipe
+
+from .config import SimConfig
+from .model_profile import ModelProfile
+from .planner import DDP
+from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+
+AUTO_FOR = {"sgd": SGD_RECIPE, "adamw": ADAM_RECIPE}
+"""The row ``"auto"`` runs for the bench's and the planner's two optimizers."""
+
+
+def quantized_wire_bytes(bits: int, block: int) -> float:
+    """Bytes per gradient of the quantised wire: the codes and one bf16 scale per block (3 bits, 128: 0.39)."""
+    return bits / 8 + 2 / block
+
+
+def recipe_technique(recipe: Recipe, optimizer: str = "sgd") -> Technique:
+    """The technique the cost model runs for ``recipe`` (``"auto"``: its pick for ``optimizer``)."""
+    if recipe.mechanism == "auto":
+        return recipe_technique(next(r for r in RECIPES if r.name == AUTO_FOR[optimizer]), optimizer)
+    cfg = GradientFlowConfig(compression=recipe.name)
+    if recipe.mechanism == "dense":
+        return DDP if cfg.comm_dtype == "fp32" else TECHNIQUES["lazy"]
+    if recipe.mechanism == "topk":
+        return dataclasses.replace(
+            TECHNIQUES["csc"], wire_bytes=2 if cfg.comm_dtype != "fp32" else 4, density=cfg.density
+        )
+    q = cfg.quantizer()
+    wire = quantized_wire_bytes(q.bits, q.block)
+    if recipe.mechanism == "quantized":
+        return dataclasses.replace(QUANTIZED, wire_bytes=wire, block=q.block)
+    return dataclasses.replace(CSCQ, wire_bytes=wire, block=q.block, density=cfg.density)
+
+
+def recipe_label(recipe: Recipe) -> str:
+    """A recipe's row in ``simulate --recipes``: ``gradientflow compression="3bit"``."""
+    return f'gradientflow compression="{recipe.name}"'
+
+
+def recipe_rows(profile: ModelProfile, cfg: SimConfig, gpus_list: list[int], optimizer: str = "sgd") -> list[Iteration]:
+    """One modelled iteration per recipe of the table per GPU count, at ``cfg``'s θ (``"auto"``: its pick for
+    ``optimizer``)."""
+    return [
+        simulate(profile, cfg, n, recipe.name, recipe_technique(recipe, optimizer))
+        for n in gpus_list
+        for recipe in RECIPES
+    ]
+
+
+def recipes_markdown(rows: list[Iteration], optimizer: str) -> str:
+    """``simulate --recipes``'s table: every recipe's modelled step, speedup and bytes per GPU."""
+    out = [
+        f'Every recipe of the table (docs/recipes.md), modelled; "auto" as it runs for {optimizer}:\n',
+        "| GPUs | recipe | iteration ms | speedup | MB per GPU per step |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.gpus} | `{r.config}` | {r.iteration_s * 1e3:.1f} | {r.speedup:.2f} | {r.bytes_per_gpu / 1e6:.2f} |"
+        )
+    return "\n".join(out) + "\n"
