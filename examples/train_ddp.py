@@ -9,7 +9,7 @@ no download, no scikit-learn):
 and the optimizer written by rank 0 every ``--save-every`` steps (plus, with gradientflow, each rank's
 ``model.comm_state_dict()``: CSC residuals are per rank), and resume from it when it exists — so a
 run restarted by ``torchrun --max-restarts 1`` continues where it stopped.  The only line that
-differs between the two backends is the import; ``--density`` / ``--comm-dtype`` add gradientflow's own
+differs between the two backends is the import; ``--compression`` / ``--density`` / ``--comm-dtype`` add gradientflow's own
 options, and without them the constructor call is torch DDP's.  Two lines are there for torch, not for
 gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a restarted attempt
 under Gloo on torch 2.13) and the early ``import torch.distributed.nn`` (a clean exit); their comments say why.
@@ -40,6 +40,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--density", type=float, default=None, help="gradientflow only: CSC density (default dense)")
     p.add_argument("--comm-dtype", default=None, help="gradientflow only: fp32 (default) | fp16 | bf16")
+    p.add_argument(
+        "--compression",
+        default=None,
+        help='gradientflow only: a recipe (docs/recipes.md), e.g. auto (the recommended one) (default "none")',
+    )
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
     p.add_argument(
@@ -87,7 +92,8 @@ def main() -> None:
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     # gradientflow's own options, only where a flag asks for one: its defaults synchronise as torch DDP does.
-    options = {"density": args.density, "comm_dtype": args.comm_dtype} if args.backend == "gradientflow" else {}
+    flags = {"compression": args.compression, "density": args.density, "comm_dtype": args.comm_dtype}
+    options = flags if args.backend == "gradientflow" else {}
     extra = {k: v for k, v in options.items() if v is not None}
     model = DDP(model, device_ids=[local_rank] if use_cuda else None, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

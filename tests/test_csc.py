@@ -914,5 +914,5 @@ def test_optimizer_pitfalls_rules() -> None:
     assert len(optimizer_pitfalls(adamw, density=0.1, momentum=0.9)) == 2  # betas[0] > 0 is momentum too
     # "cscq" (density 0.3, chunks quantised): measured to lose with AdamW (1.063x), not with SGD (auto's recipe)
     (cscq,) = optimizer_pitfalls(adamw, density=0.3, momentum=0.0, quantized_chunks=True)
-    assert "compression='cscq'" in cscq and "compression='auto'" in cscq and "1.063x" in cscq
+    assert "compression='topk-3bit'" in cscq and "compression='auto'" in cscq and "1.063x" in cscq
     assert optimizer_pitfalls(sgd_m, density=0.3, momentum=0.0, quantized_chunks=True) == []

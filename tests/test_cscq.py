@@ -54,7 +54,12 @@ def test_auto_gives_cscq_half_the_chunks_beyond_a_pair_of_ranks() -> None:
     from gradientflow.policy.auto_choice import recipe_options
 
     assert recipe_options("topk-3bit", 2) == {}
-    assert recipe_options("topk-3bit", 3) == recipe_options("topk-3bit", 4) == recipe_options("topk-3bit", 6) == {"density": 0.5}
+    assert (
+        recipe_options("topk-3bit", 3)
+        == recipe_options("topk-3bit", 4)
+        == recipe_options("topk-3bit", 6)
+        == {"density": 0.5}
+    )
     assert recipe_options("3bit", 4) == recipe_options("topk-fp16", 4) == {}
 
 
@@ -352,7 +357,7 @@ def _adamw_warning_worker(rank: int, world_size: int) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.step()
-    assert any("compression='cscq'" in str(w.message) and "compression='auto'" in str(w.message) for w in caught)
+    assert any("compression='topk-3bit'" in str(w.message) and "compression='auto'" in str(w.message) for w in caught)
 
 
 class _Deep(nn.Module):

@@ -347,7 +347,8 @@ def test_the_examples_extra_lines_are_explained_and_no_option_is_hidden() -> Non
     readme = README.read_text()
     assert "the only line that changes is the import" in readme
     assert "chunk_size" not in script, "the example passes chunk_size: the README says only the import changes"
-    assert re.search(r'options = \{"density": args\.density, "comm_dtype": args\.comm_dtype\}', script), script
+    flags = r'flags = \{"compression": args\.compression, "density": args\.density, "comm_dtype": args\.comm_dtype\}'
+    assert re.search(flags, script), script
     for line, words in EXAMPLE_WORKAROUNDS.items():
         if line in script:
             assert words in readme, f"examples/train_ddp.py has {line!r}; the README does not say why"

@@ -24,7 +24,8 @@ from _dist import run_distributed
 
 # ---- 14. options as a torch DDP user writes them ----------------------------------------------
 @pytest.mark.parametrize(
-    ("given", "runs"), [("Auto", "auto"), ("QUANTIZED", "3bit"), ("quantised", "3bit"), (" csc ", "topk-fp16"), ("3BIT", "3bit")]
+    ("given", "runs"),
+    [("Auto", "auto"), ("QUANTIZED", "3bit"), ("quantised", "3bit"), (" csc ", "topk-fp16"), ("3BIT", "3bit")],
 )
 def test_recipe_names_ignore_case_and_spelling(given: str, runs: str) -> None:
     assert GradientFlowConfig(compression=given).compression == runs

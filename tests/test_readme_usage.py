@@ -31,7 +31,7 @@ dist.all_gather(every, flat)
 moved = any(not torch.equal(p.detach(), q) for p, q in zip(model.parameters(), initial))
 if dist.get_rank() == 0:
     result = {"identical": all(torch.equal(every[0], t) for t in every), "moved": moved,
-              "stats": {k: float(v) for k, v in model.comm_stats().items()}}
+              "stats": {k: v if isinstance(v, str) else float(v) for k, v in model.comm_stats().items()}}
     with open(os.environ["GF_TEST_OUT"], "w") as f:
         json.dump(result, f)
 dist.destroy_process_group()
@@ -63,7 +63,9 @@ def test_readme_usage_example_trains_two_ranks_to_identical_models(tmp_path: Pat
     # every rank applied the same averaged (sparse) gradient: the models stay bit-identical, and they trained
     assert result["identical"] and result["moved"], result
     stats = result["stats"]
-    # the last of 30 steps is sparse (the density ramp from dense reaches 0.1 at step 100: ~0.1 ** 0.29 here)
+    # compression="auto" with SGD momentum: "topk-3bit" after the first step; the last of 30 steps is sparse (the
+    # density ramp from dense reaches 0.3 at step 100: ~0.3 ** 0.29 of the chunks here, in 3-bit blocks)
+    assert stats["compression"] == "topk-3bit" and stats["compression_auto"] == "SGD -> topk-3bit", stats
     assert 0 < stats["payload_bytes"] < stats["dense_bytes"], stats
     assert stats["host_syncs"] <= 1 and "exposed_seconds" in stats and "phase_score_s" in stats
     assert "payload_bytes" in proc.stdout  # the example's own print of comm_stats() on each rank

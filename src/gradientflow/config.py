@@ -54,7 +54,8 @@ def auto_chunk_size(n_elements: int, floor: int = 16) -> int:
     ResNet-50 (25.6M) and AlexNet (61M) get 32768.  A smaller model gets the power of two at or below ``n / 2000``
     (at least ``floor``): finer chunks let the top fraction follow the gradient closely (on the quality bench's
     models ~2000 chunks ended lower than ~200; on its bigger time-to-accuracy transformer, slightly higher).
-    ``"cscq"`` and ``"auto"`` floor it at the quantiser's block: whole blocks per chunk, fewer fp32 score bytes."""
+    ``"topk-3bit"`` and ``"auto"`` (which may pick it) floor it at the quantiser's block: whole blocks per chunk,
+    fewer fp32 score bytes."""
     if n_elements >= MIN_CHUNKS * PAPER_CHUNK:
         return PAPER_CHUNK
     return max(floor, 2 ** int(math.log2(max(1, n_elements // SMALL_MODEL_CHUNKS))))

@@ -28,11 +28,12 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "demo": Command(
         "gradientflow.cli.demo",
-        "train a small CNN on handwritten digits (shipped with the package) on N local ranks (fp16 wire + sparse CSC)",
+        "train a small CNN on handwritten digits (shipped with the package) on N local ranks (compression='auto')",
         "Launch N local ranks with torchrun's API (Gloo, 127.0.0.1) and train small_cnn on "
         "the 8x8 handwritten digits scikit-learn also ships (in the package: no download, no scikit-learn) "
-        "with gradientflow.DistributedDataParallel in its best mode: "
-        "fp16 on the wire and coarse-grained sparse communication (CSC). Reports test accuracy, steps/s and "
+        "with gradientflow.DistributedDataParallel(compression='auto'), the recommended call: SGD with "
+        "momentum, so after its first step the top 30%% of the gradient's chunks in 3-bit blocks "
+        "(the 'topk-3bit' recipe, docs/recipes.md). Reports test accuracy, steps/s and "
         "the bytes sent next to what torch DDP would have sent.",
     ),
     "bench": Command(

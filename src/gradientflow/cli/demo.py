@@ -9,30 +9,38 @@ from . import types
 
 def add_arguments(d: argparse.ArgumentParser) -> None:
     from gradientflow.config import COMM_DTYPES
+    from gradientflow.recipes import NAMES
 
     d.add_argument("--nproc", type=types.positive_int, default=2, help="number of local ranks (default 2)")
     d.add_argument("--steps", type=types.positive_int, default=400, help="training steps (default 400)")
     d.add_argument("--batch-size", type=types.positive_int, default=32, help="samples per rank per step (default 32)")
     d.add_argument(
+        "--compression",
+        type=types.compression,
+        default="auto",
+        metavar="RECIPE",
+        help=f"the recipe, as the library's compression= ({', '.join(NAMES)}; docs/recipes.md) (default auto)",
+    )
+    d.add_argument(
         "--density",
         type=types.density,
-        default=0.1,
-        help="CSC: fraction of gradient chunks sent per step, in (0, 1]; 'none' = dense, as the library's "
-        "density=None (default 0.1)",
+        default=None,
+        help="top-k: fraction of gradient chunks sent per step, in (0, 1]; 'none' = the recipe's, as the "
+        "library's density=None (default: the recipe's)",
     )
     d.add_argument(
         "--comm-dtype",
         type=types.comm_dtype,
-        default="fp16",
+        default="fp32",
         metavar="{" + ",".join([*COMM_DTYPES, "half"]) + "}",
-        help="dtype of gradients on the wire, as the library's comm_dtype= (half: bf16 on CPU, fp16 on GPUs) "
-        "(default fp16)",
+        help="dtype of gradients on the wire for the dense and top-k recipes, as the library's comm_dtype= "
+        "(half: bf16 on CPU, fp16 on GPUs) (default fp32: the recipe's)",
     )
     d.add_argument(
         "--chunk-size",
         type=types.positive_int,
         default=1024,
-        help="CSC chunk size in gradients; 1024 gives ~180 chunks for this model (default 1024)",
+        help="top-k chunk size in gradients; 1024 gives ~180 chunks for this model (default 1024)",
     )
     d.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     d.add_argument("--no-amp", action="store_true", help="train in fp32 instead of bf16 autocast")
@@ -44,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(
         nproc=args.nproc,
+        compression=args.compression,
         steps=args.steps,
         batch_size=args.batch_size,
         density=args.density,

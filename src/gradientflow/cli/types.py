@@ -79,6 +79,11 @@ def density(text: str) -> float | None:
     return _wrapper_option("density", value)
 
 
+def compression(text: str) -> str:
+    """``--compression``: a recipe's name (docs/recipes.md), as the library's ``compression=``."""
+    return _wrapper_option("compression", text)
+
+
 def comm_dtype(text: str) -> str:
     """``--comm-dtype``: fp32, fp16, bf16 or half, as the library's ``comm_dtype=``."""
     return _wrapper_option("comm_dtype", text)

@@ -1,4 +1,4 @@
-"""Optimizer settings CSC is measured to handle badly: what ``check_optimizer`` warns about.
+"""Optimizer settings the top-k recipes (CSC) are measured to handle badly: what ``check_optimizer`` warns about.
 
 A pure function of the optimizer's parameter groups and two CSC options, so the wrapper can run it
 at every optimizer's first ``step()`` (see ``wrapper.checkpoint.OptimizerWatch``) and a
@@ -18,13 +18,13 @@ def optimizer_pitfalls(
     optimizer: torch.optim.Optimizer, density: float, momentum: float, quantized_chunks: bool = False
 ) -> list[str]:
     """The warnings for ``optimizer`` under CSC at ``density`` with momentum correction ``momentum``
-    (``quantized_chunks``: ``compression="cscq"``).
+    (``quantized_chunks``: ``compression="topk-3bit"``).
 
     1. An Adam-type optimizer (its groups have ``betas``) below ``ADAPTIVE_MIN_DENSITY``: a chunk
        reaches Adam in bursts every few steps, and Adam, normalising by what it sees, moves it
        less; ``gradientflow bench --quality`` measures the loss (docs/results/quality.md#the-adamw-studies).
     2. Momentum correction on (``momentum > 0``) while ``optimizer`` applies momentum as well.
-    3. ``"cscq"`` with an Adam-type optimizer: its density (0.3) is no pitfall of rule 1, but measured it loses as
+    3. ``"topk-3bit"`` with an Adam-type optimizer: its density (0.3) is no pitfall of rule 1, but measured it loses as
        CSC does (docs/results/quality.md#sgd-momentum-cscs-chunks-quantised-cscq-2026-11-27).
     """
     groups = optimizer.param_groups
@@ -41,7 +41,7 @@ def optimizer_pitfalls(
         )
     if quantized_chunks and density >= ADAPTIVE_MIN_DENSITY and any("betas" in g for g in groups):
         found.append(
-            f"gradientflow: compression='cscq' (CSC at density {density}, its chunks in 3-bit blocks) with an "
+            f"gradientflow: compression='topk-3bit' (the top {density:g} of the chunks in 3-bit blocks) with an "
             f"Adam-type optimizer ({type(optimizer).__name__}) ended 1.063x torch DDP's final validation loss on the "
             "quality bench's AdamW transformer, where compression='auto' ended 1.012x (docs/results/quality.md). "
             "For Adam-type optimizers pass compression='auto' (the quantised recipe)."

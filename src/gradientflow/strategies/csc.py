@@ -25,7 +25,7 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      called by the engine after every parameter), so the wire hides under backward and backward never
      waits for a slower peer.  ``"global"`` (the paper): one slice per pool buffer, after backward.
   4. Send: the selected rows of v, packed per slice, allreduced by :class:`~.dense.DenseSync` (pre-divided, cast);
-     ``"cscq"``: quantised with error feedback instead (:mod:`.csc_quantized`: their error stays in v).
+     ``"topk-3bit"``: quantised with error feedback instead (:mod:`.csc_quantized`: their error stays in v).
   5. Write back, after one host read (the step's only one: is everything finite?): the pool is zeroed, gets
      the reduced chunks, the sent chunks leave v and u (momentum factor masking); ``.grad`` view the pool.
   6. Warm-up: step t of the first ``warmup_steps`` sends ``density ** (t / warmup_steps)`` of the chunks
@@ -38,9 +38,13 @@ overflowed, in the reduced chunks) makes every rank fill the pool with NaN, so `
 step everywhere; nothing is masked (the chunks are sent again later), non-finite entries of v and u are reset
 to 0, and the finite part of the local gradient stays in the residual (delayed, not lost).
 
-Momentum correction (``momentum > 0``) is applied here: the optimizer must NOT apply momentum again (warned).
-Passes over the whole pool per step: the accumulation into v (and the score pass where it cannot fold the scores
-in); everything else touches only the selected chunks (``comm_stats()``'s ``phase_*_s``).
+Momentum correction (``momentum > 0``) is applied here, on the residual: the user's optimizer must NOT apply
+momentum again (``check_optimizer`` warns: :mod:`gradientflow.policy.pitfalls`).
+
+Per-step passes over the pool (see ``comm_stats()``'s ``phase_*_s``): the accumulation into v (scores folded in
+on CPU from ``None`` gradients, else a score pass after it); packing, the casts, the finite check, the write-back
+and the masking touch only the selected chunks.  With momentum correction add two passes (``u = g + m*u``,
+``v += u``) and the pool's memset at bind.
 """
 
 from __future__ import annotations
