@@ -9,9 +9,9 @@ no download, no scikit-learn):
 and the optimizer written by rank 0 every ``--save-every`` steps (plus, with gradientflow, each rank's
 ``model.comm_state_dict()``: CSC residuals are per rank), and resume from it when it exists — so a
 run restarted by ``torchrun --max-restarts 1`` continues where it stopped.  The only line that
-differs between the two backends is the import; ``--compression`` / ``--density`` / ``--comm-dtype`` add gradientflow's own
-options, and without them the constructor call is torch DDP's.  Two lines are there for torch, not for
-gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a restarted attempt
+differs between the two backends is the import; ``--compression`` / ``--density`` / ``--comm-dtype`` add
+gradientflow's own options, and without them the constructor call is torch DDP's.  Two lines are there for
+torch, not for gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a restarted attempt
 under Gloo on torch 2.13) and the early ``import torch.distributed.nn`` (a clean exit); their comments say why.
 """
 

@@ -318,9 +318,9 @@ def test_auto_width_codec_is_timed_on_the_device(kind: str) -> None:
     """compression="auto"'s width choice times the 2-bit codec against the 3-bit one on the model's device (on
     CUDA the preconditioner's torch ops and the codec's kernels, synchronised): a finite, non-negative cost per
     gradient, far below the 1 ns a 1 Gbit/s link takes for the 0.125 B it saves on a GPU (0.23 ns the whole codec,
-    docs/results/adamw.md), far below a microsecond anywhere.  On a GPU that holds at the engine's own sample (4M gradients,
-    what it times for any model that large); a model of 256K gradients times mostly kernel launches (1.07 ns per
-    gradient on an H200, 2026-11-28), and "auto" then weighs that cost as measured."""
+    docs/results/adamw.md), far below a microsecond anywhere.  On a GPU that holds at the engine's own sample
+    (4M gradients, what it times for any model that large); a model of 256K gradients times mostly kernel launches
+    (1.07 ns per gradient on an H200, 2026-11-28), and "auto" then weighs that cost as measured."""
     from gradientflow.policy import width
 
     extra = width.extra_seconds(_device(kind, 0), width.SAMPLE if kind == "cuda" else 1 << 18)

@@ -13,7 +13,7 @@ import pytest
 
 from gradientflow import recipes
 from gradientflow.config import GradientFlowConfig
-from gradientflow.recipes import ALIASES, BY_NAME, RECIPES, Recipe
+from gradientflow.recipes import ALIASES, RECIPES, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +201,8 @@ print("bench-mode", split_mode("gf-topk-4bit@flat"))
 from gradientflow.bench.quality import parse_recipe
 print("quality", parse_recipe("gf-topk-4bit"))
 from gradientflow.cli import main
-main(["simulate", "--model", "resnet50", "--bandwidth", "1gbit", "--gpu-images-per-s", "1000", "--gpus", "8", "--recipes"])
+argv = ["--model", "resnet50", "--bandwidth", "1gbit", "--gpu-images-per-s", "1000", "--gpus", "8", "--recipes"]
+main(["simulate", *argv])
 from gradientflow.recipes import markdown_table
 print("docs-table", "topk-4bit" in markdown_table())
 """

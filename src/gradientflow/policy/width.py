@@ -47,8 +47,8 @@ allocate the residual and buffers (and a resumed run's first forward has no step
 SAMPLE = 1 << 22
 """Gradients the codec is timed on (the model's own count where it has fewer): 16 MB a tensor, past the caches as
 the quantised recipe's 8 MB buckets are.  On this project's CPU the extra cost per gradient was 1.6-2.0 ns timed on
-0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/results/adamw.md): a sample that fits the caches
-flatters the slower codec.  (Since the preconditioner runs inside the exchange's passes: 1.4-1.8 ns on 4M.)"""
+0.25-1M gradients and 2.5 ns on 4M, as in the training step (2.6 ns, docs/results/adamw.md): a sample that fits the
+caches flatters the slower codec.  (Since the preconditioner runs inside the exchange's passes: 1.4-1.8 ns on 4M.)"""
 REPEATS = 5
 
 

@@ -2,7 +2,8 @@
 
 - :func:`add_l1`: ``v += g`` and the chunks' L1 norms.  Under CSC each fresh gradient is added into the
   residual and every chunk of it scored; the score pass re-read the whole pool from memory right after
-  the add wrote it (a measurable part of a ResNet-50 step: docs/results/benchmarks.md#figures-behind-the-codes-comments).
+  the add wrote it (a measurable part of a ResNet-50 step:
+   docs/results/benchmarks.md#figures-behind-the-codes-comments).
   v gets the bits torch's ``add_`` gives; the scores are the L1 norms summed in another order.
 - :func:`pack_rows` / :func:`unpack_rows`: the selected chunks onto an fp16 wire (gather, pre-divide,
   cast) and back into the pool (cast, scatter, finite check), bit for bit what the torch ops give.

@@ -136,8 +136,8 @@ def _watch_width(model: DistributedDataParallel) -> None:
 def _lower_quartile(seconds: list[float]) -> float:
     """The steps' exposure the 2-bit codes could cut: the lower quartile, not the median.  Behind a shaped link the
     3-bit steps' exposures are bimodal (at 500 Mbit/s here 2-5 ms, or 15-24 ms when the link's bucket ran dry:
-    docs/results/adamw.md); the spikes decide the median on some runs and not on others, and fewer bytes did not remove them
-    (2 bits were slower there on every run)."""
+    docs/results/adamw.md); the spikes decide the median on some runs and not on others, and fewer bytes did not remove
+    them     (2 bits were slower there on every run)."""
     return statistics.quantiles(seconds, n=4)[0] if len(seconds) > 1 else seconds[0]
 
 
