@@ -33,8 +33,8 @@ twice (the quantised ring's reduce-scatter, then the sum; two-level adds the nod
 rank's rows once; a denser selection delays fewer coordinates and wins that back.  Two-level sends each rank's shard
 of its node's rows, 1/G of them, so 0.5 costs the slow link less than 0.3 flat.  Measured, 3 seeds
 (docs/results/quality.md): the SGD transformer at 4 ranks 1.0151x DDP's final loss on 0.040 of its bytes as 2 x 2
-(0.3: 1.0213x), 1.0192x on 0.067 flat (0.3: 1.0266x); digits keeps DDP's accuracy on 0.040 and 0.067; on 2 ranks 0.3 ends 1.0149x on 0.047 with
-less of the codec's CPU (0.5: 1.0095x on 0.067)."""
+(0.3: 1.0213x), 1.0192x on 0.067 flat (0.3: 1.0266x); digits keeps DDP's accuracy on 0.040 and 0.067; on 2 ranks
+0.3 ends 1.0149x on 0.047 with less of the codec's CPU (0.5: 1.0095x on 0.067)."""
 
 
 MANY_PARTIES_ADAM = "3bit-precond"
@@ -44,8 +44,8 @@ two flat ranks, or more than two nodes): 3 bits, preconditioned (each coordinate
 divides each coordinate's step by its RMS, so a max-abs block's noise on its small coordinates weighs most; the
 preconditioner spreads it by each coordinate's RMS.  Measured at 4 flat ranks (docs/results/adamw.md, the AdamW
 transformer): 1.016x DDP's final loss against plain 3 bits' 1.028x, seed 0, one launch, the same bytes; on the
-AdamW matrix (7 settings, 3 seeds) 1.0098-1.0192x.  Two parties (2 ranks, 2 nodes) keep plain 3 bits (or ``"2bit-precond"``'s choice
-on 2 ranks): measured there within 1.02x."""
+AdamW matrix (7 settings, 3 seeds) 1.0098-1.0192x.  Two parties (2 ranks, 2 nodes) keep plain 3 bits (or
+``"2bit-precond"``'s choice on 2 ranks): measured there within 1.02x."""
 
 
 def adam_recipe(parties: int) -> str:
