@@ -199,7 +199,7 @@ def _check_resumes(r: dict, width_name: str) -> None:
     assert r["measured"] == 1 and r["measured_on_resume_5"] == 1, r
     assert r["resumed_5"] == r["history"]
     # saved before the switch: the checkpoint names the optimizer that chose, so the resumed switch is an Adam-type
-    # optimizer's (2 ranks: the 3-bit warm-up, then the width), not plain "quantized"
+    # optimizer's (2 ranks: the 3-bit warm-up, then the width), not plain "3bit"
     assert r["measured_on_resume_1"] == 1 and r["resumed_1"] == r["history"], r["resumed_why_1"]
     assert r["measured_on_resume_22"] == 0 and r["resumed_why_22"].startswith(width_name), r["resumed_why_22"]
     assert r["resumed_22"] == r["history"]
@@ -232,7 +232,7 @@ def test_auto_keeps_three_bits_on_a_fast_link_or_where_the_wire_was_hidden(link_
     n = 20 * 64 + 64 + 64 * 5 + 5
     for r in run_distributed(_worker, 2, link_Bps, exposed_s, timeout=300):
         assert r["compression"] == "3bit", r["why"]
-        assert r["why"].startswith("AdamW -> quantized (3 bits"), r["why"]
+        assert r["why"].startswith("AdamW -> 3bit (3 bits"), r["why"]
         assert r["per_step"] == [4 * n] + [14 * 50] * (STEPS - 1)  # 3 bits throughout, no step lost or doubled
         # decided at the switch, no step's exposure is known: on the fast link 3 bits, the same run bit for bit; on
         # the slow one 2 bits (what "auto" picked before it watched the warm-up), another run

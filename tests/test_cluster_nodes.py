@@ -123,10 +123,11 @@ def test_a_mode_carries_its_topology_to_the_wrapper_as_a_keyword(monkeypatch: py
         _, opt, _ = _build(Variant(mode, mode, 25.0), spec, 1024, torch.device("cpu"))
         assert isinstance(opt, torch.optim.AdamW)
     assert [kw.get("topology") for kw in seen] == ["flat", None, "flat", "2x2", "2x2"]
-    assert seen[0]["comm_dtype"] == "fp16" and seen[2]["compression"] == "auto" and "warmup_steps" not in seen[2]
-    assert seen[3]["schedule"] == "auto"
-    # gf-cscq: "cscq" timed on sparse steps (no ramp) at the bench's chunk size, as the CSC modes
-    assert (seen[4]["compression"], seen[4]["warmup_steps"], seen[4]["chunk_size"]) == ("cscq", 0, 1024)
+    # every gradientflow mode is a recipe of the table with options (runner_spec.VARIANTS)
+    assert seen[0]["compression"] == "fp16" and seen[2]["compression"] == "auto" and "warmup_steps" not in seen[2]
+    assert (seen[3]["compression"], seen[3]["schedule"]) == ("topk-fp16", "auto")
+    # gf-cscq = gf-topk-3bit: timed on sparse steps (no ramp) at the bench's chunk size, as the CSC modes
+    assert (seen[4]["compression"], seen[4]["warmup_steps"], seen[4]["chunk_size"]) == ("topk-3bit", 0, 1024)
     # a schedule="auto" mode keeps its own θ with a suffix too; the flat twin is its own row
     names = [(v.name, v.theta_mb) for v in plan_variants(["gf-fp16-csc-auto@flat", "gf-fp16@flat"], 25.0, [], False)]
     assert names == [("compute", None), ("gf-fp16-csc-auto@flat", None), ("gf-fp16@flat", 25.0)]

@@ -136,7 +136,7 @@ def test_a_ddp_users_first_hour_on_two_ranks() -> None:
             assert not more and name in message and "not measured" in message, r["warnings"][name]
             assert where == Path(__file__).name, where
         assert r["warnings"]["AdamW"] == []  # measured: docs/results/adamw.md
-        assert r["auto totals"]["steps"] == 3 and r["auto totals"]["compression"] == "2bit-precond"
+        assert r["auto totals"]["steps"] == 3 and r["auto totals"]["compression"] == "3bit"
 
         one, before, after = r["totals"]
         assert before == after  # loading a checkpoint changes no counter of the run

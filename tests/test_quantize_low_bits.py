@@ -110,16 +110,24 @@ def test_compression_names_of_the_low_bit_options() -> None:
 
     assert tuple(ZEROLESS) == ZEROLESS_BITS  # the config validates against the tables that exist
     c = GradientFlowConfig(compression="q2n")
-    assert (c.compression, c.quant_bits, c.quant_block, c.quant_levels) == ("quantized", 2, 128, "zeroless")
-    assert (c.quant_precondition, c.quant_warmup) == (False, 0)
+    assert (c.compression, c.quant_bits, c.quant_block, c.quant_levels) == ("2bit", 2, 128, "zeroless")
+    assert (c.quant_precondition, c.quant_warmup_steps) == (False, 0)
     c = GradientFlowConfig(compression="q2b256npw20")
-    assert (c.quant_block, c.quant_levels, c.quant_precondition, c.quant_warmup) == (256, "zeroless", True, 20)
-    assert GradientFlowConfig(compression="quantized").quant_precondition is False
-    for bad in ("q3n", "q2nu", "q2wp", "q2w"):
+    assert (c.compression, c.quant_block, c.quant_levels, c.quant_precondition, c.quant_warmup_steps) == (
+        "2bit-precond",
+        256,
+        "zeroless",
+        True,
+        20,
+    )
+    assert GradientFlowConfig(compression="3bit").quant_precondition is False
+    for bad in ("q2nu", "q2wp", "q2w"):
         with pytest.raises(ValueError, match="compression must be"):
             GradientFlowConfig(compression=bad)
-    with pytest.raises(ValueError, match="quant_warmup"):
-        GradientFlowConfig(compression="quantized", quant_warmup=-1)
+    with pytest.raises(ValueError, match="'zeroless' with quant_bits in"):  # no 3-bit table without a zero
+        GradientFlowConfig(compression="q3n")
+    with pytest.raises(ValueError, match="quant_warmup_steps"):
+        GradientFlowConfig(compression="3bit", quant_warmup_steps=-1)
 
 
 def test_precondition_root_is_one_without_history_and_never_zero() -> None:

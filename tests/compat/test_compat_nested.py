@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int) -> None:
     for inner_kw, outer_kw, why in (
         ({"comm_dtype": "fp16"}, {}, "the inner model's comm_dtype='fp16'"),
         ({}, {"density": 0.1}, "the outer's density=0.1"),
-        ({}, {"compression": "quantized"}, "the outer's compression='quantized'"),
+        ({}, {"compression": "quantized"}, "the outer's compression='3bit'"),
     ):
         with pytest.raises(DoubleWrapError, match=why):
             gf.DistributedDataParallel(gf.DistributedDataParallel(_make(), **inner_kw), **outer_kw)
