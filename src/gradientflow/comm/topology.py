@@ -128,7 +128,9 @@ def _check_against_launch(
         return
     if g == per_node and node == rank // per_node and local == rank % per_node:
         return
-    launch = f"{_of(world // g, 'node')} of {_of(g, 'rank')}" if g >= 1 and world % g == 0 else f"nodes of {g}"
+    launch = (
+        f"{_of(world // g, 'node')} of {_of(g, 'rank')}" if g >= 1 and world % g == 0 else f"nodes of {_of(g, 'rank')}"
+    )
     raise ValueError(
         f"gradientflow: topology={value!r} ({_of(nodes, 'node')} of {_of(per_node, 'rank')}) contradicts the launch: "
         f"torchrun's LOCAL_WORLD_SIZE={g}, WORLD_SIZE={env_world} ({launch}; this rank {rank} is LOCAL_RANK={local} "
