@@ -325,6 +325,9 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
     # 2(M-1)/M shards, so one gradient per node's link; one rank per node (2 x 1) is flat's ring, the same.
     # Forced flat: Gloo's ring over N ranks, a node's ranks next to each other in it: each node sends on one
     # edge between nodes 2(N-1)/N gradients (1.5 at 2 x 2, 1 at 2 x 1).  Headers on top of each.
+    # The engine's payload, a node's ranks summed: what they hand to the exchange between nodes, one gradient when
+    # two-level (each rank its 1/G shard) and G gradients when flat (each rank the whole of its buffers).
+    payloads = {"gf-fp32": grad, "gf-fp32@flat": per_node * grad}
     for mode, ring in (("gf-fp32", 2 * (2 - 1) / 2 * grad), ("gf-fp32@flat", 2 * (nproc - 1) / nproc * grad)):
         assert [n["node"] for n in rows[mode]["link_nodes"]] == [0, 1]
         for node in rows[mode]["link_nodes"]:
@@ -332,7 +335,7 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
                 mode,
                 node,
             )
-            assert node["payload_bytes"] == pytest.approx(per_node * grad, rel=0.05)  # the engine's, ranks summed
+            assert node["payload_bytes"] == pytest.approx(payloads[mode], rel=0.05)  # the engine's, ranks summed
     assert rows["compute"]["link_tx_bytes"] < 64 << 10  # no gradients: the barriers' bytes alone
     assert f"| gf-fp32 | 1 | {per_node} |" in (tmp_path / "table.md").read_text()
 

@@ -15,6 +15,7 @@ checks, by recipe:
 
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
@@ -232,8 +233,32 @@ def test_layout_from_torchruns_variables_and_by_name() -> None:
     # node-contiguous ranks give the node
     assert resolve_topology("auto", 4, 3, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True).name == "2x2"
     assert resolve_topology("auto", 2, 1, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True).name == "flat"
+    # a named layout without torchrun's variables (forked or mp.spawn-ed ranks): taken as given
     assert resolve_topology("2x2", 4, 3, {}, True).name == "2x2"
     assert resolve_topology("1x4", 4, 3, {}, True).name == "flat"
+    # ... and with them, it must be the launch's: M = WORLD_SIZE / LOCAL_WORLD_SIZE nodes of G = LOCAL_WORLD_SIZE
+    assert resolve_topology("2x2", 4, 3, _env(2, 3, 4), True).name == "2x2"
+    assert resolve_topology("1x4", 4, 3, _env(4, 3, 4), True).name == "flat"  # one machine of 4: flat, as "auto"
+    assert resolve_topology("4x1", 4, 3, _env(1, 3, 4), True).name == "flat"  # 4 machines of 1: flat, as "auto"
+    assert resolve_topology("2x2", 4, 1, _env(1, 5, 8), False).name == "2x2"  # a subgroup: the launch counts others
+    assert resolve_topology("2x2", 4, 1, _env(1, 1, 8), True).name == "2x2"  # WORLD_SIZE not this group's: as given
+    contradictions = [  # (topology, the launch's LOCAL_WORLD_SIZE, what each says in the message)
+        ("2x2", 1, "2 nodes of 2 ranks", "4 nodes of 1 rank"),
+        ("1x4", 2, "1 node of 4 ranks", "2 nodes of 2 ranks"),  # would run flat: "flat" says that choice
+        ("4x1", 2, "4 nodes of 1 rank", "2 nodes of 2 ranks"),
+        ("2x2", 4, "2 nodes of 2 ranks", "1 node of 4 ranks"),
+    ]
+    for value, per_node, named, launch in contradictions:
+        for rank in range(4):  # the same error on every rank: it reads the same LOCAL_WORLD_SIZE
+            with pytest.raises(ValueError) as err:
+                resolve_topology(value, 4, rank, _env(per_node, rank, 4), True)
+            msg = str(err.value)
+            assert f"topology={value!r} ({named}) contradicts the launch" in msg, msg
+            assert f"LOCAL_WORLD_SIZE={per_node}, WORLD_SIZE=4 ({launch};" in msg, msg
+            assert "topology='auto'" in msg and "topology='flat'" in msg, msg
+    # the launch's nodes, but this rank placed elsewhere than node-contiguous ranks place it
+    with pytest.raises(ValueError, match=r"topology='2x2' \(2 nodes of 2 ranks\) contradicts.*LOCAL_RANK=0 of node"):
+        resolve_topology("2x2", 4, 1, _env(2, 1, 4, GROUP_RANK=1, LOCAL_RANK=0), True)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 does not split the 6 ranks.*topology='flat'"):
         resolve_topology("auto", 6, 1, _env(4, 1, 6), True)
     with pytest.raises(ValueError, match="not contiguous per node.*topology='flat'"):
@@ -295,6 +320,9 @@ def _construction_cases(rank: int, world: int) -> dict:
         "auto": attempt(),
         "flat": attempt(topology="flat"),
         "named": attempt(topology="2x2"),
+        # a named layout that contradicts the launch: 4 one-rank nodes named "2x2", the 2 x 2 launch named "1x4"
+        "2x2 on 4x1": attempt({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank)}, topology="2x2"),
+        "1x4 on 2x2": attempt(topology="1x4"),
         "wrong size": attempt(topology="3x2"),
         "uneven": attempt({"LOCAL_WORLD_SIZE": "3"}),
         "not contiguous": attempt({"GROUP_RANK": str(rank % 2), "LOCAL_RANK": str(rank // 2)}),
@@ -311,8 +339,8 @@ def _step(ddp) -> dict:
     return ddp.comm_stats()
 
 
-def _plain(rank: int, world: int) -> str:
-    ddp = _wrap()
+def _plain(rank: int, world: int, **opts) -> str:
+    ddp = _wrap(**opts)
     return f"{ddp.config.topology} {sorted(k for k in _step(ddp) if 'node' in k)}"
 
 
@@ -322,6 +350,13 @@ def test_layouts_at_construction_and_errors_on_every_rank() -> None:
         assert r["auto"] == "2x2 2x2 True"
         assert r["flat"] == "flat 4x1 False"
         assert r["named"] == "2x2 2x2 True"
+        # every rank raises its own ValueError naming both layouts (no rank is left waiting in a collective)
+        msg = r["2x2 on 4x1"]
+        assert msg.startswith("ValueError: gradientflow: topology='2x2' (2 nodes of 2 ranks) contradicts"), msg
+        assert "LOCAL_WORLD_SIZE=1, WORLD_SIZE=4 (4 nodes of 1 rank;" in msg, msg
+        msg = r["1x4 on 2x2"]
+        assert msg.startswith("ValueError: gradientflow: topology='1x4' (1 node of 4 ranks) contradicts"), msg
+        assert "LOCAL_WORLD_SIZE=2, WORLD_SIZE=4 (2 nodes of 2 ranks;" in msg, msg
         assert r["hooked"] == "2x2 2x2 False"  # the layout is known, the hook's exchange is flat
         assert "topology='3x2' names 6 ranks, the process group has 4" in r["wrong size"]
         assert "LOCAL_WORLD_SIZE=3 does not split the 4 ranks" in r["uneven"] or "another rank" in r["uneven"]
@@ -334,6 +369,9 @@ def test_layouts_at_construction_and_errors_on_every_rank() -> None:
         assert r["subgroup"] == "flat 2x1 False"
     # without torchrun's variables: flat, as before the option existed; no two-level counters
     assert run_distributed(_plain, 2) == ["flat ['nodes', 'ranks_per_node']"] * 2
+    # ... where a named layout is taken as given: two-level on 2 "nodes" of 2 (how these tests emulate nodes)
+    two_level = "2x2 ['inter_node_bytes', 'intra_node_bytes', 'nodes', 'ranks_per_node']"
+    assert run_distributed(functools.partial(_plain, topology="2x2"), 4, timeout=120) == [two_level] * 4
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -59,21 +59,11 @@ def resolve_topology(value: str, world: int, rank: int, env: Mapping[str, str], 
                 f"gradientflow: topology={value!r} names {nodes * per_node} ranks, the process group has {world}. "
                 f"Pass topology='MxG' with M * G = {world}, topology='auto' or topology='flat'."
             )
+        _check_against_launch(value, nodes, per_node, world, rank, env, whole_world)
         return Topology(nodes, per_node) if nodes > 1 and per_node > 1 else flat
     if not whole_world or "LOCAL_WORLD_SIZE" not in env:
         return flat  # not launched by torchrun (or a subgroup): every rank its own node, as before
-    try:
-        g = int(env["LOCAL_WORLD_SIZE"])
-        # torchrun sets all three; other launchers (accelerate's, SLURM scripts) may set LOCAL_* alone: then the
-        # node is the one that node-contiguous ranks give (checked below against LOCAL_RANK, if set)
-        node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else rank // max(g, 1)
-        local = int(env.get("LOCAL_RANK", rank % max(g, 1)))
-        env_world, env_rank = int(env.get("WORLD_SIZE", world)), int(env.get("RANK", rank))
-    except ValueError as exc:
-        raise ValueError(
-            f"gradientflow: topology='auto' could not read torchrun's variables ({exc}). Pass topology='flat' or "
-            "topology='MxG'."
-        ) from exc
+    g, node, local, env_world, env_rank = _launch_variables(world, rank, env)
     if env_world != world or env_rank != rank:
         raise ValueError(
             f"gradientflow: topology='auto': torchrun's WORLD_SIZE={env_world}, RANK={env_rank} do not describe this "
@@ -91,6 +81,66 @@ def resolve_topology(value: str, world: int, rank: int, env: Mapping[str, str], 
             "topology='flat'."
         )
     return Topology(world // g, g) if world // g > 1 and g > 1 else flat
+
+
+def _launch_variables(world: int, rank: int, env: Mapping[str, str]) -> tuple[int, int, int, int, int]:
+    """(LOCAL_WORLD_SIZE, the node, LOCAL_RANK, WORLD_SIZE, RANK) from torchrun's variables (``LOCAL_WORLD_SIZE`` set).
+
+    torchrun sets all of them; other launchers (accelerate's, SLURM scripts) may set LOCAL_* alone: then the node
+    is the one that node-contiguous ranks give, and the group's own size and rank stand for the missing ones.
+    """
+    try:
+        g = int(env["LOCAL_WORLD_SIZE"])
+        node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else rank // max(g, 1)
+        local = int(env.get("LOCAL_RANK", rank % max(g, 1)))
+        return g, node, local, int(env.get("WORLD_SIZE", world)), int(env.get("RANK", rank))
+    except ValueError as exc:
+        raise ValueError(
+            f"gradientflow: topology='auto' could not read torchrun's variables ({exc}). Pass topology='flat' or "
+            "topology='MxG'."
+        ) from exc
+
+
+def _check_against_launch(
+    value: str, nodes: int, per_node: int, world: int, rank: int, env: Mapping[str, str], whole_world: bool
+) -> None:
+    """``ValueError`` where torchrun's variables lay the ranks out otherwise than ``value`` (``nodes`` x ``per_node``).
+
+    A named layout says which ranks share a machine; where the launch says so too, the two must agree: two-level
+    on a layout the machines do not have sends its "inside a node" stage over the link between them, dense, while
+    ``comm_stats()`` counts it as inside.  Compared literally (``"1x4"`` or ``"4x1"`` on a 2 x 2 launch is an error
+    too, though both would run flat: ``topology="flat"`` says that choice without misnaming the machines).
+
+    Taken as given where the launch does not describe this group: no ``LOCAL_WORLD_SIZE`` (forked or
+    ``mp.spawn``-ed ranks, how the tests emulate nodes), a subgroup (torchrun's variables count the world's ranks,
+    ``value`` the subgroup's), or ``WORLD_SIZE`` / ``RANK`` that are not this group's, or unreadable (the messages
+    for ``"auto"`` recommend ``"MxG"`` there).  Every rank of a launch reads the same ``LOCAL_WORLD_SIZE``, so a
+    layout of the wrong shape raises here on every rank; one that disagrees only in a rank's place (ranks not
+    node-contiguous) raises on that rank, and the construction check raises on the others.
+    """
+    if not whole_world or "LOCAL_WORLD_SIZE" not in env:
+        return
+    try:
+        g, node, local, env_world, env_rank = _launch_variables(world, rank, env)
+    except ValueError:
+        return
+    if env_world != world or env_rank != rank:
+        return
+    if g == per_node and node == rank // per_node and local == rank % per_node:
+        return
+    launch = (
+        f"{_of(world // g, 'node')} of {_of(g, 'rank')}" if g >= 1 and world % g == 0 else f"nodes of {_of(g, 'rank')}"
+    )
+    raise ValueError(
+        f"gradientflow: topology={value!r} ({_of(nodes, 'node')} of {_of(per_node, 'rank')}) contradicts the launch: "
+        f"torchrun's LOCAL_WORLD_SIZE={g}, WORLD_SIZE={env_world} ({launch}; this rank {rank} is LOCAL_RANK={local} "
+        f"of node GROUP_RANK={node}). Pass topology='auto' (the launch's layout), or topology='flat' for one exchange "
+        "over every rank."
+    )
+
+
+def _of(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 @dataclass(frozen=True)

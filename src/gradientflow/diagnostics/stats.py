@@ -14,8 +14,13 @@ class StepStats:
     """What one synchronised backward did.
 
     collectives: collective calls on gradients (scores and packed chunks included for CSC).
-    payload_bytes: bytes handed to those collectives, in the wire dtype.
-    dense_bytes: bytes one dense fp32 allreduce of every gradient would hand over.
+    payload_bytes: the bytes of gradient data this rank hands to the exchange between nodes, in the wire's
+        encoding: one copy of what it contributes (a ring then sends ``2 (N-1)/N`` of it; ``inter_node_bytes``
+        counts what two-level sent).  Flat, every rank is its own node: the whole of each exchange (the dense wire
+        buffer, CSC's scores and packed chunks, one quantised copy of a bucket).  Two-level: this rank's shard of
+        each node-summed buffer (``two_level_plan``'s ``shard``), dense or quantised alike, warm-up steps included,
+        plus CSC's scores (exchanged over every rank); the stages inside the node are ``intra_node_bytes``.
+    dense_bytes: bytes one dense fp32 allreduce of every gradient would hand over (torch DDP's ``payload_bytes``).
     comm_seconds: first launch to last completion.
     exposed_seconds: time the end of backward waited on communication.
     control_bytes: bytes of bookkeeping collectives beside the gradients (the one-byte-per-parameter
@@ -82,7 +87,13 @@ TOTALLED = (
     "control_bytes",
     "host_syncs",
 )
-"""The counters of :class:`StepStats` that add up over a run (with every ``phase_<name>_s``)."""
+"""The counters of :class:`StepStats` that add up over a run (with every ``phase_<name>_s`` and every ``extra``
+key but :data:`PER_STEP_ONLY`)."""
+PER_STEP_ONLY = frozenset({"density", "n_chunks", "quant_bits", "quant_block"})
+"""The ``extra`` keys that describe a step's setting, not what it did: a sum of them means nothing, so totals
+leave them out.  Every other ``extra`` key is a count or a number of bytes (``inter_node_bytes``,
+``intra_node_bytes``, CSC's ``selected_chunks``, ``warmup``, ``warmup_ramp``, ``overflow``, ``slices``,
+``slices_in_backward``): totalled over the steps that report it."""
 
 
 @dataclass
@@ -104,6 +115,9 @@ class RunTotals:
         for name, seconds in step.phases.items():
             key = f"phase_{name}_s"
             self.sums[key] = self.sums.get(key, 0.0) + seconds
+        for key, value in step.extra.items():
+            if key not in PER_STEP_ONLY:
+                self.sums[key] = self.sums.get(key, 0) + value
 
     def as_dict(self) -> dict[str, float | int]:
         return {"steps": self.steps, **self.sums}

@@ -109,10 +109,10 @@ class DenseSync(SyncStrategy):
     def start(self, wire: torch.Tensor, flat: torch.Tensor | None, what: str, stats: StepStats) -> None:
         """2. start ``wire``'s allreduce; :meth:`finish` waits for it and copies it back into ``flat``
         (``None``: the caller reads ``wire`` itself after :meth:`finish`, before the next step)."""
-        stats.record_collective(wire.numel() * wire.element_size())
         if self._two is not None:
             self._start_two_level(wire, flat, what, stats)
             return
+        stats.record_collective(wire.numel() * wire.element_size())
         handle = start_allreduce(wire, group=self.group, algorithm=self.algorithm, watchdog=self.watchdog, what=what)
         self._pending.append((flat, wire, handle))
 
@@ -138,6 +138,9 @@ class DenseSync(SyncStrategy):
             if flat is not None:
                 from_wire(flat, wire)
 
+        # payload: the shard this rank hands to the exchange between nodes (the quantised recipe counts its shard
+        # too), so a dense warm-up step and the compressed steps after it count the same thing
+        stats.record_collective(plan.shard * wire.element_size())
         extra = stats.extra
         extra["inter_node_bytes"] = extra.get("inter_node_bytes", 0) + plan.inter_bytes
         extra["intra_node_bytes"] = extra.get("intra_node_bytes", 0) + plan.intra_bytes

@@ -261,30 +261,49 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             self._gf_engine.register_grad_scaler(self._gf_optimizers.scaler)
 
     # ---- forward ------------------------------------------------------------------------
+    # Under torch.compile, dynamo traces this frame, which holds nothing but the module's forward: what the wrapper
+    # does before and after it runs in the two disabled methods, which hand each other their state through ``self``
+    # (``_gf_forward_state``).  A value dynamo saw in this frame would be guarded on: the wrapper's flags
+    # (``require_backward_grad_sync``, ``require_forward_param_sync``) compiled the module again for ``no_sync``
+    # micro-steps, and the trace's timestamp would be a float guarded by value.  So the module compiles once, as
+    # inside torch DDP, whose flags dynamo never sees (its forward is in torch's files, which dynamo skips).
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._gf_pre_forward(inputs, kwargs)
+        return self._gf_post_forward(self.module(*inputs, **kwargs))
+
+    @torch.compiler.disable
+    def _gf_pre_forward(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Before the module's forward: the checks, buffers from rank 0, the inputs on the module's device."""
         if self._gf_engine.unused.pending_error is not None and torch.is_grad_enabled():
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._gf_engine.forward_started(sync)  # frees last step's fresh gradients; torch's runtime logging
         tr = self._gf_engine.trace
-        t_fwd = time.perf_counter() if tr is not None and tr.active else None
+        self._gf_forward_state = (sync, time.perf_counter() if tr is not None and tr.active else None)
         if sync:
             self._gf_before_sync_forward()
         if self.require_forward_param_sync and self._gf_syncs_buffers():
             self._gf_sync_buffers(post_forward=False)
         if self._gf_device is not None:
             inputs, kwargs = move_to_device(inputs, self._gf_device), move_to_device(kwargs, self._gf_device)
-        out = self.module(*inputs, **kwargs)
+        return inputs, kwargs
+
+    @torch.compiler.disable
+    def _gf_post_forward(self, out: Any) -> Any:
+        """After the module's forward: buffers (a post-forward buffer hook), the backward armed, the trace's span."""
+        sync, t_fwd = self._gf_forward_state
         if self.require_forward_param_sync and self._gf_syncs_buffers():
             self._gf_sync_buffers(post_forward=True)
         self.require_forward_param_sync = sync
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
+        tr = self._gf_engine.trace
         if t_fwd is not None and tr is not None:
             tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
 
-    @torch.compiler.disable
     def _gf_before_sync_forward(self) -> None:
         for name, p in self._gf_frozen:
             if p.requires_grad:
@@ -307,13 +326,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self._gf_module_buffers = [b for n, b in self.module.named_buffers() if n not in self._gf_ignored]
         return self._gf_module_buffers
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # also called by Lightning's strategy (manual optimisation), outside the forward
     def _gf_after_forward(self, out: Any, sync: bool) -> None:
         self._gf_engine.arm(out, sync)
         if sync and self._gf_sparse_params:
             self._gf_sparse.arm(out)
 
-    @torch.compiler.disable
     def _gf_sync_buffers(self, post_forward: bool) -> None:
         """Before forward (or after it, with a post-forward buffer hook): the buffer broadcast, or the user's hook."""
         hook = self._gf_torch.buffer_hook
