@@ -141,3 +141,267 @@ def test_none_is_torch_hsdp_and_3bit_keeps_replicas_identical(nodes: int, per_no
         assert r["q_stats"]["payload_bytes"] == sum(wire_bytes(n, 3, 128) for n in numels)
         assert r["q_stats"]["dense_bytes"] == dense
         assert r["q_total"]["exchanges"] == 4 * 3
+
+
+# ---- error feedback on the shard: nothing lost -------------------------------------------------------------------
+
+
+def _conservation(rank: int, world: int) -> list[float]:
+    """Each rank's shard t and a residual e from an earlier step; after one exchange, summed over the nodes:
+    sum(t / M + e before) == result + sum(e after) elementwise (the quantiser only delays)."""
+    import torch.distributed as dist
+
+    from gradientflow.config import GradientFlowConfig
+    from gradientflow.fsdp.exchange import QuantizedShard
+
+    errors = []
+    for recipe in ("3bit", "3bit-precond", "2bit-precond"):
+        quantizer = GradientFlowConfig(compression=recipe).quantizer()
+        g = torch.Generator().manual_seed(rank)
+        state = QuantizedShard(300, torch.device("cpu"), quantizer.precondition)
+        for step in range(3):  # step 0 fills e (and q); the checks run on steps with a residual to carry
+            t = torch.randn(300, generator=g) * (1 + step)
+            before = t / world + state.err
+            dist.all_reduce(before)
+            state.reduce(t, dist.group.WORLD, quantizer, None)
+            after = t + 0  # the result, the same on every rank
+            residuals = state.err.clone()
+            dist.all_reduce(residuals)
+            if step:
+                errors.append(((after + residuals - before).abs().max() / before.abs().max()).item())
+    return errors
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_error_mass_conserved(nodes: int) -> None:
+    # a few fp32 roundings of values of the sum's size: relative 1e-6 (a lost block's mass would be ~0.1)
+    for errors in run_distributed(_conservation, nodes, timeout=60):
+        assert max(errors) < 1e-6, errors
+
+
+# ---- what FSDP2 users do: mixed precision, accumulation -----------------------------------------------------------
+
+
+def _mixed_and_accumulation(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import gradientflow.fsdp as gf
+
+    mesh = _mesh(2, 2)
+    out = {}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch_run = _train(_shard(_net(), mesh, "torch", mp_policy=mp), rank, 2)
+    ours = _shard(_net(), mesh, "gf", compression="none", mp_policy=mp)
+    none_run = _train(ours, rank, 2, mesh)
+    out["mp_none_diff"] = max((a - b).abs().max().item() for a, b in zip(torch_run["params"], none_run["params"]))
+    q = _shard(_net(), mesh, "gf", compression="3bit", mp_policy=mp)
+    out["mp_q_identical"] = _train(q, rank, 2, mesh)["identical"]
+    out["mp_q_stats"] = gf.comm_stats(q)
+
+    # accumulation over 3 micro-steps: set_requires_gradient_sync(False) (no reduce-scatter), and
+    # set_requires_all_reduce(False) (reduce-scatter inside the node, the exchange at the last micro-step)
+    for flag in ("set_requires_gradient_sync", "set_requires_all_reduce"):
+        runs = {}
+        for kind in ("torch", "gf"):
+            # "none": the accumulated gradient must then be torch's HSDP's exactly (what is held and when it is sent
+            # does not depend on the recipe: the hook holds the shard before any recipe runs)
+            net = _shard(_net(), mesh, kind, **({"compression": "none"} if kind == "gf" else {}))
+            sent = []
+            for micro in range(3):
+                getattr(net, flag)(micro == 2)
+                _loss(net, rank, micro).backward()
+                if kind == "gf":
+                    sent.append(gf.comm_stats(net, total=True)["exchanges"])
+            runs[kind] = [p.grad.full_tensor() for p in net.parameters()]
+            if kind == "gf":
+                out[f"{flag}_sent"] = sent
+                out[f"{flag}_held"] = gf.comm_stats(net)["held_micro_steps"]
+        out[f"{flag}_grad_diff"] = max(
+            ((a - b).abs().max() / a.abs().max()).item() for a, b in zip(runs["torch"], runs["gf"])
+        )
+    return out
+
+
+def test_bf16_mixed_precision_and_gradient_accumulation() -> None:
+    from gradientflow.comm.quantize import wire_bytes
+
+    for r in run_distributed(_mixed_and_accumulation, 4, timeout=180):
+        # bf16 parameters, fp32 reduce: the hook sees torch's fp32 reduce-scatter output, so "none" is torch's HSDP
+        assert r["mp_none_diff"] <= 1e-6, r["mp_none_diff"]
+        assert all(r["mp_q_identical"])
+        assert r["mp_q_stats"]["payload_bytes"] == sum(wire_bytes(n, 3, 128) for n in (35, 55, 18))
+        # no exchange between nodes before the last micro-step (3 modules: 3 exchanges, all at micro-step 2)
+        assert r["set_requires_gradient_sync_sent"] == [0, 0, 3]
+        assert r["set_requires_all_reduce_sent"] == [0, 0, 3]
+        assert r["set_requires_all_reduce_held"] == 3 * 2  # 3 modules, each held its first 2 micro-steps
+        # the accumulated gradient is torch's HSDP's, to the order of the two averages' roundings
+        assert r["set_requires_gradient_sync_grad_diff"] < 1e-6
+        assert r["set_requires_all_reduce_grad_diff"] < 1e-6
+
+
+# ---- DCP: save, bit-exact resume; another mesh is refused --------------------------------------------------------
+
+
+def _dcp(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import gradientflow.fsdp as gf
+
+    mesh = _mesh(2, 2)
+    out = {}
+
+    def state(net, opt):
+        model_sd, optim_sd = get_state_dict(net, opt)
+        return {"model": model_sd, "optim": optim_sd, "gradientflow": gf.comm_state(net)}
+
+    def steps(net, opt, first, last):
+        for step in range(first, last):
+            _loss(net, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    net = _shard(_net(), mesh, "gf", compression="auto")  # AdamW: dense step 0, then "3bit" on 2 nodes
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    steps(net, opt, 0, 3)
+    dcp.save(state(net, opt), checkpoint_id=path)
+    out["saved_recipe"] = gf.comm_stats(net)["compression"]
+    steps(net, opt, 3, 6)
+    straight = _full_params(net)
+
+    fresh = _shard(_net(seed=1), mesh, "gf", compression="auto")  # other initial weights: all must come from disk
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    loaded = state(fresh, fresh_opt)
+    gf.check_checkpoint(path, fresh)
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    out["resumed_recipe"] = gf.comm_stats(fresh)["compression"]
+    steps(fresh, fresh_opt, 3, 6)
+    out["bit_exact"] = all(torch.equal(a, b) for a, b in zip(straight, _full_params(fresh)))
+
+    other = _shard(_net(), _mesh(4, 1), "gf", compression="auto")  # 4 nodes of one rank
+    with pytest.raises(ValueError) as ours:
+        gf.check_checkpoint(path, other)
+    out["check_error"] = str(ours.value)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    try:
+        dcp.load(state(other, other_opt), checkpoint_id=path)
+        out["load_error"] = ""
+    except BaseException as exc:  # noqa: BLE001 — DCP raises a CheckpointException (a BaseException) on every rank
+        out["load_error"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def test_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None:
+    for r in run_distributed(_dcp, 4, str(tmp_path / "ckpt"), timeout=180):
+        assert r["saved_recipe"] == r["resumed_recipe"] == "3bit"
+        assert r["bit_exact"]
+        assert "saved on a 2x2 mesh" in r["check_error"] and "runs on 4x1" in r["check_error"]
+        assert "residual@4x1" in r["load_error"]
+
+
+# ---- bad input: a clear error on every rank ------------------------------------------------------------------------
+
+
+def _bad(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import gradientflow.fsdp as gf
+
+    out = {}
+    cases = {
+        "1-D": lambda: gf.fully_shard(_net(), mesh=init_device_mesh("cpu", (2,))),
+        "names": lambda: gf.fully_shard(
+            _net(), mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "replicate"))
+        ),
+        "unknown": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bits"),
+        "topk": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="topk-3bit"),
+        "unread": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit", density=0.1),
+        "no mesh": lambda: gf.fully_shard(_net()),
+        "mesh size": lambda: gf.hsdp_mesh(3, 1),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = ""
+        except ValueError as exc:
+            out[name] = str(exc)
+    net = _net()
+    torch_fully_shard(net[0], mesh=init_device_mesh("cpu", (2,)))  # torch's plain FSDP inside ours
+    try:
+        gf.fully_shard(net, mesh=_mesh(2, 1))
+        out["torch 1-D child"] = ""
+    except ValueError as exc:
+        out["torch 1-D child"] = str(exc)
+    net = _net()
+    gf.fully_shard(net[0], mesh=_mesh(2, 1))
+    torch_fully_shard(net, mesh=init_device_mesh("cpu", (2,)))  # torch's plain FSDP around ours
+    try:
+        _loss(net, rank, 0).backward()
+        out["torch 1-D parent"] = ""
+    except RuntimeError as exc:
+        out["torch 1-D parent"] = str(exc)
+    try:  # the ranks disagree: every rank hears of it, naming what each passed
+        gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit" if rank == 0 else "fp16")
+        out["disagree"] = ""
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+    return out
+
+
+def test_bad_input_raises_clearly_on_every_rank() -> None:
+    for r in run_distributed(_bad, 2, timeout=120):
+        assert "a 1-D mesh has none" in r["1-D"]
+        assert "named ('shard', 'replicate')" in r["names"]
+        assert "did you mean '3bit'" in r["unknown"]
+        assert "has no FSDP form yet" in r["topk"]
+        assert "density=0.1 has no effect" in r["unread"]
+        assert "LOCAL_WORLD_SIZE" in r["no mesh"]
+        assert "product is the world size 2" in r["mesh size"]
+        assert "sharded by torch's fully_shard on a 1-D mesh" in r["torch 1-D child"]
+        assert "drift apart" in r["torch 1-D parent"]
+        assert "rank 0: 3bit" in r["disagree"] and "rank 1: fp16" in r["disagree"]
+
+
+# ---- compression="auto": dense until the optimizer's first step, then its recipe ------------------------------------
+
+
+def _auto(rank: int, world: int) -> dict:
+    import gradientflow.fsdp as gf
+
+    out = {}
+    mesh = _mesh(world, 1)
+    for opt_name in ("adamw", "sgd"):
+        net = _shard(_net(), mesh, "gf")  # compression="auto" is the default
+        seen = []
+        run_opt = None
+        for step in range(3):
+            _loss(net, rank, step).backward()
+            stats = gf.comm_stats(net)
+            seen.append((stats["compression"], stats["payload_bytes"]))
+            if run_opt is None:
+                run_opt = (
+                    torch.optim.SGD(net.parameters(), lr=0.1)
+                    if opt_name == "sgd"
+                    else torch.optim.AdamW(net.parameters(), lr=1e-2)
+                )
+            run_opt.step()
+            run_opt.zero_grad()
+        out[opt_name] = seen
+        out[opt_name + "_identical"] = _replicas_identical(net, mesh)
+    return out
+
+
+@pytest.mark.parametrize("nodes,adamw", [(2, "3bit"), (3, "3bit-precond")])
+def test_auto_is_dense_until_the_first_step_then_the_optimizers_recipe(nodes: int, adamw: str) -> None:
+    from gradientflow.comm.quantize import wire_bytes
+
+    numels = (HIDDEN * IN + HIDDEN, HIDDEN * HIDDEN + HIDDEN, OUT * HIDDEN + OUT)  # one rank per node: whole
+    dense, quantized = sum(4 * n for n in numels), sum(wire_bytes(n, 3, 128) for n in numels)
+    for r in run_distributed(_auto, nodes, timeout=120):
+        assert r["adamw"] == [("auto", dense), (adamw, quantized), (adamw, quantized)]
+        assert r["sgd"] == [("auto", dense), ("3bit", quantized), ("3bit", quantized)]
+        assert r["adamw_identical"] and r["sgd_identical"]

@@ -180,7 +180,7 @@ def fully_shard(
     for m in module if isinstance(module, list) else [module]:
         check_children(m)
     out = torch_fully_shard(
-        module,  # type: ignore[call-overload]
+        module,
         mesh=hsdp.shard,
         reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,

@@ -23,7 +23,7 @@ HOW = (
 )
 
 
-def ours(module: nn.Module) -> bool:
+def ours(module: object) -> bool:
     return getattr(module, "_gf_fsdp", None) is not None
 
 
