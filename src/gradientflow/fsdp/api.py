@@ -194,7 +194,7 @@ def fully_shard(
     device = group.device if group is not None else torch.device(hsdp.mesh.device_type)
     comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded)
     settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
-    settings += f"{hsdp.layout} shard {comm.numel}"
+    settings += f"{hsdp.label} shard {comm.numel}"
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
     if group is not None:
         sharded.set_all_reduce_hook(comm)
@@ -204,5 +204,5 @@ def fully_shard(
     sharded._gf_fsdp = comm
     if config.compression == "auto":
         auto.REGISTRY.add(comm)
-    logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.layout, comm.numel)
+    logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.label, comm.numel)
     return out

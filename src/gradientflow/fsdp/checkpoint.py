@@ -53,7 +53,7 @@ class CommState(Stateful):
             q = comm.quantized
             if q is None:
                 continue
-            tag = f"@{mesh.layout}"
+            tag = f"@{mesh.label}"
             out[f"{name}.residual{tag}"] = DTensor.from_local(q.err, mesh.mesh, [Shard(0), Shard(0)], run_check=False)
             if q.sq is not None:
                 out[f"{name}.sq{tag}"] = DTensor.from_local(q.sq, mesh.mesh, [Replicate(), Shard(0)], run_check=False)
@@ -87,7 +87,7 @@ def check_checkpoint(checkpoint_id: str | os.PathLike[str], model: nn.Module, ke
     gradientflow state (under ``key``) of another mesh than ``model``'s."""
     saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     layouts = {k.rsplit("@", 1)[1] for k in saved if k.startswith(f"{key}.") and "@" in k}
-    here = {comm.mesh.layout for _, comm in comms(model)}
+    here = {comm.mesh.label for _, comm in comms(model)}
     if layouts and layouts != here:
         was, now = ", ".join(sorted(layouts)), ", ".join(sorted(here))
         raise ValueError(

@@ -77,7 +77,7 @@ class HSDPMesh:
     per_node: int
 
     @property
-    def layout(self) -> str:
+    def label(self) -> str:
         return f"{self.nodes}x{self.per_node}"
 
 
