@@ -429,3 +429,30 @@ def test_auto_is_dense_until_the_first_step_then_the_optimizers_recipe(nodes: in
         assert r["adamw"] == [("auto", dense), (adamw, quantized), (adamw, quantized)]
         assert r["sgd"] == [("auto", dense), ("3bit", quantized), ("3bit", quantized)]
         assert r["adamw_identical"] and r["sgd_identical"]
+
+
+# ---- a compiled block ----------------------------------------------------------------------------------------------
+
+
+def _compiled(rank: int, world: int) -> dict:
+    import gradientflow.fsdp as gf
+
+    mesh = _mesh(2, 1)
+    out = {}
+    runs = {}
+    for kind, options in (("torch", {}), ("gf", {"compression": "none"}), ("gf3", {"compression": "3bit"})):
+        net = _net()
+        for block in (net[0], net[2]):
+            block.compile(backend="aot_eager")  # as torchtitan compiles its blocks, before sharding them
+        runs[kind] = _train(_shard(net, mesh, "torch" if kind == "torch" else "gf", **options), rank, 3, mesh)
+        if kind == "gf3":
+            out["exchanges"] = gf.comm_stats(net, total=True)["exchanges"]
+    out["none_diff"] = max((a - b).abs().max().item() for a, b in zip(runs["torch"]["params"], runs["gf"]["params"]))
+    out["identical"] = all(runs["gf3"]["identical"])
+    return out
+
+
+def test_a_compiled_block() -> None:
+    for r in run_distributed(_compiled, 2, timeout=180):
+        assert r["none_diff"] == 0.0  # torch's collectives, in order: the compiled blocks change nothing of it
+        assert r["identical"] and r["exchanges"] == 3 * 3
