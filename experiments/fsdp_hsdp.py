@@ -3,11 +3,12 @@ against ``gradientflow.fsdp.fully_shard`` (issue 58).  docs/fsdp.md quotes what 
 
     python experiments/fsdp_hsdp.py --steps 200 --seeds 0 1 2 --out benchmarks/fsdp_2x2
 
-The AdamW transformer of the quality bench (``bench.models.tiny_transformer`` on Python's help topics, d_model 128,
-2 layers, batch 8 x 64 characters a rank), each block and the root sharded, the same batches and initial weights in
-both runs.  Bytes are counted, not timed: torch's HSDP all-reduces each module's shard in ``reduce_dtype`` (fp32,
-or bf16: half), gradientflow's recipe reports what it handed over (``comm_stats``).  Loopback on a shared 2-core CPU:
-step times here measure the CPU, not a link, and are not reported.
+The transformer of the quality bench (``bench.models.tiny_transformer`` on Python's help topics, d_model 128,
+2 layers, batch 8 x 64 characters a rank; AdamW lr 3e-3, or ``--optimizer sgd``: lr 0.3, momentum 0.9), each block
+and the root sharded, the same batches and initial weights in both runs.  Bytes are counted, not timed: torch's HSDP
+all-reduces each module's shard in ``reduce_dtype`` (fp32, or bf16: half), gradientflow's recipe reports what it
+handed over (``comm_stats``).  Loopback on a shared 2-core CPU: step times here measure the CPU, not a link, and are
+not reported.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _windows(ids: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tenso
     return x, y
 
 
-def _run(kind: str, seed: int, steps: int, rank: int, mesh, data) -> dict:
+def _run(kind: str, seed: int, steps: int, rank: int, mesh, data, optimizer: str) -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import gradientflow.fsdp as gf
@@ -55,7 +56,10 @@ def _run(kind: str, seed: int, steps: int, rank: int, mesh, data) -> dict:
             torch_fully_shard(block, mesh=mesh)
         else:
             gf.fully_shard(block, mesh=mesh, compression=kind)
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     g = torch.Generator().manual_seed(10_000 * seed + rank)  # this rank's batches: the same in every run
     per_step = None
     for step in range(steps):
@@ -83,7 +87,13 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     )
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     data = _data()
-    out = [_run(kind, seed, args.steps, rank, mesh, data) for seed in args.seeds for kind in ("torch", "auto")]
+    out = []
+    for seed in args.seeds:
+        for kind in ("torch", "auto"):
+            out.append(_run(kind, seed, args.steps, rank, mesh, data, args.optimizer))
+            if rank == 0:  # each run as it ends: a long launch's finished runs survive it
+                with open(args.out / "runs.jsonl", "a") as f:
+                    f.write(json.dumps(out[-1]) + "\n")
     if rank == 0:
         results.put(out)
     dist.barrier()
@@ -94,8 +104,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,12 +118,11 @@ def main() -> None:
         runs = results.get()
         for p in procs:
             p.join()
-    args.out.mkdir(parents=True, exist_ok=True)
     summary = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "runs": runs}
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     last = next(r["last_step"] for r in runs if r["last_step"])
     lines = [
-        f"# HSDP 2x2 loopback, AdamW transformer ({runs[0]['params']} parameters), {args.steps} steps",
+        f"# HSDP 2x2 loopback, the transformer ({runs[0]['params']} parameters), {args.optimizer}, {args.steps} steps",
         "",
         f"command: `{summary['command']}`",
         "",
@@ -123,6 +134,9 @@ def main() -> None:
         f"| torch HSDP, bf16 reduce | {last['dense_bytes'] // 2} | {last['dense_sent_bytes'] // 2} | 0.5 |",
         f"| gradientflow `auto` -> `{last['compression']}` | {last['payload_bytes']} | {last['sent_bytes']} | "
         f"{last['sent_bytes'] / last['dense_sent_bytes']:.4f} |",
+        "",
+        f"Recipe state kept per rank (residuals): {last['state_bytes']} bytes; one fp32 shard of the model: "
+        f"{last['dense_bytes']} bytes.",
         "",
         "## Final validation loss (32 windows of 64 characters)",
         "",

@@ -163,6 +163,9 @@ def test_none_is_torch_hsdp_and_3bit_keeps_replicas_identical(nodes: int, per_no
         assert r["fp16_stats"]["dense_bytes"] == dense
         assert r["q_stats"]["payload_bytes"] == sum(wire_bytes(n, 3, 128) for n in numels)
         assert r["q_stats"]["dense_bytes"] == dense
+        # memory: the 3-bit recipe keeps one fp32 shard per rank (the residual), "-precond" a second (q); "none" none
+        assert r["q_stats"]["state_bytes"] == dense * (2 if nodes > 2 else 1)
+        assert r["none_stats"]["state_bytes"] == 0
         assert r["q_total"]["exchanges"] == 4 * 3
 
 

@@ -16,6 +16,8 @@ the recipe does, in place (the all-reduce hook's contract: torch then views the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -67,6 +69,24 @@ def dense_exchange(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype 
     return Sent(nbytes, ring_allreduce_bytes(nbytes, nodes))
 
 
+@contextlib.contextmanager
+def on_default_stream(t: torch.Tensor) -> Iterator[None]:
+    """On a CUDA device, run the quantised exchange on the default stream, ordered after the hook's stream (where
+    ``t`` was written) and before what the hook's stream does next.
+
+    The exchange's messages are waited for by a waiter thread (:mod:`gradientflow.comm.waiter`), and NCCL's
+    ``Work.wait()`` orders the *waiting thread's* current stream after the messages: the default stream there.
+    Torch runs the hook on its all-reduce stream; decoding on that stream would not wait for the bytes."""
+    if t.device.type != "cuda":
+        yield
+        return
+    hook_stream, default = torch.cuda.current_stream(t.device), torch.cuda.default_stream(t.device)
+    default.wait_stream(hook_stream)
+    with torch.cuda.stream(default):
+        yield
+    hook_stream.wait_stream(default)
+
+
 class QuantizedShard:
     """The quantised recipe's state on this rank's shard of one module: the error-feedback residual ``err`` (fp32,
     the shard's size; in units of the contribution ``t / M``), the preconditioner's ``q`` (``sq``) and the count of
@@ -94,38 +114,39 @@ class QuantizedShard:
                 f"{self.err.numel()}: a parameter got no gradient and FSDP left it out of the reduce-scatter. "
                 "fully_shard sets set_reduce_scatter_unused_params(True) for this; do not turn it off."
             )
-        nodes = dist.get_world_size(group)
-        x = t if t.dtype == torch.float32 else t.float()  # a 16-bit reduce_dtype: the contribution in fp32
-        x.div_(nodes)  # each node contributes t / M: the ring's sum is the average
-        warm = self.step < quantizer.warmup_steps
-        bits, levels = (DEFAULT_QUANT[0], "fitted") if warm else (quantizer.bits, quantizer.levels)
-        root, fused, carry = None, None, True
-        sq = self.sq if quantizer.precondition else None
-        if sq is not None and not warm:
-            root = Root(sq)
-            # two nodes: the divide by r and the multiply-back inside the codec's own passes (CPU kernel)
-            fused = root.fused(x, self.err) if nodes == 2 else None
-            if fused is None:
-                root.divide(x, self.err)
-                carry = False
-        ring = QuantizedRing(
-            x,
-            self.err,
-            group,
-            bits=bits,
-            block=quantizer.block,
-            timeout=timeout,
-            clip=quantizer.clip,
-            levels=levels,
-            carry=carry,
-            fused=fused,
-        )
-        ring.wait()
-        if root is not None and fused is None:
-            root.restore(x, self.err, ema=True)
-        elif root is None and sq is not None:  # the warm-up: q's history starts before r is used
-            ema_update(sq, x)
-        if x is not t:
-            t.copy_(x)
+        with on_default_stream(t):  # CUDA: every op of the exchange on one stream (see on_default_stream)
+            nodes = dist.get_world_size(group)
+            x = t if t.dtype == torch.float32 else t.float()  # a 16-bit reduce_dtype: the contribution in fp32
+            x.div_(nodes)  # each node contributes t / M: the ring's sum is the average
+            warm = self.step < quantizer.warmup_steps
+            bits, levels = (DEFAULT_QUANT[0], "fitted") if warm else (quantizer.bits, quantizer.levels)
+            root, fused, carry = None, None, True
+            sq = self.sq if quantizer.precondition else None
+            if sq is not None and not warm:
+                root = Root(sq)
+                # two nodes: the divide by r and the multiply-back inside the codec's own passes (CPU kernel)
+                fused = root.fused(x, self.err) if nodes == 2 else None
+                if fused is None:
+                    root.divide(x, self.err)
+                    carry = False
+            ring = QuantizedRing(
+                x,
+                self.err,
+                group,
+                bits=bits,
+                block=quantizer.block,
+                timeout=timeout,
+                clip=quantizer.clip,
+                levels=levels,
+                carry=carry,
+                fused=fused,
+            )
+            ring.wait()
+            if root is not None and fused is None:
+                root.restore(x, self.err, ema=True)
+            elif root is None and sq is not None:  # the warm-up: q's history starts before r is used
+                ema_update(sq, x)
+            if x is not t:
+                t.copy_(x)
         self.step += 1
         return Sent(ring.payload_bytes, ring.sent_bytes)

@@ -134,6 +134,13 @@ class ModuleComm:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("module %d: %s exchange, %d bytes sent between nodes", self.index, self.recipe, sent.sent)
 
+    def state_bytes(self) -> int:
+        """Bytes this module's recipe holds between steps on this rank (residual, ``q``, a held shard)."""
+        held = [self.partial] if self.partial is not None else []
+        q = self.quantized
+        kept = [q.err, *([q.sq] if q.sq is not None else [])] if q is not None else []
+        return sum(t.numel() * t.element_size() for t in [*kept, *held])
+
     def describe(self) -> dict[str, Any]:
         return {"compression": self.recipe, "auto": self.auto_reason, "numel": self.numel}
 

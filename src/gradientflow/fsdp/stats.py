@@ -62,7 +62,8 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     """The counters of the last exchange of every module of ``model`` (``total=True``: summed since construction),
     added up: one optimizer step's traffic between nodes when each module exchanged once; with the recipe each
     module runs (``compression``: one name, or a sorted list where they differ), the mesh (``nodes``,
-    ``ranks_per_node``) and ``held_micro_steps`` (reduce-scatters kept for a later exchange)."""
+    ``ranks_per_node``), ``held_micro_steps`` (reduce-scatters kept for a later exchange) and ``state_bytes`` (what
+    the recipes hold between steps on this rank: residuals, ``q``, held shards)."""
     found = list(comms(model))
     if not found:
         raise ValueError(
@@ -76,6 +77,7 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     return {
         **asdict(out),
         "held_micro_steps": sum(comm.counters.held for _, comm in found),
+        "state_bytes": sum(comm.state_bytes() for _, comm in found),
         "compression": recipes[0] if len(recipes) == 1 else recipes,
         "nodes": first.mesh.nodes,
         "ranks_per_node": first.mesh.per_node,
