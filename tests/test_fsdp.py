@@ -118,6 +118,10 @@ def _none_and_3bit(rank: int, world: int, nodes: int, per_node: int) -> dict:
         out[f"{half}_rel"] = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(reference, grads))
         out[f"{half}_identical"] = _replicas_identical(net, mesh)
         out[f"{half}_stats"] = gf.comm_stats(net)
+    if nodes == 2:  # the 2-bit recipe past its 3-bit warm-up (1 exchange here, 20 by default)
+        two = _shard(_net(), mesh, "gf", compression="2bit-precond", quant_warmup_steps=1)
+        out["2bit_identical"] = _train(two, rank, 3, mesh)["identical"]
+        out["2bit_stats"] = gf.comm_stats(two)
     q = _shard(_net(), mesh, "gf", compression="3bit-precond" if nodes > 2 else "3bit")
     q_run = _train(q, rank, 4, mesh, clip=0.5)
     out["q_identical"] = q_run["identical"]
@@ -163,6 +167,9 @@ def test_none_is_torch_hsdp_and_3bit_keeps_replicas_identical(nodes: int, per_no
         assert r["fp16_stats"]["dense_bytes"] == dense
         assert r["q_stats"]["payload_bytes"] == sum(wire_bytes(n, 3, 128) for n in numels)
         assert r["q_stats"]["dense_bytes"] == dense
+        if nodes == 2:
+            assert all(r["2bit_identical"])
+            assert r["2bit_stats"]["payload_bytes"] == sum(wire_bytes(n, 2, 128) for n in numels)
         # memory: the 3-bit recipe keeps one fp32 shard per rank (the residual), "-precond" a second (q); "none" none
         assert r["q_stats"]["state_bytes"] == dense * (2 if nodes > 2 else 1)
         assert r["none_stats"]["state_bytes"] == 0
@@ -289,23 +296,30 @@ def _dcp(rank: int, world: int, path: str) -> dict:
             opt.step()
             opt.zero_grad()
 
-    net = _shard(_net(), mesh, "gf", compression="auto")  # AdamW: dense step 0, then "3bit" on 2 nodes
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    steps(net, opt, 0, 3)
-    dcp.save(state(net, opt), checkpoint_id=path)
-    out["saved_recipe"] = gf.comm_stats(net)["compression"]
-    steps(net, opt, 3, 6)
-    straight = _full_params(net)
+    # "auto" (AdamW: dense step 0, then "3bit" on 2 nodes; the pick is in the checkpoint), and "2bit-precond" whose
+    # 3-bit warm-up of 4 exchanges ends after the resume (its count and q are in the checkpoint too)
+    for name, options in (
+        ("auto", {"compression": "auto"}),
+        ("2bit", {"compression": "2bit-precond", "quant_warmup_steps": 4}),
+    ):
+        net = _shard(_net(), mesh, "gf", **options)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        steps(net, opt, 0, 3)
+        dcp.save(state(net, opt), checkpoint_id=f"{path}-{name}")
+        out[f"{name}_saved"] = gf.comm_stats(net)["compression"]
+        steps(net, opt, 3, 6)
+        straight = _full_params(net)
 
-    fresh = _shard(_net(seed=1), mesh, "gf", compression="auto")  # other initial weights: all must come from disk
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    loaded = state(fresh, fresh_opt)
-    gf.check_checkpoint(path, fresh)
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    out["resumed_recipe"] = gf.comm_stats(fresh)["compression"]
-    steps(fresh, fresh_opt, 3, 6)
-    out["bit_exact"] = all(torch.equal(a, b) for a, b in zip(straight, _full_params(fresh)))
+        fresh = _shard(_net(seed=1), mesh, "gf", **options)  # other initial weights: all must come from disk
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        loaded = state(fresh, fresh_opt)
+        gf.check_checkpoint(f"{path}-{name}", fresh)
+        dcp.load(loaded, checkpoint_id=f"{path}-{name}")
+        set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        out[f"{name}_resumed"] = gf.comm_stats(fresh)["compression"]
+        steps(fresh, fresh_opt, 3, 6)
+        out[f"{name}_bit_exact"] = all(torch.equal(a, b) for a, b in zip(straight, _full_params(fresh)))
+    path = f"{path}-auto"
 
     other = _shard(_net(), _mesh(4, 1), "gf", compression="auto")  # 4 nodes of one rank
     with pytest.raises(ValueError) as ours:
@@ -323,8 +337,9 @@ def _dcp(rank: int, world: int, path: str) -> dict:
 
 def test_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None:
     for r in run_distributed(_dcp, 4, str(tmp_path / "ckpt"), timeout=180):
-        assert r["saved_recipe"] == r["resumed_recipe"] == "3bit"
-        assert r["bit_exact"]
+        assert r["auto_saved"] == r["auto_resumed"] == "3bit"
+        assert r["2bit_saved"] == r["2bit_resumed"] == "2bit-precond"
+        assert r["auto_bit_exact"] and r["2bit_bit_exact"]
         assert "saved on a 2x2 mesh" in r["check_error"] and "runs on 4x1" in r["check_error"]
         assert "residual@4x1" in r["load_error"]
 

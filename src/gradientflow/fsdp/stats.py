@@ -51,10 +51,12 @@ class ExchangeCounters:
 
 def comms(model: nn.Module) -> Iterator[tuple[str, Any]]:
     """(name, :class:`gradientflow.fsdp.module_comm.ModuleComm`) of every module of ``model`` that
-    :func:`gradientflow.fsdp.fully_shard` sharded, in ``named_modules`` order."""
+    :func:`gradientflow.fsdp.fully_shard` sharded and that holds parameters of its own (a root whose parameters are
+    all its blocks' has no exchange, no state, and under ``"auto"`` no optimizer to switch it), in ``named_modules``
+    order."""
     for name, module in model.named_modules():
         comm = getattr(module, "_gf_fsdp", None)
-        if comm is not None:
+        if comm is not None and comm.param_group is not None:
             yield name, comm
 
 
