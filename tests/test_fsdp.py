@@ -386,6 +386,10 @@ def _bad(rank: int, world: int) -> dict:
         out["torch 1-D parent"] = ""
     except RuntimeError as exc:
         out["torch 1-D parent"] = str(exc)
+    one_node = gf.hsdp_mesh(1, 2)  # a 2-D mesh of one node: legal, nothing between nodes
+    net = _shard(_net(), one_node, "gf", compression="3bit")
+    _train(net, rank, 2)
+    out["one node"] = (tuple(one_node.shape), gf.comm_stats(net, total=True)["exchanges"])
     try:  # the ranks disagree: every rank hears of it, naming what each passed
         gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit" if rank == 0 else "fp16")
         out["disagree"] = ""
@@ -406,6 +410,7 @@ def test_bad_input_raises_clearly_on_every_rank() -> None:
         assert "sharded by torch's fully_shard on a 1-D mesh" in r["torch 1-D child"]
         assert "drift apart" in r["torch 1-D parent"]
         assert "rank 0: 3bit" in r["disagree"] and "rank 1: fp16" in r["disagree"]
+        assert r["one node"] == ((1, 2), 0)
 
 
 # ---- compression="auto": dense until the optimizer's first step, then its recipe ------------------------------------
