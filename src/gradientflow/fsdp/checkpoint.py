@@ -74,7 +74,7 @@ class CommState(Stateful):
                     )
                 comm.switch(comm.config.with_recipe(recipe), f"resumed: {recipe}")
             if comm.quantized is not None and f"{name}.step" in state_dict:
-                comm.quantized.step = int(state_dict[f"{name}.step"])
+                comm.quantized.resume(int(state_dict[f"{name}.step"]))
 
 
 def comm_state(model: nn.Module) -> CommState:

@@ -97,6 +97,10 @@ class QuantizedShard:
         self.sq = torch.zeros(numel, dtype=torch.float32, device=device) if precondition else None
         self.step = 0
 
+    def resume(self, step: int) -> None:
+        """Continue a checkpoint's count of exchanges (the residual and ``q`` were loaded in place)."""
+        self.step = step
+
     def ensure_sq(self) -> None:
         """Keep ``q`` from now on (a switch to a preconditioned recipe)."""
         if self.sq is None:
