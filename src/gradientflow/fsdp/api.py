@@ -1,0 +1,208 @@
+"""``gradientflow.fsdp.fully_shard``: torch's ``fully_shard`` on each node, the reduction between nodes compressed.
+
+Torch 2.13's arguments, positions and defaults, plus the recipe options of the DDP wrapper (``compression`` and the
+``quant_*`` keywords, validated by :class:`gradientflow.config.GradientFlowConfig`, so a name means the same for
+both).  Given the 2-D HSDP mesh (replicate, shard), the module is sharded by torch on the ``shard`` dimension (each
+node's ranks: torch's reduce-scatter does the stage inside the node) and the ``replicate`` dimension's reduction is
+gradientflow's, in the module's all-reduce hook (:mod:`.module_comm`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from ..config import GradientFlowConfig, QuantLevels
+from . import auto
+from .agreement import check_same
+from .mesh import HSDPMesh, hsdp_mesh, split_mesh
+from .mixing import check_children
+from .module_comm import ModuleComm
+
+logger = logging.getLogger(__name__)
+
+FSDP_MECHANISMS = ("dense", "quantized", "auto")
+"""The recipes' mechanisms the FSDP exchange runs (:data:`gradientflow.recipes.Mechanism`); the top-k ones select
+chunks across the whole gradient and have no FSDP form yet."""
+
+_MP_DEFAULT = MixedPrecisionPolicy()  # torch's defaults (frozen dataclasses, as torch's signature holds them)
+_OFFLOAD_DEFAULT = OffloadPolicy()
+_ORDER = itertools.count()  # modules in construction order (the same on every rank)
+_DEFAULT_MESH: list[DeviceMesh] = []  # mesh=None: one mesh from torchrun's layout for every call
+
+
+def recipe_config(
+    compression: str,
+    *,
+    density: float | None = None,
+    quant_bits: int | None = None,
+    quant_block: int | None = None,
+    quant_levels: QuantLevels | None = None,
+    quant_precondition: bool | None = None,
+    quant_warmup_steps: int | None = None,
+    quant_clip: float | None = None,
+    timeout: float | timedelta | None = None,
+) -> GradientFlowConfig:
+    """The recipe as the DDP wrapper reads it (the one table's rule), or ``ValueError`` saying what to pass."""
+    config = GradientFlowConfig(
+        compression=compression,
+        density=density,
+        quant_bits=quant_bits,
+        quant_block=quant_block,
+        quant_levels=quant_levels,
+        quant_precondition=quant_precondition,
+        quant_warmup_steps=quant_warmup_steps,
+        quant_clip=quant_clip,
+        timeout=timeout,
+    )
+    if config.mechanism not in FSDP_MECHANISMS:
+        raise ValueError(
+            f"gradientflow.fsdp.fully_shard: compression={config.compression!r}"
+            f"{'' if density is None else f' with density={density!r}'} selects top-k chunks, which has no FSDP "
+            "form yet. Pass compression='3bit' (or '3bit-precond', '2bit-precond': every coordinate quantised, "
+            "with error feedback), 'fp16' / 'bf16', 'none', or 'auto'."
+        )
+    return config
+
+
+def _mesh(mesh: DeviceMesh | None) -> HSDPMesh:
+    if mesh is None:
+        if not _DEFAULT_MESH:
+            _DEFAULT_MESH.append(hsdp_mesh())
+        mesh = _DEFAULT_MESH[0]
+    return split_mesh(mesh)
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    compression: str = ...,
+    density: float | None = ...,
+    quant_bits: int | None = ...,
+    quant_block: int | None = ...,
+    quant_levels: QuantLevels | None = ...,
+    quant_precondition: bool | None = ...,
+    quant_warmup_steps: int | None = ...,
+    quant_clip: float | None = ...,
+    timeout: float | timedelta | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    compression: str = ...,
+    density: float | None = ...,
+    quant_bits: int | None = ...,
+    quant_block: int | None = ...,
+    quant_levels: QuantLevels | None = ...,
+    quant_precondition: bool | None = ...,
+    quant_warmup_steps: int | None = ...,
+    quant_clip: float | None = ...,
+    timeout: float | timedelta | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = _MP_DEFAULT,
+    offload_policy: OffloadPolicy = _OFFLOAD_DEFAULT,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+    compression: str = "auto",
+    density: float | None = None,
+    quant_bits: int | None = None,
+    quant_block: int | None = None,
+    quant_levels: QuantLevels | None = None,
+    quant_precondition: bool | None = None,
+    quant_warmup_steps: int | None = None,
+    quant_clip: float | None = None,
+    timeout: float | timedelta | None = None,
+) -> Any:
+    """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
+    reduction between nodes by a gradientflow recipe.
+
+    ``mesh``: a 2-D DeviceMesh (replicate, shard) (``None``: :func:`gradientflow.fsdp.hsdp_mesh` from torchrun's
+    layout).  ``compression``: a recipe's name from the one table (docs/recipes.md): ``"none"`` (torch's HSDP
+    reduction: the shard all-reduced in ``reduce_dtype``), ``"fp16"`` / ``"bf16"``, ``"3bit"``, ``"3bit-precond"``,
+    ``"2bit-precond"`` (every coordinate quantised, error feedback on the shard), ``"auto"`` (dense fp32 until the
+    first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the ``quant_*``
+    options as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
+    Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
+    """
+    config = recipe_config(
+        compression,
+        density=density,
+        quant_bits=quant_bits,
+        quant_block=quant_block,
+        quant_levels=quant_levels,
+        quant_precondition=quant_precondition,
+        quant_warmup_steps=quant_warmup_steps,
+        quant_clip=quant_clip,
+        timeout=timeout,
+    )
+    if dp_mesh_dims is not None:
+        raise ValueError(
+            "gradientflow.fsdp.fully_shard: dp_mesh_dims (an SPMD mesh) is not supported; pass the 2-D data-parallel "
+            "mesh (replicate, shard) itself as mesh="
+        )
+    hsdp = _mesh(mesh)
+    first = module[0] if isinstance(module, list) else module
+    for m in module if isinstance(module, list) else [module]:
+        check_children(m)
+    out = torch_fully_shard(
+        module,
+        mesh=hsdp.shard,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+    )
+    sharded: Any = first
+    groups = sharded._get_fsdp_state()._fsdp_param_groups
+    group = groups[0] if groups else None
+    device = group.device if group is not None else torch.device(hsdp.mesh.device_type)
+    comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded)
+    settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
+    settings += f"{hsdp.label} shard {comm.numel}"
+    check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
+    if group is not None:
+        sharded.set_all_reduce_hook(comm)
+        # every parameter in every reduce-scatter (zeros for one without a gradient): the shard's layout, and so
+        # the residual's, is the same at every step
+        sharded.set_reduce_scatter_unused_params(True, recurse=False)
+    sharded._gf_fsdp = comm
+    if config.compression == "auto":
+        auto.REGISTRY.add(comm)
+    logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.label, comm.numel)
+    return out

@@ -1,0 +1,82 @@
+"""``compression="auto"`` for FSDP: dense fp32 until the first optimizer step, then a recipe for the optimizer.
+
+As the DDP wrapper's ``"auto"`` (:mod:`gradientflow.wrapper.auto`): one global optimizer step pre-hook sees the
+first ``step()`` of every optimizer; the modules whose sharded parameters it holds switch together, after the
+ranks agreed on the pick (:func:`gradientflow.policy.auto_choice.agree_on_recipe`, on the mesh's two groups).
+Step 0's gradients crossed between nodes densely in fp32, as torch's HSDP sends them; the switch applies from the
+next backward on.
+
+The choice: Adam-type optimizers (and others) get the quantised recipe DDP's ``"auto"`` measured for them,
+``"3bit"`` for two nodes and ``"3bit-precond"`` beyond (:func:`gradientflow.policy.auto_choice.adam_recipe`; the
+2-bit width rule of two flat ranks does not apply: it measures a flat exchange).  SGD, which DDP's ``"auto"`` gives
+``"topk-3bit"``, gets ``"3bit"`` here: the top-k exchange has no FSDP form yet, and the quantised one delays no
+coordinate (:data:`SGD_FSDP`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from ..policy.auto_choice import adam_recipe, agree_on_recipe, recipe_for_optimizer, unmeasured_warning
+from .module_comm import ModuleComm
+
+logger = logging.getLogger(__name__)
+
+SGD_FSDP = "3bit"
+"""What ``"auto"`` gives SGD under FSDP (DDP: ``"topk-3bit"``, whose chunk selection has no FSDP form yet)."""
+
+
+class _Registry:
+    """The modules waiting for ``"auto"``'s choice (weakly held, in construction order) and the optimizers seen."""
+
+    def __init__(self) -> None:
+        self.waiting: list[weakref.ref[ModuleComm]] = []
+        self.seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.hook: RemovableHandle | None = None
+
+    def add(self, comm: ModuleComm) -> None:
+        self.waiting.append(weakref.ref(comm))
+        if self.hook is None:
+            self.hook = register_optimizer_step_pre_hook(self._first_step)
+
+    def _first_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer in self.seen:
+            return
+        self.seen.add(optimizer)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        alive = [c for c in (r() for r in self.waiting) if c is not None]
+        mine = [c for c in alive if c.recipe == "auto" and c.param_ids & held]
+        self.waiting = [weakref.ref(c) for c in alive if c not in mine]
+        if mine:
+            decide(mine, optimizer)
+
+
+REGISTRY = _Registry()
+
+
+def choose(optimizer: torch.optim.Optimizer, nodes: int) -> tuple[str, str]:
+    """(the optimizer's pick the ranks agree on, the recipe FSDP runs for it on ``nodes`` nodes)."""
+    pick = recipe_for_optimizer(optimizer)
+    return pick, SGD_FSDP if isinstance(optimizer, torch.optim.SGD) else adam_recipe(nodes)
+
+
+def decide(comms: list[ModuleComm], optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``comms`` (auto modules ``optimizer`` steps) to its recipe, once every rank picked the same."""
+    first = comms[0]
+    pick, name = choose(optimizer, first.mesh.nodes)
+    reason = f"{type(optimizer).__name__} -> {name}"
+    for group in (first.mesh.replicate, first.mesh.shard.get_group()):
+        agree_on_recipe(pick, reason, group, first.watchdog, first.device)
+    message = unmeasured_warning(optimizer, name)
+    if message is not None:
+        warnings.warn(message, stacklevel=4)
+    logger.info("gradientflow.fsdp: compression='auto' picked %s for %d modules", reason, len(comms))
+    for comm in comms:
+        comm.switch(comm.config.with_recipe(name), reason)

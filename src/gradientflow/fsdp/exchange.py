@@ -1,0 +1,156 @@
+"""The reduction between nodes of one FSDP module's gradient shard, by recipe.
+
+FSDP's reduce-scatter inside the node leaves each rank the node's average of its shard (``1/G`` of the module's
+gradients, in ``reduce_dtype``); what remains is the average of that shard over the ``M`` nodes, among the ranks
+holding the same shard (the mesh's ``replicate`` group).  Torch's HSDP all-reduces it in ``reduce_dtype``; here
+the recipe does, in place (the all-reduce hook's contract: torch then views the same tensor as the sharded
+``.grad``):
+
+- :func:`dense_exchange` (``"none"``, ``"fp16"``, ``"bf16"``, and ``"auto"`` before its first optimizer step):
+  the shard in the wire dtype, one all-reduce;
+- :class:`QuantizedShard` (the ``"3bit"`` family): the shard in ``bits``-bit blocks through the quantised
+  exchange of the DDP recipe (:class:`gradientflow.comm.quantized_ring.QuantizedRing`: one exchange of whole
+  quantised contributions between two nodes, a direct reduce-scatter and an allgather of the owners' bytes from
+  three), with error feedback on the shard: the residual is ``1/G`` of the model per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..comm.precision import from_wire, to_wire
+from ..comm.quantized_ring import QuantizedRing
+from ..config import DEFAULT_QUANT, Quantizer
+from ..diagnostics.watchdog import Watchdog
+from ..strategies.precondition import Root, ema_update
+
+_AVG_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+"""Reduce dtypes torch's HSDP all-reduces with ``ReduceOp.AVG`` (no overflow risk: the backend divides)."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One exchange's bytes: ``payload`` handed to the backend (one copy of the shard on the wire), ``sent`` put on
+    the link by this rank."""
+
+    payload: int
+    sent: int
+
+
+def ring_allreduce_bytes(nbytes: int, nodes: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``nodes`` ranks: ``2 (M-1)/M`` of them (what
+    a dense exchange's link carries; NCCL's and Gloo's ring algorithms)."""
+    return 2 * (nodes - 1) * nbytes // nodes
+
+
+def dense_exchange(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype | None, watchdog: Watchdog) -> Sent:
+    """``t`` <- its average over ``group``, on a ``wire`` dtype wire (``None``: ``t``'s own dtype, as torch's HSDP:
+    ``ReduceOp.AVG`` where torch uses it, so ``"none"`` reduces exactly as torch does)."""
+    nodes = dist.get_world_size(group)
+    if wire is None or wire == t.dtype:
+        if t.dtype in _AVG_DTYPES:
+            work = dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        else:  # fp16: divided first, so that M nodes' sum cannot overflow
+            t.div_(nodes)
+            work = dist.all_reduce(t, group=group, async_op=True)
+        on_wire = t
+    else:  # divided before the cast (precision.to_wire): a 16-bit wire cannot overflow
+        on_wire = to_wire(t, wire, nodes)
+        work = dist.all_reduce(on_wire, group=group, async_op=True)
+    nbytes = on_wire.numel() * on_wire.element_size()
+    watchdog.wait(work, "FSDP shard all-reduce between nodes", nbytes)
+    from_wire(t, on_wire)
+    return Sent(nbytes, ring_allreduce_bytes(nbytes, nodes))
+
+
+@contextlib.contextmanager
+def on_default_stream(t: torch.Tensor) -> Iterator[None]:
+    """On a CUDA device, run the quantised exchange on the default stream, ordered after the hook's stream (where
+    ``t`` was written) and before what the hook's stream does next.
+
+    The exchange's messages are waited for by a waiter thread (:mod:`gradientflow.comm.waiter`), and NCCL's
+    ``Work.wait()`` orders the *waiting thread's* current stream after the messages: the default stream there.
+    Torch runs the hook on its all-reduce stream; decoding on that stream would not wait for the bytes."""
+    if t.device.type != "cuda":
+        yield
+        return
+    hook_stream, default = torch.cuda.current_stream(t.device), torch.cuda.default_stream(t.device)
+    default.wait_stream(hook_stream)
+    with torch.cuda.stream(default):
+        yield
+    hook_stream.wait_stream(default)
+
+
+class QuantizedShard:
+    """The quantised recipe's state on this rank's shard of one module: the error-feedback residual ``err`` (fp32,
+    the shard's size; in units of the contribution ``t / M``), the preconditioner's ``q`` (``sq``) and the count of
+    exchanges (the warm-up's)."""
+
+    def __init__(self, numel: int, device: torch.device, precondition: bool) -> None:
+        self.err = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.sq = torch.zeros(numel, dtype=torch.float32, device=device) if precondition else None
+        self.step = 0
+
+    def resume(self, step: int) -> None:
+        """Continue a checkpoint's count of exchanges (the residual and ``q`` were loaded in place)."""
+        self.step = step
+
+    def ensure_sq(self) -> None:
+        """Keep ``q`` from now on (a switch to a preconditioned recipe)."""
+        if self.sq is None:
+            self.sq = torch.zeros_like(self.err)
+
+    def reduce(
+        self, t: torch.Tensor, group: dist.ProcessGroup, quantizer: Quantizer, timeout: timedelta | None
+    ) -> Sent:
+        """``t`` <- the average over ``group`` of every rank's ``t``, each quantised with its residual added
+        (``carry``); the quantisation error stays in :attr:`err` for the next exchange.  Nothing is lost:
+        ``sum over ranks of (t / M + err before) == result + sum over ranks of err after``, to fp32 rounding."""
+        if t.numel() != self.err.numel():
+            raise RuntimeError(
+                f"gradientflow.fsdp: the module's gradient shard has {t.numel()} elements this step, its residual "
+                f"{self.err.numel()}: a parameter got no gradient and FSDP left it out of the reduce-scatter. "
+                "fully_shard sets set_reduce_scatter_unused_params(True) for this; do not turn it off."
+            )
+        with on_default_stream(t):  # CUDA: every op of the exchange on one stream (see on_default_stream)
+            nodes = dist.get_world_size(group)
+            x = t if t.dtype == torch.float32 else t.float()  # a 16-bit reduce_dtype: the contribution in fp32
+            x.div_(nodes)  # each node contributes t / M: the ring's sum is the average
+            warm = self.step < quantizer.warmup_steps
+            bits, levels = (DEFAULT_QUANT[0], "fitted") if warm else (quantizer.bits, quantizer.levels)
+            root, fused, carry = None, None, True
+            sq = self.sq if quantizer.precondition else None
+            if sq is not None and not warm:
+                root = Root(sq)
+                # two nodes: the divide by r and the multiply-back inside the codec's own passes (CPU kernel)
+                fused = root.fused(x, self.err) if nodes == 2 else None
+                if fused is None:
+                    root.divide(x, self.err)
+                    carry = False
+            ring = QuantizedRing(
+                x,
+                self.err,
+                group,
+                bits=bits,
+                block=quantizer.block,
+                timeout=timeout,
+                clip=quantizer.clip,
+                levels=levels,
+                carry=carry,
+                fused=fused,
+            )
+            ring.wait()
+            if root is not None and fused is None:
+                root.restore(x, self.err, ema=True)
+            elif root is None and sq is not None:  # the warm-up: q's history starts before r is used
+                ema_update(sq, x)
+            if x is not t:
+                t.copy_(x)
+        self.step += 1
+        return Sent(ring.payload_bytes, ring.sent_bytes)

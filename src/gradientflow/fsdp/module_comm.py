@@ -1,0 +1,151 @@
+"""One FSDP module's reduction between nodes: the all-reduce hook torch's ``fully_shard`` calls, and its state.
+
+Torch 2.13's contract (``FSDPModule.set_all_reduce_hook``; ``_fsdp_collectives.foreach_reduce``): with a 1-D mesh
+the hook receives the reduce-scatter's output, this rank's flat shard of the module's gradients (every parameter's
+dim-0 shard, padded, back to back; ``reduce_dtype``; already divided by the node's ranks for fp32 and bf16), on the
+all-reduce stream (a CUDA device), and must reduce it in place: torch then post-divides it (fp16 only), casts it
+to the parameters' dtype and views it as the sharded ``.grad``.  With a 1-D mesh torch ignores
+``set_requires_all_reduce(False)`` and calls the hook at every reduce-scatter; the hook reads the flag itself and
+keeps the shard (:attr:`ModuleComm.partial`) for the exchange of the last micro-step, as torch's HSDP does.
+``set_requires_gradient_sync(False)`` skips the reduce-scatter, so the hook is not called at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import GradientFlowConfig
+from ..diagnostics.watchdog import Watchdog, group_timeout
+from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
+from .mesh import HSDPMesh
+from .mixing import check_tree
+from .stats import Counts, ExchangeCounters
+
+logger = logging.getLogger(__name__)
+
+
+def shard_numel(param_group: Any) -> int:
+    """Elements of the reduce-scatter output of an FSDP parameter group: every parameter's padded dim-0 shard."""
+    return sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
+
+
+class ModuleComm:
+    """The recipe state of one module sharded by :func:`gradientflow.fsdp.fully_shard` (``module._gf_fsdp``).
+
+    ``config``: the recipe as :class:`gradientflow.config.GradientFlowConfig` validated it; ``"auto"`` runs dense
+    fp32 until :mod:`.auto` switches it (:meth:`switch`).  ``param_group``: torch's FSDP parameter group (``None``:
+    the module holds no parameter of its own, and torch never calls the hook)."""
+
+    def __init__(
+        self,
+        config: GradientFlowConfig,
+        mesh: HSDPMesh,
+        param_group: Any,
+        device: torch.device,
+        index: int,
+        module: nn.Module,
+    ) -> None:
+        self.module = weakref.ref(module)  # weak: the module holds this object (module._gf_fsdp)
+        self.config = config
+        self.mesh = mesh
+        self.param_group = param_group
+        self.device = device
+        self.index = index  # construction order: the same on every rank (auto's and the checkpoint's order)
+        self.numel = shard_numel(param_group) if param_group is not None else 0
+        # the sharded parameters an optimizer holds (auto's test of which optimizer steps this module)
+        self.param_ids = frozenset(id(p.sharded_param) for p in param_group.fsdp_params) if param_group else frozenset()
+        self.requested = config.compression  # "auto" stays what was asked for after its switch
+        self.mixing_checked = False
+        self.timeout: timedelta | None = (
+            timedelta(seconds=config.timeout) if isinstance(config.timeout, (int, float)) else config.timeout
+        )
+        self.watchdog = Watchdog(mesh.replicate, self.timeout or group_timeout(mesh.replicate))
+        self.quantized: QuantizedShard | None = None
+        self.partial: torch.Tensor | None = None  # micro-steps' shards held for the next exchange
+        self.counters = ExchangeCounters()
+        self.auto_reason = "no optimizer step seen yet: dense fp32" if config.compression == "auto" else ""
+        self._make_state()
+
+    @property
+    def recipe(self) -> str:
+        return self.config.compression
+
+    def _make_state(self) -> None:
+        """The residual (and ``q``) of a quantised recipe, allocated with the module so that a checkpoint can be
+        loaded before the first step (one fp32 shard per rank: ``1/G`` of the module).  ``"auto"`` allocates what
+        its likely pick needs (an Adam-type's: ``q`` beyond two nodes), so that its checkpoint's keys are the same
+        before and after its switch."""
+        if self.config.quantized:
+            precondition = self.config.quantizer().precondition
+        elif self.requested == "auto":
+            precondition = self.mesh.nodes > 2
+        else:
+            return
+        if self.quantized is None:
+            self.quantized = QuantizedShard(self.numel, self.device, precondition)
+        elif precondition:
+            self.quantized.ensure_sq()
+
+    def switch(self, config: GradientFlowConfig, reason: str) -> None:
+        """Run ``config``'s recipe from the next exchange on (``"auto"``'s choice, or a resumed checkpoint's)."""
+        self.config = config
+        self.auto_reason = reason
+        self._make_state()
+
+    def __call__(self, t: torch.Tensor) -> None:
+        """The all-reduce hook: ``t`` (this rank's shard, the node's average) <- its average over the nodes."""
+        module = self.module()
+        if self.checked_mixing() and module is not None:
+            check_tree(module)
+        if self.mesh.nodes == 1:
+            return  # one node: nothing between nodes
+        if self.param_group is not None and not self.param_group.all_reduce_grads:
+            # a micro-step under set_requires_all_reduce(False): nothing leaves the node; the shard waits here and
+            # the .grad gets zeros, so that the last micro-step's exchange carries the whole sum once
+            self.partial = t.clone() if self.partial is None else self.partial.add_(t)
+            t.zero_()
+            self.counters.held += 1
+            return
+        if self.partial is not None:
+            t.add_(self.partial)
+            self.partial = None
+        t0 = time.perf_counter()
+        mech = self.config.mechanism
+        if mech == "quantized":
+            assert self.quantized is not None  # made with the recipe
+            sent = self.quantized.reduce(t, self.mesh.replicate, self.config.quantizer(), self.timeout)
+        elif mech in ("dense", "auto"):  # "auto" before its switch: torch HSDP's exact reduction
+            sent = dense_exchange(t, self.mesh.replicate, self.config.wire_dtype, self.watchdog)
+        else:  # refused by fully_shard's validation
+            raise AssertionError(f"gradientflow.fsdp: no exchange for mechanism {mech!r}")
+        self._count(t, sent, time.perf_counter() - t0)
+
+    def _count(self, t: torch.Tensor, sent: Sent, seconds: float) -> None:
+        dense = t.numel() * 4
+        nodes = self.mesh.nodes
+        self.counters.record(Counts(1, sent.payload, dense, sent.sent, ring_allreduce_bytes(dense, nodes), seconds))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("module %d: %s exchange, %d bytes sent between nodes", self.index, self.recipe, sent.sent)
+
+    def state_bytes(self) -> int:
+        """Bytes this module's recipe holds between steps on this rank (residual, ``q``, a held shard)."""
+        held = [self.partial] if self.partial is not None else []
+        q = self.quantized
+        kept = [q.err, *([q.sq] if q.sq is not None else [])] if q is not None else []
+        return sum(t.numel() * t.element_size() for t in [*kept, *held])
+
+    def describe(self) -> dict[str, Any]:
+        return {"compression": self.recipe, "auto": self.auto_reason, "numel": self.numel}
+
+    def checked_mixing(self) -> bool:
+        """True once (the first hook call); :func:`gradientflow.fsdp.api.check_tree` then runs."""
+        first = not self.mixing_checked
+        self.mixing_checked = True
+        return first

@@ -1,0 +1,86 @@
+"""What crossed between nodes: per module and exchange (:class:`ExchangeCounters`), summed over a model
+(:func:`comm_stats`).
+
+Bytes as the DDP wrapper counts them (:class:`gradientflow.diagnostics.stats.StepStats`): ``payload_bytes``, one
+copy of the exchanged shards in their wire format (what the exchange hands to the backend); ``dense_bytes``, the
+same shards in fp32 (what torch's HSDP hands over with an fp32 ``reduce_dtype``); ``sent_bytes``, what this rank
+put on the link between nodes (the quantised exchange counts its messages; a dense all-reduce is counted as a
+ring's ``2 (M-1)/M`` of its payload), and ``dense_sent_bytes``, a dense fp32 ring's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+FIELDS = ("exchanges", "payload_bytes", "dense_bytes", "sent_bytes", "dense_sent_bytes", "seconds")
+
+
+@dataclass
+class Counts:
+    """One set of counters (an exchange's, a step's or a run's)."""
+
+    exchanges: int = 0
+    payload_bytes: int = 0
+    dense_bytes: int = 0
+    sent_bytes: int = 0
+    dense_sent_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Counts) -> None:
+        for name in FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class ExchangeCounters:
+    """One module's counters: its last exchange (``last``), every exchange since construction (``total``), and the
+    micro-steps held back for a later one (``set_requires_all_reduce(False)``: nothing sent)."""
+
+    last: Counts = field(default_factory=Counts)
+    total: Counts = field(default_factory=Counts)
+    held: int = 0
+
+    def record(self, counts: Counts) -> None:
+        self.last = counts
+        self.total.add(counts)
+
+
+def comms(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(name, :class:`gradientflow.fsdp.module_comm.ModuleComm`) of every module of ``model`` that
+    :func:`gradientflow.fsdp.fully_shard` sharded and that holds parameters of its own (a root whose parameters are
+    all its blocks' has no exchange, no state, and under ``"auto"`` no optimizer to switch it), in ``named_modules``
+    order."""
+    for name, module in model.named_modules():
+        comm = getattr(module, "_gf_fsdp", None)
+        if comm is not None and comm.param_group is not None:
+            yield name, comm
+
+
+def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
+    """The counters of the last exchange of every module of ``model`` (``total=True``: summed since construction),
+    added up: one optimizer step's traffic between nodes when each module exchanged once; with the recipe each
+    module runs (``compression``: one name, or a sorted list where they differ), the mesh (``nodes``,
+    ``ranks_per_node``), ``held_micro_steps`` (reduce-scatters kept for a later exchange) and ``state_bytes`` (what
+    the recipes hold between steps on this rank: residuals, ``q``, held shards)."""
+    found = list(comms(model))
+    if not found:
+        raise ValueError(
+            "gradientflow.fsdp.comm_stats: no module of this model was sharded by gradientflow.fsdp.fully_shard"
+        )
+    out = Counts()
+    for _, comm in found:
+        out.add(comm.counters.total if total else comm.counters.last)
+    recipes = sorted({comm.recipe for _, comm in found})
+    first = found[0][1]
+    return {
+        **asdict(out),
+        "held_micro_steps": sum(comm.counters.held for _, comm in found),
+        "state_bytes": sum(comm.state_bytes() for _, comm in found),
+        "compression": recipes[0] if len(recipes) == 1 else recipes,
+        "nodes": first.mesh.nodes,
+        "ranks_per_node": first.mesh.per_node,
+    }
