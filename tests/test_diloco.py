@@ -27,10 +27,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gradientflow as gf
-from _dist import run_distributed
 from gradientflow.config import GradientFlowConfig, outer_exchange_of
 from gradientflow.outer.exchange import Average
 from gradientflow.outer.fragments import cut, due
+
+from _dist import run_distributed
 
 STEPS = 12
 

@@ -65,7 +65,8 @@ class Average:
     def shard(self, n: int) -> int:
         """Elements of this rank's shard of an ``n``-element fragment (whole blocks when quantised)."""
         unit = self.spec.quantizer.block if self.spec.quantizer is not None else 1
-        return -(-(-(-n // unit)) // self.per_node) * unit
+        units = -(-n // unit)
+        return -(-units // self.per_node) * unit
 
     def average(self, x: torch.Tensor, fragment: int, what: str) -> tuple[Sent, torch.Tensor | None]:
         """``x`` in place: its mean over the replicas.  Returns the bytes and the fragment's new residual (quantised;
