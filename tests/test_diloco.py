@@ -395,6 +395,13 @@ def _bad_worker(rank: int, world: int) -> list[str]:
             out.append("built")
         except ValueError as exc:
             out.append(type(exc).__name__ + ": " + str(exc))
+    model = gf.DistributedDataParallel(nn.Sequential(nn.Linear(2, 1, bias=False)), sync_every=2)
+    for call in (model.join, lambda: model.register_comm_hook(None, lambda state, bucket: None)):
+        try:
+            call()
+            out.append("accepted")
+        except ValueError as exc:
+            out.append(str(exc))
     return out
 
 
@@ -405,6 +412,9 @@ def test_bad_options_raise_on_every_rank() -> None:
     assert "Pass outer_compression" in r0[0] and "Pass outer_compression" in r1[0]
     assert "sync_fragments=2 is more than the model's 1 trainable tensors" in r1[1]
     assert r0[1] != "built"
+    for r in (r0, r1):  # what cannot work beside an outer sync: uneven inputs' shadow steps, a per-step gradient hook
+        assert "join(): this model was built with sync_every=2" in r[2], r[2]
+        assert "register_comm_hook: this model was built with sync_every=2" in r[3], r[3]
 
 
 def test_fragments_cut_whole_tensors_about_evenly() -> None:

@@ -428,7 +428,7 @@ class GradientFlowConfig:
             given = [k for k, v in outer.items() if v is not None]
             if given:
                 raise ValueError(
-                    f"{', '.join(given)} only apply with sync_every > 1 (the outer optimizer of DiLoCo), but "
+                    f"{', '.join(given)} apply only with sync_every > 1 (the outer optimizer of DiLoCo), but "
                     f"sync_every=1. Pass sync_every=H (e.g. 30) too, or drop {', '.join(given)}."
                 )
             return
