@@ -276,8 +276,8 @@ def test_resume_with_other_options_is_refused() -> None:
 
 
 # ---- nodes of several ranks -------------------------------------------------------------------
-def _nodes_worker(rank: int, world: int) -> object:
-    model = gf.DistributedDataParallel(_net(), sync_every=3, topology="2x2")
+def _nodes_worker(rank: int, world: int, options: dict) -> object:
+    model = gf.DistributedDataParallel(_net(), sync_every=3, topology="2x2", **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for step in range(7):
@@ -290,11 +290,12 @@ def _nodes_worker(rank: int, world: int) -> object:
     return _lists([out, model.comm_stats(total=True)])
 
 
-def test_two_nodes_of_two_ranks() -> None:
+@pytest.mark.parametrize("options", [{}, {"outer_compression": "3bit"}], ids=["fp32", "3bit"])
+def test_two_nodes_of_two_ranks(options: dict) -> None:
     """``topology="2x2"``: ranks 0, 1 are node 0 and ranks 2, 3 node 1.  Inside a node the gradients are averaged
     every step (each rank has its own data, yet both hold the same bits after every step); the nodes drift apart
     and meet at every third step."""
-    results = _run(_nodes_worker, 4, timeout=120)
+    results = _run(_nodes_worker, 4, options, timeout=120)
     params = [r[0] for r in results]
     for step in range(7):
         assert torch.equal(params[0][step], params[1][step]) and torch.equal(params[2][step], params[3][step])
@@ -304,9 +305,13 @@ def test_two_nodes_of_two_ranks() -> None:
     n = sum(p.numel() for p in _net().parameters())
     assert stats["steps"] == 7, "the engine synchronised every step, inside the node"
     assert stats["outer_syncs"] == 2
-    # each rank sends its half of the pseudo-gradient between nodes (fp32), and all-gathers it inside the node
-    assert stats["outer_payload_bytes"] == 2 * 4 * (-(-n // 2))
-    assert stats["outer_intra_node_bytes"] == stats["outer_payload_bytes"]
+    # each rank sends its half of the pseudo-gradient between nodes and all-gathers the halves inside the node
+    if options:  # 3-bit: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank), 50 bytes a block
+        assert stats["outer_payload_bytes"] == 2 * 50
+        assert stats["outer_intra_node_bytes"] == 2 * 4 * 128
+    else:  # fp32: 81 elements a rank
+        assert stats["outer_payload_bytes"] == 2 * 4 * (-(-n // 2))
+        assert stats["outer_intra_node_bytes"] == stats["outer_payload_bytes"]
 
 
 # ---- a stall during an outer sync ---------------------------------------------------------------
