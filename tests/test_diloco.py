@@ -290,7 +290,9 @@ def _nodes_worker(rank: int, world: int, options: dict) -> object:
     return _lists([out, model.comm_stats(total=True)])
 
 
-@pytest.mark.parametrize("options", [{}, {"outer_compression": "3bit"}], ids=["fp32", "3bit"])
+@pytest.mark.parametrize(
+    "options", [{}, {"outer_compression": "3bit", "comm_dtype": "bf16"}], ids=["fp32", "3bit-outer-bf16-inside"]
+)
 def test_two_nodes_of_two_ranks(options: dict) -> None:
     """``topology="2x2"``: ranks 0, 1 are node 0 and ranks 2, 3 node 1.  Inside a node the gradients are averaged
     every step (each rank has its own data, yet both hold the same bits after every step); the nodes drift apart
@@ -304,9 +306,10 @@ def test_two_nodes_of_two_ranks(options: dict) -> None:
     stats = results[0][1]
     n = sum(p.numel() for p in _net().parameters())
     assert stats["steps"] == 7, "the engine synchronised every step, inside the node"
+    assert stats["payload_bytes"] == 7 * n * (2 if options else 4), "the whole gradient, in the wire dtype"
     assert stats["outer_syncs"] == 2
     # each rank sends its half of the pseudo-gradient between nodes and all-gathers the halves inside the node
-    if options:  # 3-bit: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank), 50 bytes a block
+    if options:  # bf16 inside the node (the per-step dense exchange); 3-bit between nodes: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank), 50 bytes a block
         assert stats["outer_payload_bytes"] == 2 * 50
         assert stats["outer_intra_node_bytes"] == 2 * 4 * 128
     else:  # fp32: 81 elements a rank

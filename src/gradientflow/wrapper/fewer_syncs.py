@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..config import GradientFlowConfig, outer_exchange_of
+from ..config import OUTER_OPTIONS, GradientFlowConfig, outer_exchange_of
 from ..diagnostics.watchdog import Watchdog
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
@@ -108,7 +108,10 @@ class FewerSyncs:
         if not self.two_level:
             return None
         assert self.node_watchdog is not None
-        return dataclasses.replace(model.config, topology="flat"), self.node_group, self.node_watchdog
+        # the engine's view: a flat, per-step dense run over the node (the outer options are not its own)
+        unset = dict.fromkeys(OUTER_OPTIONS)
+        inner = dataclasses.replace(model.config, topology="flat", sync_every=1, **unset)
+        return inner, self.node_group, self.node_watchdog
 
     def stats(self, dense_bytes: int) -> dict[str, float | int]:
         return self.loop.stats(dense_bytes)
