@@ -15,6 +15,7 @@ Specifications, each on a few Gloo ranks and a model of a few dozen parameters:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -142,6 +143,34 @@ def test_sync_every_1_is_todays_path_bit_for_bit() -> None:
     for today, explicit, untouched in _run(_today_worker, 2):
         assert untouched, "sync_every=1 builds no outer loop"
         assert all(torch.equal(x, y) for x, y in zip(today, explicit))
+
+
+# ---- inner steps are local steps -----------------------------------------------------------------
+def _local_worker(rank: int, world: int) -> object:
+    model = gf.DistributedDataParallel(_net(), sync_every=4)
+    plain = _net()  # the same initial weights, no wrapper, no process group
+    out = []
+    for m in (model, plain):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        params = []
+        for step in range(3):  # before the first sync
+            opt.zero_grad()
+            for micro in range(2):  # gradient accumulation, the first micro-batch inside no_sync() as under DDP
+                ctx = model.no_sync() if m is model and micro == 0 else contextlib.nullcontext()
+                with ctx:
+                    m(_batch(rank, step, micro)).square().mean().backward()
+            opt.step()
+            params.append(_flat(m))
+        out.append(params)
+    return _lists(out)
+
+
+def test_inner_steps_are_each_ranks_own_local_steps() -> None:
+    """Flat, between syncs: a rank's parameters are exactly those of the bare module trained alone on its batches
+    (no gradient crosses, no_sync() and accumulation as in plain torch), and the two ranks differ."""
+    (wrapped0, plain0), (wrapped1, _) = _run(_local_worker, 2)
+    assert all(torch.equal(w, p) for w, p in zip(wrapped0, plain0))
+    assert not torch.equal(wrapped0[-1], wrapped1[-1])
 
 
 # ---- the outer step by hand ---------------------------------------------------------------------
@@ -309,7 +338,8 @@ def test_two_nodes_of_two_ranks(options: dict) -> None:
     assert stats["payload_bytes"] == 7 * n * (2 if options else 4), "the whole gradient, in the wire dtype"
     assert stats["outer_syncs"] == 2
     # each rank sends its half of the pseudo-gradient between nodes and all-gathers the halves inside the node
-    if options:  # bf16 inside the node (the per-step dense exchange); 3-bit between nodes: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank), 50 bytes a block
+    if options:  # 3-bit between nodes: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank),
+        # 50 bytes a block
         assert stats["outer_payload_bytes"] == 2 * 50
         assert stats["outer_intra_node_bytes"] == 2 * 4 * 128
     else:  # fp32: 81 elements a rank
