@@ -73,7 +73,9 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit", "3bit-precond",
         "2bit-precond", "auto"; docs/recipes.md], quant_bits, quant_block, quant_levels, quant_precondition,
         quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
-        synchronisation with nodes of several ranks; "flat"; "MxG"];
+        synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1: DiLoCo, the replicas
+        synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [0.7], outer_momentum [0.9],
+        outer_compression ["none"], sync_fragments [1], outer_state_device [None] (the outer ones: sync_every > 1 only);
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -420,7 +422,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     def comm_stats(self, total: bool = False) -> dict[str, float | int | str]:
         """The last synchronised step's counters (:class:`StepStats`; ``total=True``: summed since construction,
         with ``steps``), the active ``compression`` (under ``"auto"`` also ``compression_auto``: what picked it) and
-        the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level)."""
+        the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level); with ``sync_every > 1`` the outer
+        syncs' counters since construction (:meth:`gradientflow.outer.loop.OuterLoop.stats`)."""
         stats = self._gf_engine.totals if total else self._gf_engine.last_stats
         outer = self._gf_outer.stats(self._gf_engine.dense_bytes) if self._gf_outer is not None else {}
         return {**stats.as_dict(), **auto.describe(self), **layout_stats(self), **outer}
