@@ -260,6 +260,28 @@ class GradientFlowConfig:
     """The first steps sent at 3 bits before the recipe's width [0; "2bit-precond": 20]."""
     quant_clip: float | None = None
     """Each block's scale clipped at this many times its RMS; 0 = max-abs (an experiment) [0.0]."""
+    # Fewer syncs between nodes (DiLoCo, docs/fewer-syncs.md; :mod:`gradientflow.outer`).  None = the default where
+    # sync_every > 1; the config holds the values that run (None at sync_every=1, where none of them applies).
+    sync_every: int = 1
+    """H: the replicas (the nodes, or every rank on a flat layout) step apart for H optimizer steps, then the
+    pseudo-gradient (the last synchronised parameters minus the current ones, averaged) goes through
+    ``outer_compression``'s exchange and the outer optimizer sets every replica to the same parameters.  Inside
+    a node of several ranks gradients are still averaged densely every step.  1 = every step (torch DDP's
+    behaviour, the exact code path of today)."""
+    outer_lr: float | None = None
+    """The outer optimizer's learning rate (Nesterov SGD on the averaged pseudo-gradient) [0.7, DiLoCo's]."""
+    outer_momentum: float | None = None
+    """The outer optimizer's Nesterov momentum, in [0, 1) [0.9, DiLoCo's; 0 with outer_lr=1: plain averaging]."""
+    outer_compression: str | None = None
+    """The outer exchange's recipe, a name of the one table: "none" (fp32), "fp16", "bf16", or the quantised
+    family ("3bit", "4bit", "2bit", ...: block-quantised, with error feedback across outer syncs) ["none"]."""
+    sync_fragments: int | None = None
+    """Streaming: the parameters cut into this many fragments (whole tensors, about equal sizes), fragment f
+    synchronised at the steps t with (t + 1 - (f + 1) * H // F) % H == 0, so the link carries F smaller
+    exchanges per H steps instead of one [1]."""
+    outer_state_device: str | None = None
+    """Where the last synchronised parameters and the outer momentum live: "cpu" (host memory, for GPUs short
+    of memory) or None (the parameters' device)."""
 
     def __post_init__(self) -> None:
         check_theta("fusion_threshold_mb", self.fusion_threshold_mb)
@@ -288,6 +310,7 @@ class GradientFlowConfig:
         check_topology_value(self.topology)
         self._validate_fault_options()
         self._apply_compression()
+        self._validate_outer()
 
     def _apply_compression(self) -> None:
         """Fold ``compression`` into the options its recipe sets, by the rule of :mod:`gradientflow.recipes`:
@@ -391,6 +414,58 @@ class GradientFlowConfig:
                     f"excluded), got {steps!r}"
                 )
             object.__setattr__(self, "trace_steps", (int(steps[0]), int(steps[1])))
+
+    def _validate_outer(self) -> None:
+        """``sync_every`` and the outer options (docs/fewer-syncs.md): each checked, the defaults filled in where
+        ``sync_every > 1``, and an outer option at ``sync_every=1`` (where it would do nothing) refused."""
+        h = self.sync_every
+        if _not_int(h) or h < 1:
+            raise ValueError(
+                f"sync_every must be an int >= 1 (optimizer steps between syncs of the replicas; 1 = every step), "
+                f"got {h!r}"
+            )
+        outer = {k: getattr(self, k) for k in OUTER_OPTIONS}
+        if h == 1:
+            given = [k for k, v in outer.items() if v is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply only with sync_every > 1 (the outer optimizer of DiLoCo), but "
+                    f"sync_every=1. Pass sync_every=H (e.g. 30) too, or drop {', '.join(given)}."
+                )
+            return
+        settled = {k: OUTER_DEFAULTS[k] if v is None else v for k, v in outer.items()}
+        lr, mom, frags = settled["outer_lr"], settled["outer_momentum"], settled["sync_fragments"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ValueError(f"outer_lr must be a number > 0 (DiLoCo's: 0.7), got {lr!r}")
+        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
+            raise ValueError(f"outer_momentum must be a number in [0, 1) (Nesterov; DiLoCo's: 0.9), got {mom!r}")
+        if _not_int(frags) or not 1 <= frags <= h:
+            raise ValueError(
+                f"sync_fragments must be an int in [1, sync_every] (fragments synchronised in turn, at most one per "
+                f"step), got {frags!r} at sync_every={h}"
+            )
+        device = settled["outer_state_device"]
+        if device not in ("cpu", "same"):
+            raise ValueError(
+                f"outer_state_device must be None (the parameters' device) or 'cpu' (host memory), got {device!r}"
+            )
+        settled["outer_compression"] = outer_exchange_of(settled["outer_compression"]).name
+        settled["outer_lr"], settled["outer_momentum"] = float(lr), float(mom)
+        for k, v in settled.items():
+            object.__setattr__(self, k, None if k == "outer_state_device" and v == "same" else v)
+        per_step = self.compression != "none" or self.comm_dtype != "fp32"
+        if self.topology == "flat" and per_step:
+            raise ValueError(
+                f"sync_every={h} on a flat layout exchanges no gradient between steps, so compression="
+                f"{self.compression!r} (comm_dtype={self.comm_dtype!r}) has no effect. Pass outer_compression=... for "
+                "the exchange every sync_every steps, and drop compression / comm_dtype."
+            )
+        if self.mechanism != "dense" and per_step:
+            raise ValueError(
+                f"sync_every={h}: gradients are averaged densely inside a node every step and only the outer "
+                f"exchange crosses nodes, so compression={self.compression!r} cannot apply. Pass "
+                f"outer_compression={self.compression!r} for the exchange between nodes, and drop compression."
+            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -496,3 +571,48 @@ def _named_hint(name: str, option: str, value: object) -> str:
     if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
         return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
     return f"Drop {option}: compression={name!r} sends that by definition."
+
+
+OUTER_OPTIONS = ("outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "outer_state_device")
+"""The options beside ``sync_every`` (:meth:`GradientFlowConfig._validate_outer`)."""
+OUTER_DEFAULTS: dict[str, Any] = {
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "outer_compression": "none",
+    "sync_fragments": 1,
+    "outer_state_device": "same",
+}
+"""DiLoCo's outer optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) and an fp32 outer exchange."""
+
+
+class OuterExchange(NamedTuple):
+    """What the outer exchange of the pseudo-gradient sends (:func:`outer_exchange_of`)."""
+
+    name: str
+    """The recipe's canonical name."""
+    wire_dtype: torch.dtype | None
+    """A dense exchange's wire dtype (None: fp32); None for the quantised one."""
+    quantizer: Quantizer | None
+    """The quantised family's quantiser (error feedback across outer syncs); None for a dense exchange."""
+
+
+def outer_exchange_of(value: object) -> OuterExchange:
+    """The outer exchange an ``outer_compression`` value names: a dense row ("none", "fp16", "bf16") or a width of
+    the quantised family without preconditioning; ``ValueError`` saying what to pass otherwise."""
+    try:
+        found = resolve(value)
+    except UnknownRecipe:
+        found = None
+    ok = "'none' (fp32), 'fp16', 'bf16' or a width of the quantised family ('3bit', '4bit', '2bit', ...)"
+    if found is None:
+        raise ValueError(f"outer_compression must be {ok}, got {value!r}{did_you_mean(value, NAMES)}")
+    recipe, settings = found.recipe, {**found.recipe.settings(), **found.stated}
+    if recipe.mechanism == "dense":
+        return OuterExchange(found.name, COMM_DTYPES[settings.get("comm_dtype", "fp32")], None)
+    if recipe.mechanism == "quantized" and not settings["quant_precondition"]:
+        q = Quantizer(int(settings["quant_bits"]), int(settings["quant_block"]), "fitted", False, 0, 0.0)
+        return OuterExchange(found.name, None, q)
+    raise ValueError(
+        f"outer_compression={value!r} is not built for the outer exchange (top-k, preconditioning and 'auto' are "
+        f"per-step mechanisms): pass {ok}."
+    )

@@ -85,6 +85,11 @@ class Checkpointing(WrapperSurface):
             raise ValueError(
                 "gradientflow: pickling/deepcopy is only supported with the default process group (as torch DDP)"
             )
+        if self._gf_outer is not None:
+            raise ValueError(
+                "gradientflow: pickling/deepcopy of a model with sync_every > 1 is not supported (its outer loop holds "
+                "process groups and optimizer hooks). Save model.module.state_dict() and comm_state_dict() instead."
+            )
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_gf_") or k in _PICKLED}
         state.pop("process_group", None)
         state["_gf_comm_state"] = self.comm_state_dict()
@@ -108,7 +113,10 @@ class Checkpointing(WrapperSurface):
         Per rank: residuals differ between ranks, so every rank saves its own.  Plain Python
         values and tensors only, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        return auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
+        state = auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
+        if self._gf_outer is not None:  # sync_every > 1: the anchor, the outer momentum, residuals, the step phase
+            state["outer"] = self._gf_outer.loop.state_dict()
+        return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`comm_state_dict` returned (same model, options and world size).
@@ -116,8 +124,21 @@ class Checkpointing(WrapperSurface):
         Everything is checked first: a state from another model, world size or chunk size, or a
         truncated one, raises ``ValueError`` and leaves this model as it was.
         """
+        state = dict(state)
+        outer = state.pop("outer", None)
+        if (outer is None) != (self._gf_outer is None):
+            mine = self.config.sync_every
+            raise ValueError(
+                f"gradientflow: the communication state was saved {'with' if outer is not None else 'without'} "
+                f"sync_every > 1, this model runs sync_every={mine}. Build the model with the sync_every it was "
+                "saved with."
+            )
+        if self._gf_outer is not None and outer is not None:
+            self._gf_outer.loop.validate_state_dict(outer)  # before anything changes
         state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
         comm_state.load(self._gf_engine, state, self._gf_world_size)
+        if self._gf_outer is not None and outer is not None:
+            self._gf_outer.loop.load_state_dict(outer)
 
     def register_grad_scaler(self, scaler: Any) -> None:
         """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).

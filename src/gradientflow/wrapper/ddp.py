@@ -29,7 +29,7 @@ from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
 from ..strategies import build_strategy
-from . import auto, compat, nested
+from . import auto, compat, fewer_syncs, nested
 from .checkpoint import Checkpointing, OptimizerWatch
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
@@ -73,7 +73,9 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit", "3bit-precond",
         "2bit-precond", "auto"; docs/recipes.md], quant_bits, quant_block, quant_levels, quant_precondition,
         quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
-        synchronisation with nodes of several ranks; "flat"; "MxG"];
+        synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1: DiLoCo, the replicas
+        synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [0.7], outer_momentum [0.9],
+        outer_compression ["none"], sync_fragments [1], outer_state_device [None] (the outer ones: sync_every > 1 only);
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -129,6 +131,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         quant_precondition: bool | None = None,
         quant_warmup_steps: int | None = None,
         quant_clip: float | None = None,
+        sync_every: int = 1,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        outer_compression: str | None = None,
+        sync_fragments: int | None = None,
+        outer_state_device: str | None = None,
     ) -> None:
         nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
         Joinable.__init__(self)
@@ -157,6 +165,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self.config, self.schedule = resolve_schedule(
             self.config, group, self._gf_watchdog, self._gf_params, self._gf_src
         )
+        self._gf_outer = fewer_syncs.build(self)  # sync_every > 1: the outer loop (its groups, its hooks)
         self._gf_build_engine(order=None)
 
     def _gf_validate(self, module: nn.Module, args: dict[str, Any]) -> None:
@@ -209,6 +218,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self.config = self.config.resolved(sum(p.numel() for p in self._gf_params), self._gf_params[0].device)
         self.config = resolved_topology(self.config, self.process_group)  # "auto" -> "flat" or "MxG"
         self._gf_auto = auto.AutoState(requested=self.config.compression == "auto")
+        fewer_syncs.check(self)
+        self._gf_outer: fewer_syncs.FewerSyncs | None = None  # sync_every > 1: built once the replicas agree
 
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
     def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
@@ -238,16 +249,20 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         # A hook's then() callbacks issue collectives from the backend's threads (PowerSGD: P, then Q):
         # the used exchange, issued before the hooks' futures are waited for, must not share their group.
         control = control_group(self) if self.config.needs_control_group or hooked else None  # once per wrapper
+        inner = self._gf_outer.engine_setup(self) if self._gf_outer is not None else None
         if hooked:
             make_sync = self._gf_make_sync()
+        elif inner is not None:  # sync_every > 1 on nodes: dense every step inside the node, on its group
+            make_sync = build_strategy(inner[0], inner[1], inner[2], control, None)
         else:
             make_sync = build_strategy(self.config, sync_group(self), self._gf_watchdog, control, node_groups(self))
+        config, group, watchdog = inner if inner is not None else (self.config, self.process_group, self._gf_watchdog)
         self._gf_engine = Reducer(
             self._gf_params,
             self._gf_names,
-            self.config,
-            self.process_group,
-            self._gf_watchdog,
+            config,
+            group,
+            watchdog,
             control,
             self.static_graph,
             order,
@@ -279,6 +294,9 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         if self._gf_engine.unused.pending_error is not None and torch.is_grad_enabled():
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        outer = self._gf_outer
+        if outer is not None and outer.local_steps:  # sync_every > 1, flat: each rank steps on its own gradient
+            sync = False
         self._gf_engine.forward_started(sync)  # frees last step's fresh gradients; torch's runtime logging
         tr = self._gf_engine.trace
         self._gf_forward_state = (sync, time.perf_counter() if tr is not None and tr.active else None)
@@ -296,13 +314,19 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         sync, t_fwd = self._gf_forward_state
         if self.require_forward_param_sync and self._gf_syncs_buffers():
             self._gf_sync_buffers(post_forward=True)
-        self.require_forward_param_sync = sync
+        # sync_every > 1: buffers from rank 0 at the first forward after an outer sync (_gf_after_outer_sync)
+        self.require_forward_param_sync = sync and self._gf_outer is None
         if torch.is_grad_enabled():
             self._gf_after_forward(out, sync)
         tr = self._gf_engine.trace
         if t_fwd is not None and tr is not None:
             tr.complete("forward", "forward", t_fwd, time.perf_counter())
         return out
+
+    def _gf_after_outer_sync(self) -> None:
+        """sync_every > 1, after an outer sync: the next forward broadcasts the buffers from rank 0, as torch DDP's
+        first forward does (the replicas' BatchNorm statistics drifted apart with their parameters)."""
+        self.require_forward_param_sync = True
 
     def _gf_before_sync_forward(self) -> None:
         for name, p in self._gf_frozen:
@@ -416,9 +440,11 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     def comm_stats(self, total: bool = False) -> dict[str, float | int | str]:
         """The last synchronised step's counters (:class:`StepStats`; ``total=True``: summed since construction,
         with ``steps``), the active ``compression`` (under ``"auto"`` also ``compression_auto``: what picked it) and
-        the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level)."""
+        the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level); with ``sync_every > 1`` the outer
+        syncs' counters since construction (:meth:`gradientflow.outer.loop.OuterLoop.stats`)."""
         stats = self._gf_engine.totals if total else self._gf_engine.last_stats
-        return {**stats.as_dict(), **auto.describe(self), **layout_stats(self)}
+        outer = self._gf_outer.stats(self._gf_engine.dense_bytes) if self._gf_outer is not None else {}
+        return {**stats.as_dict(), **auto.describe(self), **layout_stats(self), **outer}
 
     @property
     def pool(self) -> GradPool:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..diagnostics.watchdog import Watchdog
     from ..engine.reducer import Reducer
     from .auto import AutoState
+    from .fewer_syncs import FewerSyncs
 
 
 class WrapperSurface:
@@ -44,6 +45,7 @@ class WrapperSurface:
     _gf_module_buffers: list[torch.Tensor]
     _gf_ignored: set[str]
     _gf_auto: AutoState
+    _gf_outer: FewerSyncs | None  # sync_every > 1 (fewer_syncs.py)
     _join_config: Any  # torch's Joinable sets it
 
     if TYPE_CHECKING:  # defined in ddp.py and nested.py

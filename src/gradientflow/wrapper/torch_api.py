@@ -96,6 +96,12 @@ class TorchDDPAPI(WrapperSurface):
         ``divide_by_initial_world_size=True`` (DDP's default): joined ranks contribute zero to a sum
         divided by the initial world size; ``False``: by the number of ranks still training.
         """
+        if self.config.sync_every > 1:
+            raise ValueError(
+                f"join(): this model was built with sync_every={self.config.sync_every}; a rank that ran out of "
+                "batches cannot shadow an outer sync it never reaches. Give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)), or drop sync_every."
+            )
         self._gf_torch.divide_by_initial_world_size = bool(divide_by_initial_world_size)
         return Join([cast(Joinable, self)], enable, throw_on_early_termination)  # the wrapper is Joinable
 
@@ -134,6 +140,11 @@ class TorchDDPAPI(WrapperSurface):
                 f"register_comm_hook: this model was built with comm_dtype={cfg.comm_dtype!r}, density={cfg.density}; "
                 "a communication hook replaces gradientflow's own communication, so use one or the other "
                 "(fp16/bf16 compress hooks = comm_dtype='fp16'/'bf16', no hook)."
+            )
+        if cfg.sync_every > 1:
+            raise ValueError(
+                f"register_comm_hook: this model was built with sync_every={cfg.sync_every}, whose exchange is the "
+                "outer sync of the parameters, not a per-step gradient hook; use one or the other."
             )
         if self._gf_engine.watchdog.step > 0:
             raise RuntimeError(

@@ -1,0 +1,136 @@
+"""``sync_every=H`` wired into the wrapper: the outer loop (:mod:`gradientflow.outer`) after the inner optimizer's
+steps, the engine on the node's ranks only, and no gradient exchange at all on a flat layout.
+
+- **Flat** (every rank a replica): no forward synchronises (as inside ``no_sync()``, without the user asking):
+  each rank steps on its own gradient; every H steps the outer sync.
+- **Nodes of several ranks** (``topology="MxG"`` or torchrun's layout): the engine runs on the node's group,
+  flat, dense, every step (the fast link); the outer exchange goes between nodes only, one shard per local rank.
+
+The hook point: torch's global optimizer step post-hook, for the optimizer stepping the model's parameters (the
+inner optimizer, the user's, unchanged), so a sync due after step ``k * H - 1`` happens inside that
+``optimizer.step()`` call: the next forward, an evaluation, and a checkpoint written after the step see the
+synchronised parameters.  The pre-hook of the first step takes the starting parameters as the first anchor.
+One optimizer only: a second one stepping the same parameters would count steps twice (refused when it steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..config import OUTER_OPTIONS, GradientFlowConfig, outer_exchange_of
+from ..diagnostics.watchdog import Watchdog
+from ..outer.exchange import Average
+from ..outer.loop import OuterLoop
+from .groups import exchange_group, node_groups, resolve_layout
+
+DistributedDataParallel = Any
+"""The wrapper (not imported: ddp imports this module)."""
+
+
+class FewerSyncs:
+    """The wrapper's outer loop and the groups it runs on (``model._gf_outer``; ``None`` at ``sync_every=1``)."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        config: GradientFlowConfig = model.config
+        topo = resolve_layout(config, model.process_group)
+        self.two_level = topo.two_level
+        self.local_steps = not topo.two_level  # flat: no forward synchronises
+        spec = outer_exchange_of(config.outer_compression)
+        self.node_watchdog: Watchdog | None = None
+        self.node_group: Any = None
+        if self.two_level:
+            nodes = node_groups(model)
+            assert nodes is not None
+            self.node_group = nodes.reduce_scatter  # the engine's dense allreduce inside the node
+            self.node_watchdog = Watchdog(self.node_group, model._gf_watchdog.timeout)
+            exchange = Average(
+                spec,
+                nodes.inter,
+                model._gf_watchdog,
+                int(config.sync_fragments or 1),
+                node=nodes.all_gather,
+                local=nodes.local,
+                per_node=topo.per_node,
+            )
+        else:
+            exchange = Average(spec, exchange_group(model), model._gf_watchdog, int(config.sync_fragments or 1))
+        device = torch.device(config.outer_state_device) if config.outer_state_device is not None else None
+        self.loop = OuterLoop(
+            model._gf_params,
+            every=config.sync_every,
+            lr=float(config.outer_lr or 0.0),
+            momentum=float(config.outer_momentum or 0.0),
+            fragments=int(config.sync_fragments or 1),
+            exchange=exchange,
+            watchdog=model._gf_watchdog,
+            state_device=device,
+        )
+        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        me = weakref.ref(model)
+        own = {id(p) for p in model._gf_params}
+
+        def ours(optimizer: torch.optim.Optimizer) -> bool:
+            return any(id(p) in own for group in optimizer.param_groups for p in group["params"])
+
+        def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if me() is not None and ours(optimizer):
+                self._check_one_optimizer(optimizer)
+                self.loop.start()
+
+        def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            model = me()
+            if model is not None and ours(optimizer) and self.loop.after_step():
+                model._gf_after_outer_sync()
+
+        self.hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        for h in self.hooks:
+            weakref.finalize(model, h.remove)
+
+    def _check_one_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        known = self.optimizer() if self.optimizer is not None else None
+        if known is None:
+            self.optimizer = weakref.ref(optimizer)
+        elif known is not optimizer:
+            raise ValueError(
+                "gradientflow: sync_every > 1 counts the steps of one optimizer (the inner optimizer), but a second "
+                f"optimizer ({type(optimizer).__name__}) steps this model's parameters too. Put every parameter group "
+                "in one optimizer."
+            )
+
+    def engine_setup(self, model: DistributedDataParallel) -> tuple[GradientFlowConfig, Any, Watchdog] | None:
+        """Nodes of several ranks: the engine's config (flat: dense inside the node), group and watchdog; ``None``
+        on a flat layout (the engine on the wrapper's group, never synchronising)."""
+        if not self.two_level:
+            return None
+        assert self.node_watchdog is not None
+        # the engine's view: a flat, per-step dense run over the node (the outer options are not its own)
+        unset = dict.fromkeys(OUTER_OPTIONS)
+        inner = dataclasses.replace(model.config, topology="flat", sync_every=1, **unset)
+        return inner, self.node_group, self.node_watchdog
+
+    def stats(self, dense_bytes: int) -> dict[str, float | int]:
+        return self.loop.stats(dense_bytes)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def check(model: DistributedDataParallel) -> None:
+    """At validation, on each rank alone: what the model must offer the options (``ValueError`` saying what to do)."""
+    frags = model.config.sync_fragments
+    if frags is not None and frags > len(model._gf_params):
+        raise ValueError(
+            f"sync_fragments={frags} is more than the model's {len(model._gf_params)} trainable tensors (fragments "
+            f"hold whole tensors): pass sync_fragments <= {len(model._gf_params)}."
+        )
+
+
+def build(model: DistributedDataParallel) -> FewerSyncs | None:
+    """The outer loop for ``model.config`` (``None`` at ``sync_every=1``: today's path, untouched)."""
+    return FewerSyncs(model) if model.config.sync_every > 1 else None
