@@ -67,7 +67,7 @@ from ..engine.protocol import SyncStrategy
 from . import csc_native
 from .csc_quantized import QuantizedChunks
 from .dense import DenseSync
-from .residual import Residuals, residual_dtype, residual_state, validate_residual_state
+from .error_feedback import Residuals, residual_dtype, residual_state, validate_residual_state
 from .scorer import ChunkScorer
 from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
 from .slices import Slice, SliceQueue, pack

@@ -49,6 +49,7 @@ from ..config import GradientFlowConfig
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from .dense import DenseSync
+from .quantized_exchange import RINGS, TWO_LEVEL, guarded, run_ring, start_two_level
 from .quantized_nodes import NodeQuantizer
 from .slices import Slice, pack
 
@@ -220,9 +221,7 @@ class QuantizedChunks:
         m = max(0, min(b, n) - a)  # the shard's real elements (the rest pads the rows to whole shards)
         shard_err = torch.zeros(plan.shard, dtype=torch.float32, device=x.device)  # nothing carried: v holds it
 
-        def done(result: torch.Tensor, sent: int) -> None:
-            stats.record_done(time.perf_counter())
-            stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
+        def delivered(result: torch.Tensor) -> None:
             if result.data_ptr() != x.data_ptr():
                 x.copy_(result)
             x.div_(self.world_size)
@@ -230,36 +229,33 @@ class QuantizedChunks:
             err[a : a + m].copy_(shard_err[:m])
 
         args = {"bits": self.bits, "block": self.block, "timeout": timeout, "clip": 0.0, "levels": self.levels}
-        what = "CSC chunks (quantised shard)"
-        intra, payload = self._nodes.start(x, shard_err, None, args, done, what)
-        stats.record_collective(payload)
-        stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
+        start_two_level(self._nodes, x, shard_err, None, args, stats, "CSC chunks (quantised shard)", delivered)
         self.progress(stats)
 
     def progress(self, stats: StepStats) -> None:
         """Advance every running exchange as far as its messages allow; never wait."""
         if self._nodes is not None:
-            self._guarded(self._nodes.progress, "two-level quantised exchange")
+            guarded(self.watchdog, f"CSC chunks ({TWO_LEVEL})", self._nodes.progress)
         # Two ranks: one round per ring, all in flight at once (posted in slice order on every rank).  From 3 ranks
         # a ring's second round is posted when its first has arrived, which is sooner on one rank than on another:
         # one ring at a time, in slice order, keeps every rank's posting order the same (else a peer's message
         # lands in another ring's receive), as the quantised recipe's buckets do.
         for entry in self._running:
             ring = self._ring(entry, stats)
-            self._run(ring, entry.started, block=False)
+            run_ring(ring, self.watchdog, RINGS, entry.started, block=False)
             if not ring.exchange and not ring.done:
                 break
         for p in self._pairs:
-            self._guarded(p.exchange.poll, "quantised exchange")
+            guarded(self.watchdog, "CSC chunks (quantised exchange)", p.exchange.poll)
 
     def finish(self, stats: StepStats) -> None:
         """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
         t0 = time.perf_counter()
         if self._nodes is not None:
-            self._guarded(self._nodes.drain, "two-level quantised exchange")
+            guarded(self.watchdog, f"CSC chunks ({TWO_LEVEL})", self._nodes.drain)
         pairs, self._pairs = self._pairs, []
         for p in pairs:  # the pool was cleared: its rows get the average
-            self._guarded(p.exchange.wait, "quantised exchange")
+            guarded(self.watchdog, "CSC chunks (quantised exchange)", p.exchange.wait)
             stats.record_done(time.perf_counter())
             t0 = stats.phase("wire_wait", t0)
             self._decode_rows(p.send, p.recv, p.sl, p.pool_rows)
@@ -268,28 +264,8 @@ class QuantizedChunks:
         running, self._running = self._running, []
         for entry in running:
             sl, ring = entry.sl, self._ring(entry, stats)
-            self._run(ring, entry.started, block=True)
+            run_ring(ring, self.watchdog, RINGS, entry.started, block=True)
             stats.record_done(time.perf_counter())
             assert sl.packed is not None
             sl.packed.div_(self.world_size)
         stats.phase("wire_wait", t0)
-
-    def _guarded(self, step: Callable[[], object], what: str) -> None:
-        try:
-            step()
-        except RuntimeError as exc:
-            if self.watchdog is None:
-                raise
-            raise self.watchdog.failure(f"CSC chunks ({what})", None, exc, 0.0) from exc
-
-    def _run(self, ring: QuantizedRing, started: float, block: bool) -> None:
-        try:
-            if block:
-                ring.wait()
-            else:
-                ring.poll()
-        except RuntimeError as exc:
-            if self.watchdog is None:
-                raise
-            what = "CSC chunks (quantised exchange)"
-            raise self.watchdog.failure(what, ring.payload_bytes, exc, time.perf_counter() - started) from exc

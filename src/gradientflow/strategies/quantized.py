@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,9 +57,10 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
+from .error_feedback import Residuals, ShardResiduals, residual_state, validate_residual_state
 from .precondition import Root, ema_update
-from .quantized_nodes import NodeQuantizer, ShardResiduals
-from .residual import Residuals, residual_state, validate_residual_state
+from .quantized_exchange import TWO_LEVEL, guarded, run_ring, start_two_level
+from .quantized_nodes import NodeQuantizer
 
 
 class _Pending:
@@ -237,17 +238,13 @@ class QuantizedSync(SyncStrategy):
         timeout = self.watchdog.timeout if self.watchdog is not None else None
         args = {"bits": bits, "block": self.block, "timeout": timeout, "clip": self.clip, "levels": levels}
 
-        def done(result: torch.Tensor, sent: int) -> None:
-            stats.record_done(time.perf_counter())
-            stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
+        def delivered(result: torch.Tensor) -> None:
             if self.sq is not None:
                 ema_update(self.sq.v[bucket.pool][bucket.start : bucket.end], result)
             if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
                 flat.copy_(result)
 
-        intra, payload = self._nodes.start(x, err, root, args, done, f"bucket {bucket.index} (quantised)")
-        stats.record_collective(payload)  # the exchange between nodes: this rank's quantised shard
-        stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
+        start_two_level(self._nodes, x, err, root, args, stats, f"bucket {bucket.index} (quantised)", delivered)
         self.progress(stats)
 
     def _quantizer(self) -> tuple[int, str]:
@@ -270,7 +267,7 @@ class QuantizedSync(SyncStrategy):
         """Advance the running ring as far as its messages allow; start the next; never wait."""
         t0 = time.perf_counter()
         if self._nodes is not None:
-            self._guarded(self._nodes.progress, t0)
+            guarded(self.watchdog, TWO_LEVEL, self._nodes.progress, t0)
             stats.phase("pack", t0)
             return
         while self._queue:
@@ -283,26 +280,9 @@ class QuantizedSync(SyncStrategy):
             self._complete(p, stats)
         stats.phase("pack", t0)
 
-    def _guarded(self, step: Callable[[], None], t0: float) -> None:
-        try:
-            step()
-        except RuntimeError as exc:
-            if self.watchdog is None:
-                raise
-            raise self.watchdog.failure("two-level quantised exchange", None, exc, time.perf_counter() - t0) from exc
-
     def _run(self, p: _Pending, block: bool) -> bool:
         assert p.ring is not None  # started by _start
-        try:
-            if block:
-                p.ring.wait()
-                return True
-            return p.ring.poll()
-        except RuntimeError as exc:
-            if self.watchdog is None:
-                raise
-            what = f"bucket {p.bucket.index} (quantised ring)"
-            raise self.watchdog.failure(what, p.ring.payload_bytes, exc, time.perf_counter() - p.started_at) from exc
+        return run_ring(p.ring, self.watchdog, f"bucket {p.bucket.index} (quantised ring)", p.started_at, block)
 
     def finish(self, stats: StepStats) -> None:
         """End of backward: run every queued ring to the end; the pool holds the decoded average."""
@@ -310,7 +290,7 @@ class QuantizedSync(SyncStrategy):
             self._begin_step()  # no parameters launched: still a step (counts, rescale)
         if self._nodes is not None:
             t0 = time.perf_counter()
-            self._guarded(self._nodes.drain, t0)
+            guarded(self.watchdog, TWO_LEVEL, self._nodes.drain, t0)
             stats.phase("wire_wait", t0)
         while self._queue:
             p = self._queue[0]

@@ -25,7 +25,7 @@ elementwise, up to fp32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,76 +35,9 @@ from ..comm.quantize import wire_bytes
 from ..comm.quantized_ring import QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import Item, NodeGroups, TwoLevelPipeline
-from ..engine.pool import Bucket, Layout, Scratch
+from ..engine.pool import Layout, Scratch
+from .error_feedback import ShardResiduals
 from .precondition import Root
-from .residual import Residuals
-
-
-class ShardResiduals:
-    """Two-level error feedback: per pool, this rank's shard of each of its buckets, back to back.
-
-    ``v[k]`` holds pool ``k``'s buckets' shards in bucket order (fp32, ``two_level_plan(...).shard``
-    elements each, the padding included and kept at zero); :meth:`shard` is one bucket's.  The buffers are a
-    :class:`Residuals` of the shards' sizes (its loss-scale units, :meth:`rescale` and :meth:`clean`);
-    :meth:`expanded` / :meth:`take` convert from and to the pool's layout (checkpoints, the re-layout)."""
-
-    def __init__(self, layout: Layout, groups: NodeGroups, block: int) -> None:  # noqa: D107
-        topo = groups.topology
-        self.layout = layout
-        # bucket index -> (pool, offset in v[pool], shard length k, first element a in the bucket, real length m)
-        self.spans: dict[int, tuple[int, int, int, int, int]] = {}
-        sizes = [0] * len(layout.sizes)
-        for b in layout.buckets:
-            plan = two_level_plan(b.numel, topo.nodes, topo.per_node, block)
-            a, end = plan.bounds[groups.local]
-            self.spans[b.index] = (b.pool, sizes[b.pool], plan.shard, a, max(0, min(end, b.numel) - a))
-            sizes[b.pool] += plan.shard
-        self.store = Residuals(layout, 1, False, [], sizes=sizes)
-
-    @property
-    def v(self) -> list[torch.Tensor]:
-        return self.store.v
-
-    @property
-    def scale(self) -> float | torch.Tensor:
-        return self.store.scale
-
-    def rescale(self, scale: float | torch.Tensor) -> None:
-        self.store.rescale(scale)
-
-    def clean(self) -> None:
-        self.store.clean()
-
-    def shard(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
-        """The bucket's shard of the residual (the ring's ``err``, written in place) and its real length."""
-        k, off, n, _a, m = self.spans[bucket.index]
-        return self.v[k][off : off + n], m
-
-    def _regions(self) -> Iterator[tuple[int, int, int, int]]:
-        """Per bucket: (pool, offset in ``v``, real length m, the shard's first element in the pool)."""
-        for b in self.layout.buckets:
-            k, off, _n, a, m = self.spans[b.index]
-            yield k, off, m, b.start + a
-
-    def expanded(self, plus: Residuals | None = None) -> Residuals:
-        """The residual in the pool's layout (zero off this rank's shards), in the same units: a new buffer;
-        ``plus``: a residual already in the pool's layout and these units (a pending fold), added."""
-        full = Residuals(self.layout, 1, False, [])
-        full.scale = self.store.scale
-        for k, off, m, at in self._regions():
-            full.v[k][at : at + m].copy_(self.v[k][off : off + m])
-        for t, f in zip(full.v, plus.v if plus is not None else []):
-            t.add_(f)
-        return full
-
-    def take(self, full: Residuals) -> bool:
-        """Move this rank's shards out of ``full`` (the pool's layout, same units) into these buffers, zeroing
-        them there; return whether anything is left in ``full`` (residual off the shards: a host read)."""
-        self.store.scale = full.scale
-        for k, off, m, at in self._regions():
-            self.v[k][off : off + m].copy_(full.v[k][at : at + m])
-            full.v[k][at : at + m].zero_()
-        return any(bool(t.any()) for t in full.v)
 
 
 @dataclass

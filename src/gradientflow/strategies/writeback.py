@@ -16,7 +16,7 @@ from ..diagnostics.trace import phase_end, phase_start
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import GradPool, Layout
 from . import csc_native
-from .residual import Residuals
+from .error_feedback import Residuals
 from .slices import Slice
 
 

@@ -1,4 +1,11 @@
-"""CSC's error-feedback state: the residual v (and the momentum u), laid out like the pool.
+"""Error feedback's state, one home for every recipe with a residual: what was not sent is kept and sent later.
+
+- the top-k recipes (``"topk-fp16"``, ``"topk-3bit"``): the residual v (and the momentum u) of the chunks not
+  selected; ``"topk-3bit"``'s sent rows leave their quantisation error there too;
+- the quantised family (``"3bit"`` and the others) on a flat layout: each rank's quantisation error, laid out like
+  the pool (:class:`Residuals`);
+- the quantised family on nodes of several ranks: the error on this rank's shard of each bucket only
+  (:class:`ShardResiduals`, 1/G of a flat rank's memory).
 
 One :class:`Residuals` owns, per pool buffer, a flat v (and u with momentum correction) padded
 to whole chunks, so every buffer is an exact ``[n_chunks, chunk_size]`` view; the pad stays 0.
@@ -17,12 +24,14 @@ pool's own dtype; a pool whose v has the parameters' dtype can take ``.grad`` vi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..engine.pool import Layout, transfer
+from ..comm.topology import two_level_plan
+from ..comm.two_level import NodeGroups
+from ..engine.pool import Bucket, Layout, transfer
 
 
 def residual_dtype(pool_dtype: torch.dtype) -> torch.dtype:
@@ -164,3 +173,70 @@ def validate_residual_state(state: dict[str, Any], chunk_size: int, sizes: Seque
                 f"gradientflow CSC: residual {name} in the checkpoint does not have the pool's sizes "
                 f"{list(sizes)} (truncated or from another model)."
             )
+
+
+class ShardResiduals:
+    """Two-level error feedback: per pool, this rank's shard of each of its buckets, back to back.
+
+    ``v[k]`` holds pool ``k``'s buckets' shards in bucket order (fp32, ``two_level_plan(...).shard``
+    elements each, the padding included and kept at zero); :meth:`shard` is one bucket's.  The buffers are a
+    :class:`Residuals` of the shards' sizes (its loss-scale units, :meth:`rescale` and :meth:`clean`);
+    :meth:`expanded` / :meth:`take` convert from and to the pool's layout (checkpoints, the re-layout)."""
+
+    def __init__(self, layout: Layout, groups: NodeGroups, block: int) -> None:  # noqa: D107
+        topo = groups.topology
+        self.layout = layout
+        # bucket index -> (pool, offset in v[pool], shard length k, first element a in the bucket, real length m)
+        self.spans: dict[int, tuple[int, int, int, int, int]] = {}
+        sizes = [0] * len(layout.sizes)
+        for b in layout.buckets:
+            plan = two_level_plan(b.numel, topo.nodes, topo.per_node, block)
+            a, end = plan.bounds[groups.local]
+            self.spans[b.index] = (b.pool, sizes[b.pool], plan.shard, a, max(0, min(end, b.numel) - a))
+            sizes[b.pool] += plan.shard
+        self.store = Residuals(layout, 1, False, [], sizes=sizes)
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.store.v
+
+    @property
+    def scale(self) -> float | torch.Tensor:
+        return self.store.scale
+
+    def rescale(self, scale: float | torch.Tensor) -> None:
+        self.store.rescale(scale)
+
+    def clean(self) -> None:
+        self.store.clean()
+
+    def shard(self, bucket: Bucket) -> tuple[torch.Tensor, int]:
+        """The bucket's shard of the residual (the ring's ``err``, written in place) and its real length."""
+        k, off, n, _a, m = self.spans[bucket.index]
+        return self.v[k][off : off + n], m
+
+    def _regions(self) -> Iterator[tuple[int, int, int, int]]:
+        """Per bucket: (pool, offset in ``v``, real length m, the shard's first element in the pool)."""
+        for b in self.layout.buckets:
+            k, off, _n, a, m = self.spans[b.index]
+            yield k, off, m, b.start + a
+
+    def expanded(self, plus: Residuals | None = None) -> Residuals:
+        """The residual in the pool's layout (zero off this rank's shards), in the same units: a new buffer;
+        ``plus``: a residual already in the pool's layout and these units (a pending fold), added."""
+        full = Residuals(self.layout, 1, False, [])
+        full.scale = self.store.scale
+        for k, off, m, at in self._regions():
+            full.v[k][at : at + m].copy_(self.v[k][off : off + m])
+        for t, f in zip(full.v, plus.v if plus is not None else []):
+            t.add_(f)
+        return full
+
+    def take(self, full: Residuals) -> bool:
+        """Move this rank's shards out of ``full`` (the pool's layout, same units) into these buffers, zeroing
+        them there; return whether anything is left in ``full`` (residual off the shards: a host read)."""
+        self.store.scale = full.scale
+        for k, off, m, at in self._regions():
+            self.v[k][off : off + m].copy_(full.v[k][at : at + m])
+            full.v[k][at : at + m].zero_()
+        return any(bool(t.any()) for t in full.v)
