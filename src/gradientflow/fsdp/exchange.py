@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from ..comm.precision import from_wire, to_wire
 from ..comm.quantized_ring import QuantizedRing
-from ..config import DEFAULT_QUANT, Quantizer
+from ..config import Quantizer
 from ..diagnostics.watchdog import Watchdog
-from ..strategies.precondition import Root, ema_update
+from ..strategies.quantized_exchange import after_ring, precondition, step_quantizer
 
 _AVG_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 """Reduce dtypes torch's HSDP all-reduces with ``ReduceOp.AVG`` (no overflow risk: the backend divides)."""
@@ -123,16 +123,11 @@ class QuantizedShard:
             x = t if t.dtype == torch.float32 else t.float()  # a 16-bit reduce_dtype: the contribution in fp32
             x.div_(nodes)  # each node contributes t / M: the ring's sum is the average
             warm = self.step < quantizer.warmup_steps
-            bits, levels = (DEFAULT_QUANT[0], "fitted") if warm else (quantizer.bits, quantizer.levels)
+            bits, levels = step_quantizer(self.step, quantizer.warmup_steps, quantizer.bits, quantizer.levels)
             root, fused, carry = None, None, True
             sq = self.sq if quantizer.precondition else None
-            if sq is not None and not warm:
-                root = Root(sq)
-                # two nodes: the divide by r and the multiply-back inside the codec's own passes (CPU kernel)
-                fused = root.fused(x, self.err) if nodes == 2 else None
-                if fused is None:
-                    root.divide(x, self.err)
-                    carry = False
+            if sq is not None and not warm:  # two nodes: the divide by r inside the codec's passes (CPU kernel)
+                root, fused, carry = precondition(x, self.err, sq, nodes == 2)
             ring = QuantizedRing(
                 x,
                 self.err,
@@ -146,10 +141,7 @@ class QuantizedShard:
                 fused=fused,
             )
             ring.wait()
-            if root is not None and fused is None:
-                root.restore(x, self.err, ema=True)
-            elif root is None and sq is not None:  # the warm-up: q's history starts before r is used
-                ema_update(sq, x)
+            after_ring(x, self.err, root, fused, sq)
             if x is not t:
                 t.copy_(x)
         self.step += 1

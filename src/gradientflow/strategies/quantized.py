@@ -52,14 +52,21 @@ from ..comm import codec_native
 from ..comm.precision import divide, loss_scale
 from ..comm.quantized_ring import QuantizedRing
 from ..comm.two_level import NodeGroups
-from ..config import DEFAULT_QUANT
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
 from .error_feedback import Residuals, ShardResiduals, residual_state, validate_residual_state
 from .precondition import Root, ema_update
-from .quantized_exchange import TWO_LEVEL, guarded, run_ring, start_two_level
+from .quantized_exchange import (
+    TWO_LEVEL,
+    after_ring,
+    guarded,
+    precondition,
+    run_ring,
+    start_two_level,
+    step_quantizer,
+)
 from .quantized_nodes import NodeQuantizer
 
 
@@ -198,13 +205,7 @@ class QuantizedSync(SyncStrategy):
         if self.precondition and self.step >= self.warmup:
             assert self.sq is not None  # allocated by _begin_step
             b = p.bucket
-            p.root = Root(self.sq.v[b.pool][b.start : b.end])
-            # the ring sees (x + e) / r; its result and error are multiplied back after.  Two ranks: inside
-            # the codec's passes (on CPU, with the kernel), else passes of their own
-            p.fused = p.root.fused(p.x, p.err) if self.world_size == 2 else None
-            if p.fused is None:
-                p.root.divide(p.x, p.err)
-                carry = False
+            p.root, p.fused, carry = precondition(p.x, p.err, self.sq.v[b.pool][b.start : b.end], self.world_size == 2)
         p.ring = QuantizedRing(
             p.x,
             p.err,
@@ -249,17 +250,13 @@ class QuantizedSync(SyncStrategy):
 
     def _quantizer(self) -> tuple[int, str]:
         """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
-        return (DEFAULT_QUANT[0], "fitted") if self.step < self.warmup else (self.bits, self.levels)
+        return step_quantizer(self.step, self.warmup, self.bits, self.levels)
 
     def _complete(self, p: _Pending, stats: StepStats) -> None:
         stats.record_done(time.perf_counter())
         assert p.x is not None  # started by _start
-        if p.root is not None:  # back from x / r: the result and the error, then q (two ranks: done by the ring)
-            if p.fused is None:
-                p.root.restore(p.x, p.err, ema=True)
-        elif self.sq is not None:  # the warm-up: q's history starts before r is used
-            b = p.bucket
-            ema_update(self.sq.v[b.pool][b.start : b.end], p.x)
+        b = p.bucket
+        after_ring(p.x, p.err, p.root, p.fused, self.sq.v[b.pool][b.start : b.end] if self.sq is not None else None)
         if p.x is not p.flat:
             p.flat.copy_(p.x)
 

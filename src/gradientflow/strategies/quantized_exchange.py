@@ -10,7 +10,10 @@ What they share is here, so that a failure reads the same and the bytes are coun
   watchdog's failure naming what was being exchanged;
 - :func:`run_ring`: a ring advanced without blocking, or run to its end;
 - :func:`start_two_level`: a contribution into the two-level pipeline, its bytes between and inside the nodes
-  counted in the step's stats, its result handed back once the pipeline delivers it.
+  counted in the step's stats, its result handed back once the pipeline delivers it;
+- :func:`step_quantizer`, :func:`precondition` and :func:`after_ring`: the width of a warm-up step, and the
+  preconditioner around a flat ring (``-precond``: the ring sees ``(x + e) / r``, its result and error are
+  multiplied back after), also used by FSDP's exchange of a shard (:mod:`gradientflow.fsdp.exchange`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import Any
 
 import torch
 
+from ..comm import codec_native
 from ..comm.quantized_ring import QuantizedRing
+from ..config import DEFAULT_QUANT
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
-from .precondition import Root
+from .precondition import Root, ema_update
 from .quantized_nodes import NodeQuantizer
 
 TWO_LEVEL = "two-level quantised exchange"
@@ -82,3 +87,33 @@ def start_two_level(
     intra, payload = nodes.start(x, err, root, ring_args, done, what)
     stats.record_collective(payload)
     stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra
+
+
+def step_quantizer(step: int, warmup_steps: int, bits: int, levels: str) -> tuple[int, str]:
+    """The bits and levels of exchange ``step``: the default 3-bit quantiser's for the first ``warmup_steps``."""
+    return (DEFAULT_QUANT[0], "fitted") if step < warmup_steps else (bits, levels)
+
+
+def precondition(
+    x: torch.Tensor, err: torch.Tensor, q: torch.Tensor, two_parties: bool
+) -> tuple[Root, codec_native.Fused | None, bool]:
+    """Before a flat ring: ``x`` and ``err`` in units of ``r = sqrt(q)`` per coordinate.  Two parties: inside the
+    codec's own passes where the CPU kernel can (``fused``), else a pass of its own, after which the ring must not
+    add ``err`` again.  Returns the divisor, the fused passes (or ``None``) and the ring's ``carry``."""
+    root = Root(q)
+    fused = root.fused(x, err) if two_parties else None
+    if fused is None:
+        root.divide(x, err)
+    return root, fused, fused is not None
+
+
+def after_ring(
+    x: torch.Tensor, err: torch.Tensor, root: Root | None, fused: codec_native.Fused | None, q: torch.Tensor | None
+) -> None:
+    """After a flat ring: back from ``x / r`` (the result and the error, then ``q``'s moving average; fused: the
+    ring did it), or, in the warm-up before ``r`` is used, ``q``'s history started from the result."""
+    if root is not None:
+        if fused is None:
+            root.restore(x, err, ema=True)
+    elif q is not None:
+        ema_update(q, x)
