@@ -98,6 +98,7 @@ class Checkpointing(WrapperSurface):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
+        self._gf_outer = None  # sync_every > 1 is refused by __getstate__: a pickled model has no outer loop
         world = dist.group.WORLD
         if world is None:
             raise RuntimeError("gradientflow: unpickling a wrapped model needs an initialised default process group")
