@@ -24,7 +24,7 @@ from . import auto
 from .surface import WrapperSurface
 
 # Engine attributes that are plain settings and survive pickling; the rest is rebuilt.
-_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto", "_gf_torch"}
+_PICKLED = {"_gf_device", "_gf_ignored", "_gf_auto", "_gf_torch", "_gf_outer"}  # _gf_outer: None (else refused)
 
 
 def warn_pitfalls(config: GradientFlowConfig, optimizer: torch.optim.Optimizer, stacklevel: int) -> None:
@@ -98,7 +98,6 @@ class Checkpointing(WrapperSurface):
     def __setstate__(self, state: dict[str, Any]) -> None:
         comm = state.pop("_gf_comm_state")
         self.__dict__.update(state)
-        self._gf_outer = None  # sync_every > 1 is refused by __getstate__: a pickled model has no outer loop
         world = dist.group.WORLD
         if world is None:
             raise RuntimeError("gradientflow: unpickling a wrapped model needs an initialised default process group")
