@@ -16,7 +16,6 @@ import torch
 
 from .recipes import (
     ALIASES,
-    MECHANISM_OPTIONS,
     NAMES,
     QUANT_BITS,
     QUANT_DEFAULTS,
@@ -24,6 +23,7 @@ from .recipes import (
     Mechanism,
     Resolved,
     UnknownRecipe,
+    fold,
     resolve,
 )
 
@@ -319,25 +319,11 @@ class GradientFlowConfig:
         reads as passed when it is not its default ("fp32").  Idempotent: ``dataclasses.replace`` of a resolved
         config gives the same config (:meth:`with_recipe` switches recipe)."""
         found = lookup(self.compression)
-        recipe = found.recipe
         name = found.name
-        base = {**recipe.settings(), **found.stated}
-        named = set(recipe.named) | set(found.stated)
-        if recipe.name == "3bit" and name != "3bit":  # a width of the family without a row: its name states it
-            named |= {"quant_bits", "quant_precondition"}
         passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
         if self.comm_dtype != "fp32":
             passed["comm_dtype"] = self.comm_dtype
-        reads = set(MECHANISM_OPTIONS[recipe.mechanism]) | ({"density"} if name == "none" else set())
-        for k, v in passed.items():
-            if k not in reads:
-                raise ValueError(_unread_message(name, recipe.mechanism, k, v))
-            if k in named and k in base and v != base[k]:
-                raise ValueError(
-                    f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={v!r} was passed too. "
-                    f"{_named_hint(name, k, v)}"
-                )
-        settled = {**base, **passed}
+        settled = fold(found, passed)
         object.__setattr__(self, "compression", name)
         for k in ("comm_dtype", "density"):
             if k in settled:
@@ -538,39 +524,6 @@ LOCAL_OPTIONS = frozenset({"timeout", "trace_path", "trace_steps"})
 
 def _not_int(v: object) -> bool:
     return isinstance(v, bool) or not isinstance(v, int)
-
-
-def _unread_message(name: str, mechanism: str, option: str, value: object) -> str:
-    """Rule 3's message: what the recipe does instead, and what to pass."""
-    if mechanism == "auto":
-        return (
-            f"compression='auto' picks {option} itself (by the optimizer, at its first step), but {option}={value!r} "
-            f"was passed too. Pass compression='auto' alone, or a recipe by name with {option}=... (docs/recipes.md)."
-        )
-    if option == "density":
-        return (
-            f"compression={name!r} sends every coordinate (no top-k), so density={value!r} has no effect there. "
-            "For top-k chunks pass compression='topk-3bit' (quantised) or 'topk-fp16' with density=...; for the "
-            "quantised exchange drop density."
-        )
-    if option == "comm_dtype":
-        return (
-            f"compression={name!r} puts its own codes on the wire, so comm_dtype={value!r} has no effect there. "
-            "Drop comm_dtype, or pass compression='none' with comm_dtype=..."
-        )
-    return (
-        f"compression={name!r} does not quantise, so {option}={value!r} has no effect there. Pass a quantised "
-        "recipe ('3bit', '3bit-precond', '2bit-precond', 'topk-3bit') with it, or drop it."
-    )
-
-
-def _named_hint(name: str, option: str, value: object) -> str:
-    """Rule 2's hint: the recipe whose name states ``value``."""
-    if option == "comm_dtype":
-        return f"Pass compression='none' with comm_dtype={value!r}."
-    if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
-        return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
-    return f"Drop {option}: compression={name!r} sends that by definition."
 
 
 OUTER_OPTIONS = ("outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "outer_state_device")

@@ -266,10 +266,62 @@ def resolve(value: object) -> Resolved:
     if stated is None or stated["quant_bits"] not in QUANT_BITS:
         raise UnknownRecipe(value)
     name = family_name(int(stated["quant_bits"]), bool(stated["quant_precondition"]))
-    row = BY_NAME.get(name, BY_NAME["3bit"])
-    if name == "2bit-precond" and m is None:  # the shorthand states all it means: "q2np" has no warm-up, 3 levels
-        row = BY_NAME["3bit"]
+    # a family name takes its row's settings where it has one; the shorthand states all it means over 3bit's
+    # ("q2np" is 2 bits with 3bit's levels and no warm-up, not "2bit-precond"'s zeroless levels and 20 steps)
+    row = BY_NAME.get(name, BY_NAME["3bit"]) if m is not None else BY_NAME["3bit"]
     return Resolved(row, name, stated)
+
+
+def fold(found: Resolved, passed: Mapping[str, Any]) -> dict[str, Any]:
+    """The rule of this module's docstring: the options that run for ``found`` given those ``passed``
+    explicitly; a ``ValueError`` (saying what to pass) for an option the name states passed with another value
+    (clause 2) and for an option the recipe's mechanism does not read (clause 3)."""
+    recipe, name = found.recipe, found.name
+    base = {**recipe.settings(), **found.stated}
+    named = set(recipe.named) | set(found.stated)  # a family name or the shorthand states its width itself
+    reads = set(MECHANISM_OPTIONS[recipe.mechanism]) | ({"density"} if name == "none" else set())
+    for k, v in passed.items():
+        if k not in reads:
+            raise ValueError(_unread_message(name, recipe.mechanism, k, v))
+        if k in named and k in base and v != base[k]:
+            raise ValueError(
+                f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={v!r} was passed too. "
+                f"{_named_hint(name, k, v)}"
+            )
+    return {**base, **passed}
+
+
+def _unread_message(name: str, mechanism: str, option: str, value: object) -> str:
+    """Clause 3's message: what the recipe does instead, and what to pass."""
+    if mechanism == "auto":
+        return (
+            f"compression='auto' picks {option} itself (by the optimizer, at its first step), but {option}={value!r} "
+            f"was passed too. Pass compression='auto' alone, or a recipe by name with {option}=... (docs/recipes.md)."
+        )
+    if option == "density":
+        return (
+            f"compression={name!r} sends every coordinate (no top-k), so density={value!r} has no effect there. "
+            "For top-k chunks pass compression='topk-3bit' (quantised) or 'topk-fp16' with density=...; for the "
+            "quantised exchange drop density."
+        )
+    if option == "comm_dtype":
+        return (
+            f"compression={name!r} puts its own codes on the wire, so comm_dtype={value!r} has no effect there. "
+            "Drop comm_dtype, or pass compression='none' with comm_dtype=..."
+        )
+    return (
+        f"compression={name!r} does not quantise, so {option}={value!r} has no effect there. Pass a quantised "
+        "recipe ('3bit', '3bit-precond', '2bit-precond', 'topk-3bit') with it, or drop it."
+    )
+
+
+def _named_hint(name: str, option: str, value: object) -> str:
+    """Clause 2's hint: the recipe whose name states ``value``."""
+    if option == "comm_dtype":
+        return f"Pass compression='none' with comm_dtype={value!r}."
+    if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
+        return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
+    return f"Drop {option}: compression={name!r} sends that by definition."
 
 
 def markdown_table() -> str:
