@@ -9,6 +9,8 @@ replicas identical after every step, error mass conserved, their bytes by the wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -122,6 +124,12 @@ def _none_and_3bit(rank: int, world: int, nodes: int, per_node: int) -> dict:
         two = _shard(_net(), mesh, "gf", compression="2bit-precond", quant_warmup_steps=1)
         out["2bit_identical"] = _train(two, rank, 3, mesh)["identical"]
         out["2bit_stats"] = gf.comm_stats(two)
+    for topk in ("topk-fp16", "topk-3bit"):  # sparse from the first exchange (no ramp), chunks of 8 elements
+        net = _shard(_net(), mesh, "gf", compression=topk, warmup_steps=0, chunk_size=8)
+        run = _train(net, rank, 3, mesh, sgd=True)
+        out[f"{topk}_identical"] = run["identical"]
+        out[f"{topk}_stats"] = gf.comm_stats(net)
+        out[f"{topk}_moved"] = max((a - b).abs().max().item() for a, b in zip(torch_run["params"], run["params"]))
     q = _shard(_net(), mesh, "gf", compression="3bit-precond" if nodes > 2 else "3bit")
     q_run = _train(q, rank, 4, mesh, clip=0.5)
     out["q_identical"] = q_run["identical"]
@@ -174,20 +182,37 @@ def test_none_is_torch_hsdp_and_3bit_keeps_replicas_identical(nodes: int, per_no
         assert r["q_stats"]["state_bytes"] == dense * (2 if nodes > 2 else 1)
         assert r["none_stats"]["state_bytes"] == 0
         assert r["q_total"]["exchanges"] == 4 * 3
+        # top-k: one fp32 score per chunk of 8, then the selected chunks (the recipe's density of them, rounded up:
+        # 0.1 for "topk-fp16", 0.3 for "topk-3bit"; the chunks holding a bias among them) in fp16, or quantised in
+        # 3-bit blocks; the residual is the shard padded to whole chunks
+        chunks = [-(-n // 8) for n in numels]
+        scores = sum(4 * c for c in chunks)
+        assert all(r["topk-fp16_identical"]) and all(r["topk-3bit_identical"])
+        assert r["topk-fp16_stats"]["payload_bytes"] == scores + sum(2 * 8 * math.ceil(0.1 * c) for c in chunks)
+        quantised = sum(wire_bytes(8 * math.ceil(0.3 * c), 3, 128) for c in chunks)
+        assert r["topk-3bit_stats"]["payload_bytes"] == scores + quantised
+        assert r["topk-fp16_stats"]["state_bytes"] == sum(4 * 8 * c for c in chunks)
+        assert r["topk-fp16_stats"]["dense_bytes"] == dense
+        assert 0 < r["topk-fp16_moved"] < 1.0  # trained (SGD lr 0.1, 3 steps) and not blown up
 
 
 # ---- error feedback on the shard: nothing lost -------------------------------------------------------------------
 
 
-def _conservation(rank: int, world: int) -> list[float]:
+def _conservation(rank: int, world: int) -> dict:
     """Each rank's shard t and a residual e from an earlier step; after one exchange, summed over the nodes:
-    sum(t / M + e before) == result + sum(e after) elementwise (the quantiser only delays)."""
+    sum(t / M + e before) == result + sum(e after) elementwise (the quantiser and the top-k selection only delay).
+    The top-k recipes also say which chunks they sent: how many, and whether the one holding a 1-D parameter."""
     import torch.distributed as dist
 
-    from gradientflow.config import GradientFlowConfig
-    from gradientflow.fsdp.exchange import QuantizedShard
+    from datetime import timedelta
 
-    errors = []
+    from gradientflow.config import GradientFlowConfig
+    from gradientflow.diagnostics.watchdog import Watchdog
+    from gradientflow.fsdp.exchange import QuantizedShard
+    from gradientflow.fsdp.topk import TopkShard
+
+    errors, fp16_errors, chosen = [], [], []
     for recipe in ("3bit", "3bit-precond", "2bit-precond"):
         quantizer = GradientFlowConfig(compression=recipe).quantizer()
         g = torch.Generator().manual_seed(rank)
@@ -202,14 +227,39 @@ def _conservation(rank: int, world: int) -> list[float]:
             dist.all_reduce(residuals)
             if step:
                 errors.append(((after + residuals - before).abs().max() / before.abs().max()).item())
-    return errors
+    for recipe in ("topk-fp16", "topk-3bit"):  # the residual v: padded to whole chunks of 16 (300 -> 304)
+        config = GradientFlowConfig(compression=recipe, warmup_steps=0, chunk_size=16)
+        g = torch.Generator().manual_seed(rank)
+        topk = TopkShard(300, torch.device("cpu"), config, [(290, False), (10, True)])
+        watchdog = Watchdog(dist.group.WORLD, timedelta(seconds=30))
+        for step in range(3):
+            t = torch.randn(300, generator=g) * (1 + step)
+            before = topk.err.clone()
+            before[:300] += t / world
+            dist.all_reduce(before)
+            topk.reduce(t, dist.group.WORLD, watchdog, None)
+            after = torch.zeros(304)
+            after[:300] = t
+            residuals = topk.err.clone()
+            dist.all_reduce(residuals)
+            lost = ((after + residuals - before).abs().max() / before.abs().max()).item()
+            (errors if recipe == "topk-3bit" else fp16_errors).append(lost)
+            sent = after.view(19, 16).abs().sum(1) > 0  # the chunks the result holds
+            chosen.append((recipe, int(sent.sum()), bool(sent[-1])))
+    return {"errors": errors, "fp16_errors": fp16_errors, "chosen": chosen}
 
 
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_error_mass_conserved(nodes: int) -> None:
     # a few fp32 roundings of values of the sum's size: relative 1e-6 (a lost block's mass would be ~0.1)
-    for errors in run_distributed(_conservation, nodes, timeout=60):
-        assert max(errors) < 1e-6, errors
+    for r in run_distributed(_conservation, nodes, timeout=60):
+        assert max(r["errors"]) < 1e-6, r["errors"]
+        # "topk-fp16": each node's rows rounded to fp16 keep their rounding in v, but the fp16 sum of M of them rounds
+        # M - 1 times more (the ring's additions), lost to everyone: at most (M - 1) * 2^-11 of the sum's largest
+        assert max(r["fp16_errors"]) <= (nodes - 1) * 2**-11, r["fp16_errors"]
+        # 19 chunks: ceil(0.1 * 19) = 2 for "topk-fp16" (density 0.1), ceil(0.3 * 19) = 6 for "topk-3bit"; the last
+        # chunk (elements 288-303: the 1-D parameter's 290-299) every time
+        assert r["chosen"] == [("topk-fp16", 2, True)] * 3 + [("topk-3bit", 6, True)] * 3, r["chosen"]
 
 
 # ---- what FSDP2 users do: mixed precision, accumulation -----------------------------------------------------------
@@ -296,11 +346,13 @@ def _dcp(rank: int, world: int, path: str) -> dict:
             opt.step()
             opt.zero_grad()
 
-    # "auto" (AdamW: dense step 0, then "3bit" on 2 nodes; the pick is in the checkpoint), and "2bit-precond" whose
-    # 3-bit warm-up of 4 exchanges ends after the resume (its count and q are in the checkpoint too)
+    # "auto" (AdamW: dense step 0, then "3bit" on 2 nodes; the pick is in the checkpoint), "2bit-precond" whose
+    # 3-bit warm-up of 4 exchanges ends after the resume (its count and q are in the checkpoint too), and "topk-3bit"
+    # whose density ramp of 4 exchanges does (its count and the residual v)
     for name, options in (
         ("auto", {"compression": "auto"}),
         ("2bit", {"compression": "2bit-precond", "quant_warmup_steps": 4}),
+        ("topk", {"compression": "topk-3bit", "warmup_steps": 4, "chunk_size": 8}),
     ):
         net = _shard(_net(), mesh, "gf", **options)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -339,7 +391,8 @@ def test_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None:
     for r in run_distributed(_dcp, 4, str(tmp_path / "ckpt"), timeout=180):
         assert r["auto_saved"] == r["auto_resumed"] == "3bit"
         assert r["2bit_saved"] == r["2bit_resumed"] == "2bit-precond"
-        assert r["auto_bit_exact"] and r["2bit_bit_exact"]
+        assert r["topk_saved"] == r["topk_resumed"] == "topk-3bit"
+        assert r["auto_bit_exact"] and r["2bit_bit_exact"] and r["topk_bit_exact"]
         assert "saved on a 2x2 mesh" in r["check_error"] and "runs on 4x1" in r["check_error"]
         assert "residual@4x1" in r["load_error"]
 
@@ -360,7 +413,7 @@ def _bad(rank: int, world: int) -> dict:
             _net(), mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("shard", "replicate"))
         ),
         "unknown": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bits"),
-        "topk": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="topk-3bit"),
+        "density": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="topk-3bit", density=1.5),
         "unread": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit", density=0.1),
         "no mesh": lambda: gf.fully_shard(_net()),
         "mesh size": lambda: gf.hsdp_mesh(3, 1),
@@ -403,7 +456,7 @@ def test_bad_input_raises_clearly_on_every_rank() -> None:
         assert "a 1-D mesh has none" in r["1-D"]
         assert "named ('shard', 'replicate')" in r["names"]
         assert "did you mean '3bit'" in r["unknown"]
-        assert "has no FSDP form yet" in r["topk"]
+        assert "density must be None (dense) or a number in (0, 1], got 1.5" in r["density"]
         assert "density=0.1 has no effect" in r["unread"]
         assert "LOCAL_WORLD_SIZE" in r["no mesh"]
         assert "product is the world size 2" in r["mesh size"]

@@ -30,9 +30,6 @@ from .module_comm import ModuleComm
 
 logger = logging.getLogger(__name__)
 
-FSDP_MECHANISMS = ("dense", "quantized", "auto")
-"""The recipes' mechanisms the FSDP exchange runs (:data:`gradientflow.recipes.Mechanism`); the top-k ones select
-chunks across the whole gradient and have no FSDP form yet."""
 
 _MP_DEFAULT = MixedPrecisionPolicy()  # torch's defaults (frozen dataclasses, as torch's signature holds them)
 _OFFLOAD_DEFAULT = OffloadPolicy()
@@ -44,6 +41,8 @@ def recipe_config(
     compression: str,
     *,
     density: float | None = None,
+    chunk_size: int | str = "auto",
+    warmup_steps: int = 100,
     quant_bits: int | None = None,
     quant_block: int | None = None,
     quant_levels: QuantLevels | None = None,
@@ -56,6 +55,8 @@ def recipe_config(
     config = GradientFlowConfig(
         compression=compression,
         density=density,
+        chunk_size=chunk_size,
+        warmup_steps=warmup_steps,
         quant_bits=quant_bits,
         quant_block=quant_block,
         quant_levels=quant_levels,
@@ -64,13 +65,6 @@ def recipe_config(
         quant_clip=quant_clip,
         timeout=timeout,
     )
-    if config.mechanism not in FSDP_MECHANISMS:
-        raise ValueError(
-            f"gradientflow.fsdp.fully_shard: compression={config.compression!r}"
-            f"{'' if density is None else f' with density={density!r}'} selects top-k chunks, which has no FSDP "
-            "form yet. Pass compression='3bit' (or '3bit-precond', '2bit-precond': every coordinate quantised, "
-            "with error feedback), 'fp16' / 'bf16', 'none', or 'auto'."
-        )
     return config
 
 
@@ -95,6 +89,8 @@ def fully_shard(
     dp_mesh_dims: Any = ...,
     compression: str = ...,
     density: float | None = ...,
+    chunk_size: int | str = ...,
+    warmup_steps: int = ...,
     quant_bits: int | None = ...,
     quant_block: int | None = ...,
     quant_levels: QuantLevels | None = ...,
@@ -118,6 +114,8 @@ def fully_shard(
     dp_mesh_dims: Any = ...,
     compression: str = ...,
     density: float | None = ...,
+    chunk_size: int | str = ...,
+    warmup_steps: int = ...,
     quant_bits: int | None = ...,
     quant_block: int | None = ...,
     quant_levels: QuantLevels | None = ...,
@@ -140,6 +138,8 @@ def fully_shard(
     dp_mesh_dims: Any = None,
     compression: str = "auto",
     density: float | None = None,
+    chunk_size: int | str = "auto",
+    warmup_steps: int = 100,
     quant_bits: int | None = None,
     quant_block: int | None = None,
     quant_levels: QuantLevels | None = None,
@@ -154,7 +154,9 @@ def fully_shard(
     ``mesh``: a 2-D DeviceMesh (replicate, shard) (``None``: :func:`gradientflow.fsdp.hsdp_mesh` from torchrun's
     layout).  ``compression``: a recipe's name from the one table (docs/recipes.md): ``"none"`` (torch's HSDP
     reduction: the shard all-reduced in ``reduce_dtype``), ``"fp16"`` / ``"bf16"``, ``"3bit"``, ``"3bit-precond"``,
-    ``"2bit-precond"`` (every coordinate quantised, error feedback on the shard), ``"auto"`` (dense fp32 until the
+    ``"2bit-precond"`` (every coordinate quantised, error feedback on the shard), ``"topk-fp16"``, ``"topk-3bit"``
+    (the top ``density`` of the shard's chunks of ``chunk_size``, the density ramped from dense over
+    ``warmup_steps`` exchanges, the rest kept in the residual: :mod:`gradientflow.fsdp.topk`), ``"auto"`` (dense fp32 until the
     first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the ``quant_*``
     options as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
@@ -162,6 +164,8 @@ def fully_shard(
     config = recipe_config(
         compression,
         density=density,
+        chunk_size=chunk_size,
+        warmup_steps=warmup_steps,
         quant_bits=quant_bits,
         quant_block=quant_block,
         quant_levels=quant_levels,
@@ -195,6 +199,8 @@ def fully_shard(
     comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded)
     settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
     settings += f"{hsdp.label} shard {comm.numel}"
+    if config.sparse:
+        settings += f" density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps}"
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
     if group is not None:
         sharded.set_all_reduce_hook(comm)

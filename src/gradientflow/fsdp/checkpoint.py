@@ -50,7 +50,7 @@ class CommState(Stateful):
         for fqn, comm in comms(self.model):
             name, mesh = _name(fqn), comm.mesh
             out[f"{name}.recipe"] = comm.recipe
-            q = comm.quantized
+            q = comm.feedback
             if q is None:
                 continue
             tag = f"@{mesh.label}"
@@ -73,8 +73,8 @@ class CommState(Stateful):
                         "saved pick)."
                     )
                 comm.switch(comm.config.with_recipe(recipe), f"resumed: {recipe}")
-            if comm.quantized is not None and f"{name}.step" in state_dict:
-                comm.quantized.resume(int(state_dict[f"{name}.step"]))
+            if comm.feedback is not None and f"{name}.step" in state_dict:
+                comm.feedback.resume(int(state_dict[f"{name}.step"]))
 
 
 def comm_state(model: nn.Module) -> CommState:

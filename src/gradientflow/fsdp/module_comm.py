@@ -27,6 +27,7 @@ from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
 from .mesh import HSDPMesh
 from .mixing import check_tree
 from .stats import Counts, ExchangeCounters
+from .topk import TopkShard
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 def shard_numel(param_group: Any) -> int:
     """Elements of the reduce-scatter output of an FSDP parameter group: every parameter's padded dim-0 shard."""
     return sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
+
+
+def shard_layout(param_group: Any) -> list[tuple[int, bool]]:
+    """(elements, is 1-D) of each parameter's padded dim-0 shard, in the reduce-scatter output's order."""
+    return [(p.padded_sharded_param_size.numel(), p.sharded_param.dim() == 1) for p in param_group.fsdp_params]
 
 
 class ModuleComm:
@@ -67,7 +73,7 @@ class ModuleComm:
             timedelta(seconds=config.timeout) if isinstance(config.timeout, (int, float)) else config.timeout
         )
         self.watchdog = Watchdog(mesh.replicate, self.timeout or group_timeout(mesh.replicate))
-        self.quantized: QuantizedShard | None = None
+        self.feedback: QuantizedShard | TopkShard | None = None  # the error-feedback state of a compressing recipe
         self.partial: torch.Tensor | None = None  # micro-steps' shards held for the next exchange
         self.counters = ExchangeCounters()
         self.auto_reason = "no optimizer step seen yet: dense fp32" if config.compression == "auto" else ""
@@ -78,20 +84,25 @@ class ModuleComm:
         return self.config.compression
 
     def _make_state(self) -> None:
-        """The residual (and ``q``) of a quantised recipe, allocated with the module so that a checkpoint can be
-        loaded before the first step (one fp32 shard per rank: ``1/G`` of the module).  ``"auto"`` allocates what
-        its likely pick needs (an Adam-type's: ``q`` beyond two nodes), so that its checkpoint's keys are the same
-        before and after its switch."""
+        """The residual (and ``q``) of a compressing recipe, allocated with the module so that a checkpoint can be
+        loaded before the first step (one fp32 shard per rank: ``1/G`` of the module; top-k's padded to whole
+        chunks).  ``"auto"`` allocates what its likely pick needs (an Adam-type's: ``q`` beyond two nodes), so that
+        its checkpoint's keys are the same before and after its switch."""
+        if self.config.mechanism in ("topk", "topk-quantized"):
+            if not isinstance(self.feedback, TopkShard) and self.param_group is not None:
+                resolved = self.config.resolved(self.numel, self.device)  # chunk_size="auto": ~2000 chunks a shard
+                self.feedback = TopkShard(self.numel, self.device, resolved, shard_layout(self.param_group))
+            return
         if self.config.quantized:
             precondition = self.config.quantizer().precondition
         elif self.requested == "auto":
             precondition = self.mesh.nodes > 2
         else:
             return
-        if self.quantized is None:
-            self.quantized = QuantizedShard(self.numel, self.device, precondition)
+        if self.feedback is None:
+            self.feedback = QuantizedShard(self.numel, self.device, precondition)
         elif precondition:
-            self.quantized.ensure_sq()
+            self.feedback.ensure_sq()
 
     def switch(self, config: GradientFlowConfig, reason: str) -> None:
         """Run ``config``'s recipe from the next exchange on (``"auto"``'s choice, or a resumed checkpoint's)."""
@@ -119,8 +130,11 @@ class ModuleComm:
         t0 = time.perf_counter()
         mech = self.config.mechanism
         if mech == "quantized":
-            assert self.quantized is not None  # made with the recipe
-            sent = self.quantized.reduce(t, self.mesh.replicate, self.config.quantizer(), self.timeout)
+            assert isinstance(self.feedback, QuantizedShard)  # made with the recipe
+            sent = self.feedback.reduce(t, self.mesh.replicate, self.config.quantizer(), self.timeout)
+        elif mech in ("topk", "topk-quantized"):
+            assert isinstance(self.feedback, TopkShard)
+            sent = self.feedback.reduce(t, self.mesh.replicate, self.watchdog, self.timeout)
         elif mech in ("dense", "auto"):  # "auto" before its switch: torch HSDP's exact reduction
             sent = dense_exchange(t, self.mesh.replicate, self.config.wire_dtype, self.watchdog)
         else:  # refused by fully_shard's validation
@@ -137,7 +151,7 @@ class ModuleComm:
     def state_bytes(self) -> int:
         """Bytes this module's recipe holds between steps on this rank (residual, ``q``, a held shard)."""
         held = [self.partial] if self.partial is not None else []
-        q = self.quantized
+        q = self.feedback
         kept = [q.err, *([q.sq] if q.sq is not None else [])] if q is not None else []
         return sum(t.numel() * t.element_size() for t in [*kept, *held])
 
