@@ -203,9 +203,9 @@ def _conservation(rank: int, world: int) -> dict:
     """Each rank's shard t and a residual e from an earlier step; after one exchange, summed over the nodes:
     sum(t / M + e before) == result + sum(e after) elementwise (the quantiser and the top-k selection only delay).
     The top-k recipes also say which chunks they sent: how many, and whether the one holding a 1-D parameter."""
-    import torch.distributed as dist
-
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     from gradientflow.config import GradientFlowConfig
     from gradientflow.diagnostics.watchdog import Watchdog

@@ -47,6 +47,7 @@ from gradientflow.bench.quality_peers import (
     register_torch_hook,
     torch_peer_bytes,
 )
+from gradientflow.bench.sharded import SHARDED_MODES, is_sharded, shard
 from gradientflow.recipes import BY_NAME
 from gradientflow.recipes import RECIPES as RECIPE_TABLE
 
@@ -137,12 +138,14 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     from gradientflow.config import GradientFlowConfig
 
     base, _, rest = recipe.partition(":")
-    if base not in RECIPES and base not in TABLE_RECIPES:
-        raise ValueError(f"unknown recipe {base!r}; choose from {', '.join((*RECIPES, *TABLE_RECIPES))}")
+    if base not in RECIPES and base not in TABLE_RECIPES and base not in SHARDED_MODES:
+        known = ", ".join((*RECIPES, *TABLE_RECIPES, *SHARDED_MODES))
+        raise ValueError(f"unknown recipe {base!r}; choose from {known}")
     if not rest:
         return base, {}
     if not base.startswith("gf-"):  # torch DDP and its peers
-        raise ValueError(f"{recipe!r}: only gradientflow recipes (gf-*) take options; {base} is torch DDP")
+        what = "an FSDP2 / HSDP mode" if is_sharded(base) else "torch DDP"
+        raise ValueError(f"{recipe!r}: only gradientflow's DDP recipes (gf-*) take options; {base} is {what}")
     fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
     names = fields | {"steps"}
     overrides: dict[str, Any] = {}
@@ -172,7 +175,10 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
     recipe, overrides = parse_recipe(recipe)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
-    if recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
+    if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
+        wrapped = shard(model, recipe)
+        options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node"}
+    elif recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
         # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
         # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.

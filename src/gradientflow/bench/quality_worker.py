@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradientflow.bench import sharded
 from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, close_window, node_of_rank, open_window, per_node
 from gradientflow.bench.quality import (
     TORCH_PEERS,
@@ -113,6 +114,9 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
     was = module.training
     module.eval()
     x, y = data.val_x[data.rank :: data.world], data.val_y[data.rank :: data.world]
+    if getattr(module, "_get_fsdp_state", None) is not None:  # FSDP: every forward all-gathers, so every rank
+        n = len(data.val_x) // data.world  # runs as many of them: the same count of windows each (the rest unused)
+        x, y = x[:n], y[:n]
     with torch.no_grad():
         total = torch.zeros(3, dtype=torch.float64)
         for i in range(0, len(x), 64):
@@ -127,6 +131,11 @@ def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
 
 
 def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict[str, float]:
+    if getattr(wrapped, "_gf_fsdp", None) is not None:  # gradientflow.fsdp: what this rank handed between nodes
+        return {"payload_bytes": sharded.stats(wrapped)["payload_bytes"]}
+    if recipe in sharded.HSDP_MODES:  # torch's HSDP: its shard in the reduce dtype
+        n = sum(p.numel() for p in wrapped.parameters())
+        return {"payload_bytes": sharded.hsdp_wire_bytes(recipe, n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
     comm_stats = getattr(wrapped, "comm_stats", None)  # gradientflow's wrapper; torch DDP has none
     if comm_stats is None:
         if recipe not in TORCH_PEERS:
@@ -315,7 +324,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         run["step_s"] = [max(ts) for ts in zip(*(r["runs"][i]["step_s"] for r in per_rank))]
         if any(r["runs"][i]["link"] for r in per_rank):  # the kernel's bytes per node (emulated cluster)
             run["nodes"] = per_node([r["runs"][i] for r in per_rank], [r["node"] for r in per_rank], len(run["step_s"]))
-            if not run["recipe"].startswith("gf-"):  # torch's peers' payload is computed, not the engine's
+            if not run["recipe"].startswith(("gf-", "fsdp-")):  # torch's peers' payload is computed, not ours
                 for node in run["nodes"]:
                     node["payload_bytes"] = node["inter_node_bytes"] = None
         run.pop("link", None)

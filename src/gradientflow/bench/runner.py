@@ -111,6 +111,7 @@ def _launch(
         device=opts.device,
         emulated=cluster is not None,
         optimizer=opts.optimizer,
+        transformer_size=list(opts.transformer_size),
     )
     spec_path = out / f"spec-{name}.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gradientflow.bench.report import ALONE_SUFFIX
+from gradientflow.bench.sharded import SHARDED_MODES, is_sharded
 from gradientflow.config import check_topology_value
 from gradientflow.recipes import BY_NAME, RECIPES
 
@@ -48,8 +49,9 @@ MODES = (
     "compute",
 )
 """What ``gradientflow bench`` runs by default (the tables of docs/results/benchmarks.md)."""
-EXTRA_MODES = (*RECIPE_MODES, "gf-cscq")
-"""Modes run only when named (``--modes``): every recipe of the table, and ``gf-cscq`` (= ``gf-topk-3bit``)."""
+EXTRA_MODES = (*RECIPE_MODES, "gf-cscq", *SHARDED_MODES)
+"""Modes run only when named (``--modes``): every recipe of the table, ``gf-cscq`` (= ``gf-topk-3bit``), and the
+FSDP2 / HSDP modes (:mod:`gradientflow.bench.sharded`: ``hsdp``, ``hsdp-bf16``, ``fsdp-<recipe>``)."""
 
 
 def gf_recipe(mode: str) -> tuple[str, dict[str, Any]]:
@@ -145,6 +147,7 @@ class BenchSpec:
     device: str = "cpu"  # "cuda": every rank on GPU (local rank mod the GPU count)
     emulated: bool = False  # ranks in network namespaces of this machine: their bytes must cross the shaped link
     optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw" (what compression="auto" turns into the quantised ring)
+    transformer_size: list[int] = field(default_factory=lambda: [128, 2])  # tiny_transformer's d_model, layers
 
 
 def rank_device(kind: str, local_rank: int) -> torch.device:
@@ -165,12 +168,16 @@ def process_group_backend(device: torch.device, ranks_per_node: int, emulated: b
     return "gloo"
 
 
-def make_model(workload: str) -> nn.Module:
-    """A built-in model by name, or the user's: ``"package.module:factory"`` (a zero-argument callable)."""
+def make_model(workload: str, transformer_size: list[int] | None = None) -> nn.Module:
+    """A built-in model by name (``tiny_transformer`` of ``transformer_size`` = (d_model, layers), default its
+    128 x 2), or the user's: ``"package.module:factory"`` (a zero-argument callable)."""
     from gradientflow.bench.models import build_model, resolve_model
 
     if ":" in workload:
         return resolve_model(workload)[1]()
+    if workload == "tiny_transformer" and transformer_size is not None:
+        d_model, layers = transformer_size
+        return build_model(workload, d_model=d_model, n_layers=layers)
     return build_model(workload)
 
 
@@ -187,8 +194,9 @@ def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], alone: bool = True) -> list[Variant]:
-    """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD again
-    on a one-rank group (see :attr:`Variant.alone`), then the θ sweep (gf-fp32 and ddp at each θ).
+    """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD and the sharded
+    ones (whose mesh is the launch's) again on a one-rank group (see :attr:`Variant.alone`), then the θ sweep
+    (gf-fp32 and ddp at each θ).
 
     A sweep point identical to a requested mode (gf-fp32 at ``fusion_mb``, ddp at 25 MB) is not
     run twice: the report points at the mode.
@@ -200,9 +208,11 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], 
         base = split_mode(m)[0]
         theta = fusion_mb if base.startswith("gf-") and not base.endswith("-csc-auto") else None  # auto: its own θ
         out.append(Variant(m, m, theta))
-    if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED)
+    if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED), nor a sharded mode (its mesh)
         out += [
-            Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True) for v in out[1:] if v.mode not in ISOLATED
+            Variant(v.name + ALONE_SUFFIX, v.mode, v.theta_mb, alone=True)
+            for v in out[1:]
+            if v.mode not in ISOLATED and not is_sharded(v.mode)
         ]
     for theta in theta_sweep:
         if not ("gf-fp32" in modes and theta == fusion_mb):
@@ -237,6 +247,7 @@ class BenchOptions:
     device: str = "cpu"
     links: list[str] = field(default_factory=list)  # link profiles (bench.links.PROFILES): the matrix instead
     optimizer: str = "sgd"
+    transformer_size: tuple[int, int] = (128, 2)  # --workload tiny_transformer: d_model x layers
 
     @property
     def nodes(self) -> int:

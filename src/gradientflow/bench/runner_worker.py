@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradientflow.bench import sharded
 from gradientflow.bench.bench_memory import PeakRss, rss_mb, timing_allocator
 from gradientflow.bench.link_bytes import LinkCounter, close_window, node_of_rank, open_window, per_node
 from gradientflow.bench.runner_spec import (
@@ -74,7 +75,7 @@ def _build(
     import gradientflow as gf
 
     torch.manual_seed(0)
-    model = make_model(spec.workload).to(device)
+    model = make_model(spec.workload, spec.transformer_size).to(device)
     ids: list[int | torch.device] | None = None if device.type == "cpu" else [device.index]
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
@@ -84,6 +85,10 @@ def _build(
     if mode == "compute":
         wrapped: nn.Module = model
         wire = 0
+    elif sharded.is_sharded(mode):  # FSDP2 / HSDP on the launch's mesh (nodes x ranks per node)
+        wrapped = sharded.shard(model, mode)
+        if mode in sharded.HSDP_MODES:
+            wire = sharded.hsdp_wire_bytes(mode, n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     elif mode.startswith("gf-"):
         # a recipe of the table and the mode's options (runner_spec.gf_recipe); the top-k recipes' sparse steps
         # are timed (no density ramp: the bench's own warm-up steps are dense-free) at the bench's chunk size;
@@ -206,6 +211,8 @@ STAT_KEYS = ("payload_bytes", "exposed_seconds", "comm_seconds", "collectives", 
 
 def _stats_of(model: nn.Module) -> dict[str, float]:
     """The counters the report uses, with every ``phase_*_s`` (0 for phases a step did not run)."""
+    if getattr(model, "_gf_fsdp", None) is not None:  # gradientflow.fsdp's root
+        return sharded.stats(model)
     comm_stats = getattr(model, "comm_stats", None)  # gradientflow's wrapper (torch DDP has none)
     if comm_stats is None:
         return {}
@@ -234,7 +241,7 @@ def worker_main(spec_path: str) -> None:
     link = LinkCounter.from_env() if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     x, y = make_batch(spec, rank)
     x, y = x.to(device), (None if y is None else y.to(device))
-    probe = make_model(spec.workload).to(device)
+    probe = make_model(spec.workload, spec.transformer_size).to(device)
     n_params = sum(p.numel() for p in probe.parameters())
     chunk = spec.chunk_size or auto_chunk_size(n_params)
     # one untimed local step first, so one-off costs (kernels, autograd threads) are not charged to a mode

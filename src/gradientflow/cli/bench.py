@@ -64,7 +64,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=list(MODES),
         metavar="MODE",
         help=f"modes to compare (default all of {' '.join(MODES)}); also {' '.join(EXTRA_MODES)} "
-        '(compression="auto": the --optimizer\'s recipe). A gradientflow mode may end in @flat, @auto or '
+        "(compression=\"auto\": the --optimizer's recipe; hsdp, hsdp-bf16: torch's FSDP2 on the mesh (nodes, "
+        "--nproc-per-node), its reduction between nodes in fp32 / bf16; fsdp-RECIPE: gradientflow.fsdp.fully_shard "
+        "with that recipe there). A gradientflow mode may end in @flat, @auto or "
         "@MxG: the engine's topology option (e.g. gf-fp16@flat beside gf-fp16); 'compute' is always added",
     )
     b.add_argument(
@@ -209,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out or ("benchmarks/links" if args.links else "benchmarks/results"),
         device=args.device,
         links=args.links or [],
+        transformer_size=args.transformer_size,
     )
     if args.workload == "alexnet" and opts.batch_size > 64:
         logger.warning("alexnet at batch %d per rank is slow on a CPU", opts.batch_size)

@@ -48,7 +48,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         type=types.size,
         default=(128, 2),
         metavar="DxL",
-        help="d_model x layers of the quality transformer (default 128x2: 0.43M parameters)",
+        help="d_model x layers of the quality transformer, and of the step-time bench's --workload tiny_transformer "
+        "(default 128x2: 0.43M parameters)",
     )
     q.add_argument(
         "--tta-size",

@@ -156,9 +156,10 @@ def fully_shard(
     reduction: the shard all-reduced in ``reduce_dtype``), ``"fp16"`` / ``"bf16"``, ``"3bit"``, ``"3bit-precond"``,
     ``"2bit-precond"`` (every coordinate quantised, error feedback on the shard), ``"topk-fp16"``, ``"topk-3bit"``
     (the top ``density`` of the shard's chunks of ``chunk_size``, the density ramped from dense over
-    ``warmup_steps`` exchanges, the rest kept in the residual: :mod:`gradientflow.fsdp.topk`), ``"auto"`` (dense fp32 until the
-    first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the ``quant_*``
-    options as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
+    ``warmup_steps`` exchanges, the rest kept in the residual: :mod:`gradientflow.fsdp.topk`), ``"auto"`` (dense
+    fp32 until the first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the
+    ``quant_*`` options as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may
+    wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
     config = recipe_config(

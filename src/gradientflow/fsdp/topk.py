@@ -80,9 +80,7 @@ class TopkShard:
     def ensure_sq(self) -> None:
         """No preconditioner here (see the class docstring)."""
 
-    def reduce(
-        self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog, timeout: timedelta | None
-    ) -> Sent:
+    def reduce(self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog, timeout: timedelta | None) -> Sent:
         """``t`` <- the average over ``group`` of every node's ``t``, the top chunks of ``t / M + v`` sent, the rest
         (and what the wire lost) kept in ``v`` for the next exchange (the module docstring's steps)."""
         if t.numel() != self.numel:
@@ -97,7 +95,7 @@ class TopkShard:
         with on_default_stream(t):  # CUDA: every op of the exchange on one stream (see on_default_stream)
             nodes = dist.get_world_size(group)
             v = self.err
-            v[: self.numel].add_(t, alpha=1.0 / nodes)  # t in reduce_dtype, v in fp32: the contribution joins the residual
+            v[: self.numel].add_(t, alpha=1.0 / nodes)  # the contribution joins the residual (t in reduce_dtype)
             rows = v.view(self.n_chunks, self.chunk)
             scores = chunk_scores(rows)
             work = dist.all_reduce(scores, group=group, async_op=True)
