@@ -175,6 +175,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
     recipe, overrides = parse_recipe(recipe)
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
+    options: dict[str, Any]
+    wrapped: nn.Module
     if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
         wrapped = shard(model, recipe)
         options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node"}
@@ -183,9 +185,9 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
         # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
         torch_ddp = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
-        options: dict[str, Any] = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
+        options = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
         options.update(register_torch_hook(recipe, torch_ddp))
-        wrapped: nn.Module = torch_ddp
+        wrapped = torch_ddp
     else:
         if recipe == "gf-auto":
             options = {"compression": "auto"}
