@@ -309,7 +309,8 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
     def chosen(default: list[str]) -> list[str]:
         # the plain recipes in their table order, then the variants (gf-…:option=value) of those
         plain = [r for r in default if opts.recipes is None or r in opts.recipes]
-        plain += [r for r in dict.fromkeys(opts.recipes or []) if r in TABLE_RECIPES]  # the table's, when named
+        named = (*TABLE_RECIPES, *SHARDED_MODES)  # the table's and the FSDP2 / HSDP modes, when named
+        plain += [r for r in dict.fromkeys(opts.recipes or []) if r in named]
         applies = (*default, *TABLE_RECIPES)
         variants = [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in applies]
         return plain + list(dict.fromkeys(variants))  # a variant named twice is trained once

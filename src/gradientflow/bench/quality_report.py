@@ -16,6 +16,7 @@ import numpy as np
 from gradientflow.bench.link_bytes import link_summary
 from gradientflow.bench.quality_plot import plot
 from gradientflow.bench.report_tables import link_table
+from gradientflow.bench.sharded import FSDP_MODES, FSDP_PREFIX
 
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -29,6 +30,12 @@ RECIPE_WHAT = {
     "ddp-fp16-hook": "torch DDP + fp16_compress_hook, the user's optimizer",
     "ddp-powersgd": "torch DDP + PowerSGD hook (rank 4, error feedback, 10 dense steps), the user's optimizer",
     "ddp-postlocal": "torch post-local SGD: PostLocalSGDOptimizer + PeriodicModelAverager (every 8 steps after 10)",
+    "hsdp": "torch FSDP2's HSDP on the mesh (nodes, ranks per node), its shards all-reduced between nodes in fp32",
+    "hsdp-bf16": "torch FSDP2's HSDP, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): bf16 between nodes",
+    **{
+        mode: f'gradientflow.fsdp.fully_shard, compression="{mode.removeprefix(FSDP_PREFIX)}" between nodes'
+        for mode in FSDP_MODES
+    },
 }
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "
@@ -36,7 +43,8 @@ DEFINITIONS = {
     "half": "the ratio to ddp at the validation nearest half the steps → the worst ratio at any later validation; "
     "'grows': worse than at ½ by more than 0.005 (the gap to ddp grows over the second half)",
     "sent": "bytes one rank hands to allreduce per step, mean over all steps (gradientflow: measured, "
-    "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c)",
+    "comm_stats()['payload_bytes'], CSC scores included; torch DDP: computed, 4 bytes per gradient, c; FSDP2 / "
+    "HSDP rows: the rank's shard between nodes, torch's computed from its reduce dtype)",
     "sparse": "share of steps on which CSC sent fewer than all chunks (dense warm-up steps and dense recipes: 0)",
     "tta": "time to X s: training wall clock until the validation loss first reaches X (linear between "
     "validation points); X = ddp's final validation loss, then the worst final loss of the recipes (a loss "
@@ -145,7 +153,7 @@ def _summarize_job(raw: dict[str, Any]) -> dict[str, Any]:
                 "final_val_loss": evals[-1]["val_loss"] if evals else None,
                 "final_val_acc": evals[-1]["val_acc"] if evals else None,
                 "bytes_per_step": float(np.mean(payload)) if payload else 4.0 * n,
-                "bytes_source": "measured" if payload and run["recipe"].startswith("gf-") else "computed",
+                "bytes_source": "measured" if payload and run["recipe"].startswith(("gf-", "fsdp-")) else "computed",
                 "sparse_share": float(np.mean([is_sparse_step(s) for s in run["stats"]])) if run["stats"] else 0.0,
                 "n_chunks": int(max(chunks)) if chunks else None,
                 "median_step_s": float(np.median(run["step_s"])) if run["step_s"] else None,

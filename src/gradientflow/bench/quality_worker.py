@@ -235,7 +235,9 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     def eval_all(step: int) -> None:
         for run in runs:
             if due(run, step):
-                loss, acc = evaluate(cast(nn.Module, run.wrapped.module), data)
+                # a DDP wrapper's module; an FSDP model is its own (its forward all-gathers the shards)
+                model = run.wrapped if sharded.is_sharded(run.recipe) else cast(nn.Module, run.wrapped.module)
+                loss, acc = evaluate(model, data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
                     {
