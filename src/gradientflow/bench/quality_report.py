@@ -29,6 +29,9 @@ RECIPE_WHAT = {
     "ddp-fp16-hook": "torch DDP + fp16_compress_hook, the user's optimizer",
     "ddp-powersgd": "torch DDP + PowerSGD hook (rank 4, error feedback, 10 dense steps), the user's optimizer",
     "ddp-postlocal": "torch post-local SGD: PostLocalSGDOptimizer + PeriodicModelAverager (every 8 steps after 10)",
+    "torchft-diloco": "torchft 0.2.0 DiLoCo: the user's optimizer inside, fp32 pseudo-gradients averaged every "
+    "sync_every steps (default 100), outer SGD(0.7, Nesterov 0.9)",
+    "torchft-diloco-quantized": "torchft 0.2.0 DiLoCo with should_quantize=True (fp8 rows + fp32 scales)",
 }
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "

@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
+    from gradientflow.bench.quality_torchft import check_device as check_torchft_device
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gradientflow bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
@@ -112,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.nproc_per_node}: pass e.g. --nproc {2 * args.nproc_per_node}",
             file=sys.stderr,
         )
+        return 2
+    try:  # torchft's quantised DiLoCo runs on CUDA only (the extra itself is checked by run_quality)
+        check_torchft_device(args.recipes or [], args.device)
+    except ValueError as exc:
+        print(f"gradientflow bench: error: {exc}", file=sys.stderr)
         return 2
     workloads = [WORKLOAD_OF_CLI[args.workload]] if args.workload else list(WORKLOAD_OF_CLI.values())
     opts = QualityOptions(
