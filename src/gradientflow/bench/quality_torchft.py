@@ -75,7 +75,7 @@ def check(recipes: list[str], device: str) -> None:
     from gradientflow.diagnostics.extras import require
 
     if {r.partition(":")[0] for r in recipes} & set(TORCHFT_PEERS):
-        require("torchft", "bench --quality's torchft-diloco recipes")
+        require("torchft", "bench --quality --recipes torchft-*")
         check_device(recipes, device)
 
 
@@ -122,7 +122,7 @@ class TorchftDiLoCo(nn.Module):
 
         rank, ms = dist.get_rank(), int(TIMEOUT.total_seconds() * 1000)
         ip = _routable_ip()
-        address = [None]
+        address: list[str | None] = [None]
         if rank == 0:
             # min_replicas = every rank: each outer step averages all of them (equal steps and tokens to DDP);
             # the quorum forms as soon as all joined (join_timeout only bounds waiting for more)
