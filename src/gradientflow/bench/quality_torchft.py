@@ -12,10 +12,11 @@ The set-up per recipe: rank 0 starts torchft's lighthouse (``torchft.coordinatio
 process) for all ``world`` replicas and broadcasts its address over the launch's own process group; each rank
 starts a TCPStore of its own (its replica group's) and a ``torchft.Manager`` on it with torchft's
 ``ProcessGroupGloo``, which the Manager configures at each quorum.  Every wait is bounded by :data:`TIMEOUT`,
-and :meth:`TorchftDiLoCo.close` (called by the worker also when a rank fails) shuts the Manager down, then
+and :meth:`TorchftDiLoCo.close` (called by the worker also when a recipe or a rank failed) shuts the Manager down, then
 the lighthouse.
 
-Imported only when such a recipe is named (torchft is the ``torchft`` extra); nothing else needs it.
+torchft itself (the ``torchft`` extra) is imported only when such a recipe is built: this module, which
+``bench.quality`` imports for the names and the option parser, needs torch alone.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from torch import nn
 TORCHFT_PEERS = ("torchft-diloco", "torchft-diloco-quantized")
 """torchft 0.2.0's DiLoCo, fp32 pseudo-gradients, and with its fp8 quantisation (``should_quantize=True``)."""
 DEFAULT_SYNC_EVERY = 100
-"""H of ``torchft-diloco`` named without ``sync_every=``: DiLoCo's paper trains with H in the hundreds."""
+"""H of ``torchft-diloco`` named without ``sync_every=`` (DiLoCo's paper: 500; this bench's runs are a few
+hundred steps, so a few outer steps at least)."""
 OPTIONS = ("sync_every",)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 TIMEOUT = timedelta(seconds=120)
