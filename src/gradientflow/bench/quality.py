@@ -47,13 +47,20 @@ from gradientflow.bench.quality_peers import (
     register_torch_hook,
     torch_peer_bytes,
 )
+from gradientflow.bench.quality_torchft import (
+    DEFAULT_SYNC_EVERY,
+    TORCHFT_PEERS,
+    TorchftDiLoCo,
+    parse_options,
+)
+from gradientflow.bench.quality_torchft import check as check_torchft
 from gradientflow.bench.sharded import SHARDED_MODES, is_sharded, shard
 from gradientflow.recipes import BY_NAME
 from gradientflow.recipes import RECIPES as RECIPE_TABLE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TORCH_PEERS", "lr_factor", "lr_schedule", "torch_peer_bytes"]
+__all__ = ["TORCHFT_PEERS", "TORCH_PEERS", "lr_factor", "lr_schedule", "torch_peer_bytes"]
 
 RECIPES = (
     "ddp",
@@ -134,18 +141,25 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     faster, steps.  ``topology=flat`` (or ``auto``, ``MxG``) is passed to the wrapper as its keyword (a
     variant forced flat beside the layout torchrun gives).  Raises ``ValueError`` for an unknown recipe or
     option or a bad value.
+
+    torchft's DiLoCo peers (:data:`TORCHFT_PEERS`) take one option, ``sync_every=H`` (a whole number >= 1).
     """
     from gradientflow.config import GradientFlowConfig
 
     base, _, rest = recipe.partition(":")
-    if base not in RECIPES and base not in TABLE_RECIPES and base not in SHARDED_MODES:
-        known = ", ".join((*RECIPES, *TABLE_RECIPES, *SHARDED_MODES))
+    if base not in (*RECIPES, *TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS):
+        known = ", ".join((*RECIPES, *TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS))
         raise ValueError(f"unknown recipe {base!r}; choose from {known}")
     if not rest:
         return base, {}
+    if base in TORCHFT_PEERS:
+        return base, parse_options(recipe, rest)
     if not base.startswith("gf-"):  # torch DDP and its peers
         what = "an FSDP2 / HSDP mode" if is_sharded(base) else "torch DDP"
-        raise ValueError(f"{recipe!r}: only gradientflow's DDP recipes (gf-*) take options; {base} is {what}")
+        raise ValueError(
+            f"{recipe!r}: only gradientflow's DDP recipes (gf-*) and torchft's (sync_every=H) take options; "
+            f"{base} is {what}"
+        )
     fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
     names = fields | {"steps"}
     overrides: dict[str, Any] = {}
@@ -188,6 +202,9 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
         options = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
         options.update(register_torch_hook(recipe, torch_ddp))
         wrapped = torch_ddp
+    elif recipe in TORCHFT_PEERS:  # DiLoCo is attached to the optimizer below, once it exists
+        wrapped = TorchftDiLoCo(model, recipe, overrides.get("sync_every", DEFAULT_SYNC_EVERY))
+        options = {}
     else:
         if recipe == "gf-auto":
             options = {"compression": "auto"}
@@ -231,6 +248,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
         averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
         opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
+    if isinstance(wrapped, TorchftDiLoCo):  # torchft is imported here, by the recipes that use it only
+        options.update(wrapped.attach(opt))
     return wrapped, opt, options
 
 
@@ -309,9 +328,9 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
     def chosen(default: list[str]) -> list[str]:
         # the plain recipes in their table order, then the variants (gf-…:option=value) of those
         plain = [r for r in default if opts.recipes is None or r in opts.recipes]
-        named = (*TABLE_RECIPES, *SHARDED_MODES)  # the table's and the FSDP2 / HSDP modes, when named
+        named = (*TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS)  # the table's, FSDP2 / HSDP, torchft's: when named
         plain += [r for r in dict.fromkeys(opts.recipes or []) if r in named]
-        applies = (*default, *TABLE_RECIPES)
+        applies = (*default, *TABLE_RECIPES, *TORCHFT_PEERS)
         variants = [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in applies]
         return plain + list(dict.fromkeys(variants))  # a variant named twice is trained once
 
@@ -383,6 +402,7 @@ def run_quality(opts: QualityOptions) -> dict[str, Any]:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs, tta = plan_jobs(opts)
+    check_torchft([r for j in (*jobs, *tta) for r in j.recipes], opts.device)  # before any rank starts
     t0 = time.monotonic()
     launches: dict[str, Any] = {}
     on_link = opts.quality_on_link and opts.bandwidth != "none"

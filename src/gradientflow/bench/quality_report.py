@@ -36,6 +36,9 @@ RECIPE_WHAT = {
         mode: f'gradientflow.fsdp.fully_shard, compression="{mode.removeprefix(FSDP_PREFIX)}" between nodes'
         for mode in FSDP_MODES
     },
+    "torchft-diloco": "torchft 0.2.0 DiLoCo: the user's optimizer inside, fp32 pseudo-gradients averaged every "
+    "sync_every steps (default 100), outer SGD(0.7, Nesterov 0.9)",
+    "torchft-diloco-quantized": "torchft 0.2.0 DiLoCo with should_quantize=True (fp8 rows + fp32 scales)",
 }
 DEFINITIONS = {
     "ratio": "final metric / the ddp recipe's final metric in the same run: validation loss for the transformer "

@@ -6,6 +6,7 @@ clock, and rank 0 writes the raw results named in the spec.  See :mod:`gradientf
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -136,6 +137,9 @@ def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict
     if recipe in sharded.HSDP_MODES:  # torch's HSDP: its shard in the reduce dtype
         n = sum(p.numel() for p in wrapped.parameters())
         return {"payload_bytes": sharded.hsdp_wire_bytes(recipe, n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+    peer_bytes = getattr(wrapped, "payload_bytes", None)  # torchft's DiLoCo: computed, torchft reports none
+    if peer_bytes is not None:
+        return {"payload_bytes": peer_bytes(step)}
     comm_stats = getattr(wrapped, "comm_stats", None)  # gradientflow's wrapper; torch DDP has none
     if comm_stats is None:
         if recipe not in TORCH_PEERS:
@@ -211,22 +215,42 @@ class _Probe:
 
 def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     """Train every recipe of ``job`` interleaved step by step; this rank's record."""
-    from tqdm import tqdm
-
     data = _Data(job, seed, rank, world)
     probe = _Probe(data, job)
-    probe_every = max(1, job.steps // max(1, job.probe_steps))
     # on an emulated cluster (every rank has LINK_ENV): the kernel's count of the node's link, per step
     counted = LINK_ENV in os.environ
     link = LinkCounter.from_env() if counted and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     runs: list[_Run] = []
     n_params = 0
-    for recipe in job.recipes:
-        model = data.build_model()
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        wrapped, opt, options = build_recipe(recipe, model, job)
-        own = replace(job, steps=max(1, round(job.steps * options.get("steps_factor", 1.0))))
-        runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, own), data.batches(), options, own.steps))
+    try:
+        for recipe in job.recipes:
+            model = data.build_model()
+            n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            wrapped, opt, options = build_recipe(recipe, model, job)
+            own = replace(job, steps=max(1, round(job.steps * options.get("steps_factor", 1.0))))
+            runs.append(_Run(recipe, wrapped, opt, lr_schedule(opt, own), data.batches(), options, own.steps))
+        return _train(job, data, probe, runs, rank, n_params, link, counted)
+    finally:  # torchft's recipes: their Manager and lighthouse, also when a rank or a later recipe failed
+        for run in runs:
+            close = getattr(run.wrapped, "close", None)
+            if close is not None:
+                close()
+
+
+def _train(
+    job: Job,
+    data: _Data,
+    probe: _Probe,
+    runs: list[_Run],
+    rank: int,
+    n_params: int,
+    link: LinkCounter | None,
+    counted: bool,
+) -> dict[str, Any]:
+    """:func:`run_job`'s training and evaluation of its recipes, once they are built."""
+    from tqdm import tqdm
+
+    probe_every = max(1, job.steps // max(1, job.probe_steps))
 
     def due(run: _Run, step: int) -> bool:
         """Evaluated after ``step`` steps: every ``eval_every`` steps of its own run and at its last."""
@@ -310,10 +334,22 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
                 "evals": r.evals,
                 "link": r.link,
                 "picked": _picked(r.wrapped),
+                "params_sha1": _params_digest(cast(nn.Module, r.wrapped.module)),
             }
             for r in runs
         ],
     }
+
+
+def _params_digest(module: nn.Module) -> str:
+    """SHA-1 of the parameters' bytes (this rank's shard under FSDP): equal on two ranks exactly when their
+    replicas are bit-identical, e.g. after a local-SGD recipe's last sync."""
+    digest = hashlib.sha1()
+    for p in module.parameters():
+        t = p.detach()
+        t = cast(Any, t).to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -330,6 +366,8 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 for node in run["nodes"]:
                     node["payload_bytes"] = node["inter_node_bytes"] = None
         run.pop("link", None)
+        run["replica_params_sha1"] = [r["runs"][i]["params_sha1"] for r in per_rank]  # rank by rank
+        run.pop("params_sha1", None)
         runs.append(run)
     out["runs"] = runs
     return out

@@ -11,6 +11,7 @@ from . import types
 def add_arguments(b: argparse.ArgumentParser) -> None:
     """The ``--quality options`` group of ``gradientflow bench``."""
     from gradientflow.bench.quality import RECIPES, TABLE_RECIPES
+    from gradientflow.bench.quality_torchft import DEFAULT_SYNC_EVERY
 
     q = b.add_argument_group(
         "--quality options",
@@ -32,7 +33,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help=f"recipes to train (default all that apply; ddp is always added): {' '.join(RECIPES)}; also every "
         f"recipe of the table (docs/recipes.md): {' '.join(TABLE_RECIPES)}; "
         "a gf-* recipe may change wrapper options, e.g. gf-recommended:warmup_steps=300,dense_1d=False "
-        "(an ablation, trained beside the others on the same seed and batches)",
+        "(an ablation, trained beside the others on the same seed and batches); torchft's DiLoCo peers "
+        "(the torchft extra): torchft-diloco and torchft-diloco-quantized (fp8; CUDA with triton), each with "
+        f"sync_every=H (default {DEFAULT_SYNC_EVERY}), e.g. torchft-diloco:sync_every=30",
     )
     q.add_argument(
         "--tta-recipes",
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gradientflow.bench.quality import WORKLOAD_OF_CLI, QualityOptions, run_quality
+    from gradientflow.bench.quality_torchft import check_device as check_torchft_device
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gradientflow bench: error: --device cuda: torch sees no CUDA device here", file=sys.stderr)
@@ -112,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.nproc_per_node}: pass e.g. --nproc {2 * args.nproc_per_node}",
             file=sys.stderr,
         )
+        return 2
+    try:  # torchft's quantised DiLoCo runs on CUDA only (the extra itself is checked by run_quality)
+        check_torchft_device(args.recipes or [], args.device)
+    except ValueError as exc:
+        print(f"gradientflow bench: error: {exc}", file=sys.stderr)
         return 2
     workloads = [WORKLOAD_OF_CLI[args.workload]] if args.workload else list(WORKLOAD_OF_CLI.values())
     opts = QualityOptions(

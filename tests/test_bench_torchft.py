@@ -1,0 +1,54 @@
+"""torchft's DiLoCo as a peer recipe of ``bench --quality`` (issue 59): a 2-rank loopback launch beside ddp."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gradientflow.bench.quality import QualityOptions, parse_recipe, plan_jobs
+
+CLI = [sys.executable, "-m", "gradientflow.cli"]
+
+
+def test_torchft_diloco_syncs_every_h_steps_beside_ddp(tmp_path):
+    """Every rank its own replica group; after each sync (steps 2 and 4 at H=2) the replicas are bit-identical,
+    and the computed bytes are 4 per parameter on those steps, none on the others."""
+    # not skipped without torchft: CI installs it (the test extra); a missing one fails naming the extra
+    h, steps = 2, 4
+    args = ["bench", "--quality", "--workload", "tiny_transformer", "--nproc", "2", "--steps", str(steps)]
+    args += ["--recipes", "ddp", f"torchft-diloco:sync_every={h}", "--transformer-size", "32x1", "--batch-size", "4"]
+    args += ["--eval-every", "2", "--bandwidth", "none", "--timeout", "90", "--out", str(tmp_path)]
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (job,) = json.loads((tmp_path / "raw-quality.json").read_text())["jobs"]
+    runs = {r["recipe"]: r for r in job["runs"]}
+    ft = runs[f"torchft-diloco:sync_every={h}"]
+    assert ft["status"] == "ok" and len(ft["step_s"]) == steps, ft["error"]
+    assert ft["options"]["sync_every"] == h and ft["options"]["outer_optimizer"].startswith("SGD(lr=0.7")
+    first, second = ft["replica_params_sha1"]
+    assert first == second  # identical after the last sync (step 4)
+    assert len(set(runs["ddp"]["replica_params_sha1"])) == 1
+    n = job["n_params"]
+    assert [s["payload_bytes"] for s in ft["stats"]] == [4.0 * n if (i + 1) % h == 0 else 0.0 for i in range(steps)]
+    rows = {
+        r["recipe"]: r for r in json.loads((tmp_path / "results.json").read_text())["workloads"]["transformer"]["rows"]
+    }
+    assert rows[ft["recipe"]]["bytes_per_step"] == 4.0 * n / h and rows[ft["recipe"]]["bytes_source"] == "computed"
+
+
+def test_torchft_recipes_take_sync_every_only_and_are_trained_when_named():
+    assert parse_recipe("torchft-diloco") == ("torchft-diloco", {})
+    assert parse_recipe("torchft-diloco-quantized:sync_every=30") == ("torchft-diloco-quantized", {"sync_every": 30})
+    for bad, says in (("torchft-diloco:sync_every=0", ">= 1"), ("torchft-diloco:sync_every=2.5", "whole number")):
+        with pytest.raises(ValueError, match=says):
+            parse_recipe(bad)
+    with pytest.raises(ValueError, match="the one option"):
+        parse_recipe("torchft-diloco:outer_lr=0.5")
+    (job,), _ = plan_jobs(QualityOptions(workloads=["transformer"], bandwidth="none"))
+    assert not any(r.startswith("torchft") for r in job.recipes)  # torchft is an extra: never a default
+    named = ["torchft-diloco", "torchft-diloco:sync_every=30"]
+    (job,), _ = plan_jobs(QualityOptions(workloads=["transformer"], recipes=named, bandwidth="none"))
+    assert job.recipes == ["ddp", *named]
