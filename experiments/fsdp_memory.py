@@ -5,8 +5,12 @@ Gloo loopback (issue 58: "peak above torch HSDP's at most one fp32 shard per ran
 
 Each (kind, repeat) runs in 4 fresh processes: the transformer of the quality bench (``--size`` d_model x layers)
 sharded per block and at the root, AdamW, ``--steps`` steps on random tokens.  A rank's figure is its peak resident
-set (``ru_maxrss``: the kernel's exact high-water mark) minus its resident set just before the model was built: what
-the model, its shards, gradients, AdamW's state, the all-gathers and the recipe's state and buffers added.  The
+set during the training steps (sampled every 2 ms: ``bench.bench_memory.PeakRss``) minus its resident set just
+before the model was built: what the shards, gradients, AdamW's state, the all-gathers, the activations and the
+recipe's state and buffers hold at the step's peak.  The processes start with ``MALLOC_MMAP_THRESHOLD_=131072``
+(as the step-time bench's workers build their modes): every tensor over 128 KiB is mapped and unmapped with its
+life, so the resident set follows the live tensors and the unsharded model built before sharding leaves nothing
+behind.  The
 medians over repeats of the largest rank's figure are compared; the recipe's state is also counted exactly
 (``comm_stats()['state_bytes']``) beside one fp32 shard of the model (its parameters over the ranks of a node).
 """
@@ -16,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -42,6 +45,7 @@ def _worker(rank: int, world: int, store: str, kind: str, size: tuple[int, int],
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import gradientflow.fsdp as gf
+    from gradientflow.bench.bench_memory import PeakRss
     from gradientflow.bench.models import tiny_transformer
 
     torch.set_num_threads(1)
@@ -61,12 +65,13 @@ def _worker(rank: int, world: int, store: str, kind: str, size: tuple[int, int],
         else:
             gf.fully_shard(block, mesh=mesh, compression=kind, **({"warmup_steps": 0} if "topk" in kind else {}))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    for seq in batches:
-        x, y = seq[:, :-1], seq[:, 1:]
-        torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    with PeakRss() as sampled:
+        for seq in batches:
+            x, y = seq[:, :-1], seq[:, 1:]
+            torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    peak = sampled.peak
     state = 0 if kind == "torch" else gf.comm_stats(net)["state_bytes"]
     shard = 0 if kind == "torch" else gf.comm_stats(net)["dense_bytes"]
     mine = {"added_mb": peak - before, "state_bytes": state, "shard_bytes": shard, "params": params}
@@ -97,35 +102,39 @@ def main() -> None:
     parser.add_argument("--size", default="512x4", help="d_model x layers (default 512x4: 12.7M parameters)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="default: all of them")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    kinds = ["torch", *(k for k in args.kinds if k != "torch")]  # torch's HSDP: the reference
     d, layers = (int(v) for v in args.size.split("x"))
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[list[dict]]] = {k: [] for k in KINDS}
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by each spawned rank's malloc at its start (see above)
+    runs: dict[str, list[list[dict]]] = {k: [] for k in kinds}
     for _ in range(args.repeats):  # kinds interleaved: a slow phase of the machine hits them alike
-        for kind in KINDS:
+        for kind in kinds:
             runs[kind].append(_launch(kind, (d, layers), args.steps))
     command = " ".join([Path(sys.executable).name, *sys.argv])
     (args.out / "results.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1))
-    peak = {k: statistics.median(max(r["added_mb"] for r in launch) for launch in runs[k]) for k in KINDS}
-    shard_mb = max(r["shard_bytes"] for r in runs["none"][0]) / 2**20
+    peak = {k: statistics.median(max(r["added_mb"] for r in launch) for launch in runs[k]) for k in kinds}
+    shard_mb = 4 * -(-runs["torch"][0][0]["params"] // 2) / 2**20  # padding per parameter aside
     lines = [
         f"# Peak memory per rank, HSDP 2 x 2 on Gloo loopback, transformer {args.size} "
         f"({runs['torch'][0][0]['params']:,} parameters), AdamW, {args.steps} steps",
         "",
         f"command: `{command}`",
         "",
-        f"One fp32 shard of the model per rank: {shard_mb:.1f} MB (the parameters over the 2 ranks of a node).",
+        f"One fp32 shard of the model per rank: {shard_mb:.1f} MiB (the parameters over the 2 ranks of a node).",
         "",
-        "| kind | peak added MB (median of the largest rank, "
-        f"{args.repeats} launches) | above torch HSDP MB | in fp32 shards | recipe state MB (exact) |",
-        "|---|---|---|---|---|",
+        "| kind | peak added MiB (median of the largest rank, "
+        f"{args.repeats} launches) | above torch HSDP MiB | in fp32 shards | recipe state MiB (exact) | each launch |",
+        "|---|---|---|---|---|---|",
     ]
-    for kind in KINDS:
+    for kind in kinds:
         above = peak[kind] - peak["torch"]
         state = max(r["state_bytes"] for r in runs[kind][0]) / 2**20
         label = "torch HSDP (fp32 reduce)" if kind == "torch" else f"gradientflow `{kind}`"
-        lines.append(f"| {label} | {peak[kind]:.1f} | {above:+.1f} | {above / shard_mb:+.2f} | {state:.1f} |")
+        each = ", ".join(f"{max(r['added_mb'] for r in launch):.0f}" for launch in runs[kind])
+        lines.append(f"| {label} | {peak[kind]:.1f} | {above:+.1f} | {above / shard_mb:+.2f} | {state:.1f} | {each} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
