@@ -501,9 +501,10 @@ def test_auto_is_dense_until_the_first_step_then_the_optimizers_recipe(nodes: in
 
     numels = (HIDDEN * IN + HIDDEN, HIDDEN * HIDDEN + HIDDEN, OUT * HIDDEN + OUT)  # one rank per node: whole
     dense, quantized = sum(4 * n for n in numels), sum(wire_bytes(n, 3, 128) for n in numels)
+    four = sum(wire_bytes(n, 4, 128) for n in numels)
     for r in run_distributed(_auto, nodes, timeout=120):
         assert r["adamw"] == [("auto", dense), (adamw, quantized), (adamw, quantized)]
-        assert r["sgd"] == [("auto", dense), ("3bit", quantized), ("3bit", quantized)]
+        assert r["sgd"] == [("auto", dense), ("4bit", four), ("4bit", four)]  # SGD under FSDP: 4 bits (auto.py)
         assert r["adamw_identical"] and r["sgd_identical"]
 
 
