@@ -142,7 +142,7 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
     )
     for bad, says in [
         ("gf-x", "unknown recipe 'gf-x'"),
-        ("ddp:density=0.1", "only gradientflow recipes"),
+        ("ddp:density=0.1", "only gradientflow's DDP recipes"),
         ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"),
         ("gf-paper:density", "is not OPTION=VALUE"),
         ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]"),
