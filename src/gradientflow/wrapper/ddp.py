@@ -74,8 +74,9 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         "2bit-precond", "auto"; docs/recipes.md], quant_bits, quant_block, quant_levels, quant_precondition,
         quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
         synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1: DiLoCo, the replicas
-        synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [0.7], outer_momentum [0.9],
-        outer_compression ["none"], sync_fragments [1], outer_state_device [None] (the outer ones: sync_every > 1 only);
+        synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [1.0], outer_momentum [0.0] (the
+        replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit"], sync_fragments [1], outer_state_device
+        [None] (the outer ones: sync_every > 1 only);
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
