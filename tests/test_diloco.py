@@ -429,6 +429,27 @@ def test_defaults_average_through_3_bits_where_sync_every_is_set() -> None:
     assert GradientFlowConfig().outer_lr is None, "sync_every=1: no outer option applies"
 
 
+def _momentum_worker(rank: int, world: int) -> list[bool]:
+    out = []
+    for options in ({}, {"outer_lr": 0.7, "outer_momentum": 0.9}):
+        model = gf.DistributedDataParallel(_net(), sync_every=2, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            opt.zero_grad()
+            model(_batch(rank, step, 0)).square().mean().backward()
+            opt.step()
+        assert model._gf_outer is not None
+        out.append(model._gf_outer.loop.buf is not None)
+        out.append(model.comm_state_dict()["outer"]["momentum"] is not None)
+    return out
+
+
+def test_averaging_keeps_no_momentum_buffer() -> None:
+    # the default outer step (lr 1, no momentum) holds the anchor alone: 4 bytes a parameter, not DiLoCo's 8
+    for held in run_distributed(_momentum_worker, 2, timeout=60):
+        assert held == [False, False, True, True], held
+
+
 def _bad_worker(rank: int, world: int) -> list[str]:
     out = []
     for kwargs in ({"sync_every": 4, "compression": "3bit"}, {"sync_every": 2, "sync_fragments": 2} if rank else {}):

@@ -259,9 +259,7 @@ def _train(
     def eval_all(step: int) -> None:
         for run in runs:
             if due(run, step):
-                # a DDP wrapper's module; an FSDP model is its own (its forward all-gathers the shards)
-                model = run.wrapped if sharded.is_sharded(run.recipe) else cast(nn.Module, run.wrapped.module)
-                loss, acc = evaluate(model, data)
+                loss, acc = evaluate(_trained(run), data)
                 recent = run.train_losses[-job.eval_every :]
                 run.evals.append(
                     {
@@ -334,11 +332,17 @@ def _train(
                 "evals": r.evals,
                 "link": r.link,
                 "picked": _picked(r.wrapped),
-                "params_sha1": _params_digest(cast(nn.Module, r.wrapped.module)),
+                "params_sha1": _params_digest(_trained(r)),
             }
             for r in runs
         ],
     }
+
+
+def _trained(run: _Run) -> nn.Module:
+    """The model a run trains: a DDP wrapper's module; an FSDP model is its own (its forward all-gathers the
+    shards, its parameters are this rank's shards)."""
+    return run.wrapped if sharded.is_sharded(run.recipe) else cast(nn.Module, run.wrapped.module)
 
 
 def _params_digest(module: nn.Module) -> str:
@@ -366,7 +370,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 for node in run["nodes"]:
                     node["payload_bytes"] = node["inter_node_bytes"] = None
         run.pop("link", None)
-        run["replica_params_sha1"] = [r["runs"][i]["params_sha1"] for r in per_rank]  # rank by rank
+        run["replica_params_sha1"] = [r["runs"][i].get("params_sha1") for r in per_rank]  # rank by rank
         run.pop("params_sha1", None)
         runs.append(run)
     out["runs"] = runs

@@ -13,7 +13,8 @@ sees, and a checkpoint written after that step, are the synchronised ones:
 Steps 3-4 run only once step 2 completed on this rank: a rank lost during the exchange leaves the others'
 parameters, anchor, momentum and residual as they were before the sync (each raises ``CommunicationError``).
 
-Memory per rank: the anchor and the momentum (2 x 4 bytes per parameter, on ``outer_state_device``), a transient
+Memory per rank: the anchor and, with ``outer_momentum > 0``, the momentum (4 bytes per parameter each, on
+``outer_state_device``; the default, averaging, keeps no momentum), a transient
 pseudo-gradient per sync, and the quantised exchange's residual (4 bytes per element of the rank's shard).
 """
 
@@ -72,7 +73,7 @@ class OuterLoop:
         broadcast, or a model state every rank loaded after it)."""
         if self.anchor is None:
             self.anchor = [self._flat(f) for f in range(len(self.runs))]
-            self.buf = [torch.zeros_like(a) for a in self.anchor]
+            self.buf = [torch.zeros_like(a) for a in self.anchor] if self.momentum else None  # averaging: none
 
     # ---- per step ----------------------------------------------------------------------
     def after_step(self) -> list[int]:
@@ -86,7 +87,7 @@ class OuterLoop:
 
     def sync(self, f: int) -> None:
         """Steps 1-4 of the module docstring for fragment ``f``."""
-        assert self.anchor is not None and self.buf is not None  # start() ran
+        assert self.anchor is not None  # start() ran
         t0 = time.perf_counter()
         self.watchdog.step = self.steps  # messages name the inner step the sync follows
         delta = self.anchor[f] - self._flat(f)
@@ -96,7 +97,10 @@ class OuterLoop:
         self.exchange.commit(f, residual)
         if wire is not delta:
             delta.copy_(wire)
-        nesterov_step(self.anchor[f], self.buf[f], delta, self.lr, self.momentum)
+        if self.buf is None:  # no momentum: the plain step (outer_lr 1: the replicas' average)
+            self.anchor[f].sub_(delta, alpha=self.lr)
+        else:
+            nesterov_step(self.anchor[f], self.buf[f], delta, self.lr, self.momentum)
         self._write(f)
         self.syncs += 1
         self.sent.payload += sent.payload
@@ -190,7 +194,7 @@ class OuterLoop:
             return None if ts is None else [t.to(device=dev, dtype=torch.float32).clone() for t in ts]
 
         self.anchor, self.buf = put(state["anchor"]), put(state["momentum"])
-        if self.anchor is not None and self.buf is None:
+        if self.anchor is not None and self.buf is None and self.momentum:
             self.buf = [torch.zeros_like(a) for a in self.anchor]
         self.exchange.residuals = [
             None if r is None else r.to(device=self.params[0].device, dtype=torch.float32).clone()
