@@ -65,10 +65,11 @@ def shard(model: nn.Module, mode: str) -> nn.Module:
             torch_fully_shard(module, mesh=on, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
         else:
             recipe = mode.removeprefix(FSDP_PREFIX)
-            # the top-k recipes' sparse steps are timed, as the DDP modes' are: no density ramp (100: the default,
-            # which the other recipes do not read)
-            ramp = 0 if lookup(recipe).recipe.mechanism.startswith("topk") else 100
-            gf.fully_shard(module, mesh=on, compression=recipe, warmup_steps=ramp)
+            if lookup(recipe).recipe.mechanism.startswith("topk"):
+                # the top-k recipes' sparse steps are timed, as the DDP modes' are: no density ramp
+                gf.fully_shard(module, mesh=on, compression=recipe, warmup_steps=0)
+            else:
+                gf.fully_shard(module, mesh=on, compression=recipe)
     return model
 
 

@@ -52,7 +52,7 @@ def recipe_config(
     timeout: float | timedelta | None = None,
 ) -> GradientFlowConfig:
     """The recipe as the DDP wrapper reads it (the one table's rule), or ``ValueError`` saying what to pass."""
-    config = GradientFlowConfig(
+    return GradientFlowConfig(
         compression=compression,
         density=density,
         chunk_size=chunk_size,
@@ -65,7 +65,6 @@ def recipe_config(
         quant_clip=quant_clip,
         timeout=timeout,
     )
-    return config
 
 
 def _mesh(mesh: DeviceMesh | None) -> HSDPMesh:
