@@ -6,7 +6,8 @@ every recipe), and every ``sync_every`` optimizer steps torchft averages the pse
 synchronised parameters minus the local ones) across the replicas and steps an outer SGD(lr=0.7,
 momentum=0.9, nesterov=True) on them: DiLoCo's defaults, so ``torchft-diloco:sync_every=H`` sits beside
 ``gf-…:sync_every=H,outer_lr=0.7,outer_momentum=0.9,outer_compression=none`` (gradientflow's defaults average
-through 3 bits instead) at equal steps and tokens.  H is the recipe's one option (``torchft-diloco:sync_every=30``; :data:`DEFAULT_SYNC_EVERY` without it).
+through 3 bits instead) at equal steps and tokens.  H is the recipe's one option
+(``torchft-diloco:sync_every=30``; :data:`DEFAULT_SYNC_EVERY` without it).
 
 The set-up per recipe: rank 0 starts torchft's lighthouse (``torchft.coordination.LighthouseServer``, in
 process) for all ``world`` replicas and broadcasts its address over the launch's own process group; each rank
