@@ -286,6 +286,43 @@ def test_exact_resume_mid_interval(options: dict, cut_at: int) -> None:
         assert torch.equal(straight, resumed)
 
 
+def _rank0_checkpoint_worker(rank: int, world: int, keep_replica: bool) -> object:
+    """A checkpoint written the torch DDP way: rank 0's model and optimizer state, loaded on every rank (as
+    accelerate's save_state and Lightning's checkpoint do), beside each rank's own ``comm_state_dict()``."""
+    options = {"sync_every": 4}
+    total, cut_at = 10, 6
+    model = gf.DistributedDataParallel(_net(), **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    straight = _train(model, opt, rank, range(total))[-1]
+    model = gf.DistributedDataParallel(_net(), **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, rank, range(cut_at))
+    shared = [(model.module.state_dict(), opt.state_dict())]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
+    comm = model.comm_state_dict()
+    if not keep_replica:  # the control: the outer state without this rank's parameters and optimizer state
+        comm["outer"] = {k: v for k, v in comm["outer"].items() if k not in ("replica", "inner_optimizer")}
+    del model, opt
+    model = gf.DistributedDataParallel(_net(), **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.load_comm_state_dict(comm)  # before the model and optimizer: the order does not matter
+    model.module.load_state_dict(shared[0][0])
+    opt.load_state_dict(shared[0][1])
+    resumed = _train(model, opt, rank, range(cut_at, total))[-1]
+    return _lists([straight, resumed])
+
+
+def test_exact_resume_from_rank_0s_model_and_optimizer_state() -> None:
+    """Between syncs the replicas' parameters and AdamW moments differ: each rank's comm_state_dict() keeps its own
+    and writes them back, so a resume from rank 0's model and optimizer state is exact on every rank; without them
+    (the control: a state saved before they were kept) rank 1 goes on from rank 0's replica, and the next sync
+    carries that into rank 0's parameters too."""
+    for straight, resumed in _run(_rank0_checkpoint_worker, 2, True):
+        assert torch.equal(straight, resumed)
+    for straight, resumed in _run(_rank0_checkpoint_worker, 2, False):  # the next sync (step 8) mixes rank 1's in
+        assert not torch.equal(straight, resumed), "without this rank's own state: the test can fail"
+
+
 def _mismatch_worker(rank: int, world: int) -> str:
     state = gf.DistributedDataParallel(_net(), sync_every=4).comm_state_dict()
     model = gf.DistributedDataParallel(_net(), sync_every=8)
@@ -382,11 +419,16 @@ def _stall_worker(rank: int, world: int, timeout: float, options: dict) -> dict 
     return None
 
 
-@pytest.mark.parametrize("options", [{"outer_compression": "none"}, {}], ids=["fp32", "3bit"])
+@pytest.mark.parametrize(
+    "options",
+    [{"outer_compression": "none"}, {}, {"sync_delay": 1}],
+    ids=["fp32", "3bit", "3bit-overlapped"],
+)
 def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
     """Rank 2 of 3 stops before its fourth step; ranks 0 and 1 enter the second outer sync and wait for it: both raise
     ``CommunicationError`` within the timeout, naming rank 2, with the parameters the inner step left (the sync
-    applied nothing) and one sync counted."""
+    applied nothing) and one sync counted.  Overlapped (``sync_delay=1``): the exchange started after step 4 is
+    waited on when it is merged, after step 5, and raises there the same way."""
     timeout = 4
     results = run_faulty(_stall_worker, 3, timeout, options, wait_for=[0, 1], timeout=timeout + 40)
     for rank, rep in results.items():
@@ -408,6 +450,10 @@ def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
         ({"sync_every": 4, "outer_lr": 0}, "outer_lr must be a number > 0"),
         ({"sync_every": 4, "outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1)"),
         ({"sync_every": 4, "sync_fragments": 5}, "sync_fragments must be an int in [1, sync_every]"),
+        ({"sync_delay": 1}, "Pass sync_every=H"),
+        ({"sync_every": 4, "sync_delay": 5}, "sync_delay must be an int in [0, sync_every // sync_fragments] = [0, 4]"),
+        ({"sync_every": 4, "sync_fragments": 2, "sync_delay": 3}, "= [0, 2]"),
+        ({"sync_every": 4, "sync_delay": -1}, "sync_delay must be an int"),
         ({"sync_every": 4, "outer_compression": "topk-3bit"}, "not built for the outer exchange"),
         ({"sync_every": 4, "outer_compression": "3bt"}, "did you mean '3bit'"),
         ({"sync_every": 4, "outer_state_device": "gpu"}, "outer_state_device must be None"),

@@ -282,6 +282,12 @@ class GradientFlowConfig:
     """Streaming: the parameters cut into this many fragments (whole tensors, about equal sizes), fragment f
     synchronised at the steps t with (t + 1 - (f + 1) * H // F) % H == 0, so the link carries F smaller
     exchanges per H steps instead of one [1]."""
+    sync_delay: int | None = None
+    """Streaming's overlap: inner steps an outer exchange runs beside before its result is merged.  The
+    pseudo-gradient is taken at the fragment's sync step and its exchange started; ``sync_delay`` optimizer steps
+    later the outer step is applied to the anchor and the fragment set to the new anchor plus the replica's own
+    progress since the pseudo-gradient was taken (no inner step is lost).  0 = the exchange blocks its step; at
+    most ``sync_every // sync_fragments`` (one outer exchange in flight at a time) [0]."""
     outer_state_device: str | None = None
     """Where the last synchronised parameters and the outer momentum live: "cpu" (host memory, for GPUs short
     of memory) or None (the parameters' device)."""
@@ -435,6 +441,12 @@ class GradientFlowConfig:
                 f"sync_fragments must be an int in [1, sync_every] (fragments synchronised in turn, at most one per "
                 f"step), got {frags!r} at sync_every={h}"
             )
+        delay = settled["sync_delay"]
+        if _not_int(delay) or not 0 <= delay <= h // frags:
+            raise ValueError(
+                f"sync_delay must be an int in [0, sync_every // sync_fragments] = [0, {h // frags}] (inner steps an "
+                f"outer exchange overlaps before it is merged, one exchange in flight at a time), got {delay!r}"
+            )
         device = settled["outer_state_device"]
         if device not in ("cpu", "same"):
             raise ValueError(
@@ -531,13 +543,16 @@ def _not_int(v: object) -> bool:
     return isinstance(v, bool) or not isinstance(v, int)
 
 
-OUTER_OPTIONS = ("outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "outer_state_device")
+OUTER_OPTIONS = (
+    "outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "sync_delay", "outer_state_device",
+)  # fmt: skip
 """The options beside ``sync_every`` (:meth:`GradientFlowConfig._validate_outer`)."""
 OUTER_DEFAULTS: dict[str, Any] = {
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
     "outer_compression": "3bit",
     "sync_fragments": 1,
+    "sync_delay": 0,
     "outer_state_device": "same",
 }
 """The replicas' parameters averaged (outer lr 1, no momentum) through the 3-bit exchange with error feedback: on the

@@ -131,6 +131,20 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
         results[case + "_warnings"] = [os.path.basename(w.filename) for w in caught if "gradientflow" in str(w.message)]
         results[case + "_files"] = sorted(f for f in os.listdir(path) if f.startswith("gradientflow"))
     out["resume"] = results
+    # sync_every through the accelerator: the outer loop inside accelerate's optimizer step, its state saved by
+    # save_state mid-interval (H = 3, cut after step 4) and loaded back
+    outer = dict(sync_every=3, outer_compression="none")
+    _, whole, _, _ = _run(lambda **kw: GradientFlowAccelerator(**kw, **outer), rank)
+    stats = whole.comm_stats(total=True)
+    a, model, optimizer, _ = _run(lambda **kw: GradientFlowAccelerator(**kw, **outer), rank, steps=0)
+    _train(a, model, optimizer, rank, range(4))
+    path = os.path.join(tmp, "outer")
+    a.save_state(path)
+    a.wait_for_everyone()
+    a, model, optimizer, _ = _run(lambda **kw: GradientFlowAccelerator(**kw, **outer), rank, steps=0)
+    a.load_state(path)
+    _train(a, model, optimizer, rank, range(4, STEPS))
+    out["outer"] = (_same(_params(whole), _params(model)), stats["sync_every"], stats["outer_syncs"])
     # a comm hook through accelerate's DistributedDataParallelKwargs, against torch DDP running it
     handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     _, ours, _, _ = _run(GradientFlowAccelerator, rank, acc=dict(kwargs_handlers=[handler]))
@@ -168,6 +182,12 @@ def test_sparse_resume_from_save_state_is_the_uninterrupted_run(results):
         # the control: without this rank's file the run differs, and load_state says so at the user's line
         assert resume["without_state"] is False
         assert resume["without_state_warnings"] == ["test_accelerate.py"]
+
+
+def test_sync_every_passes_through_and_resumes_from_save_state(results):
+    """8 steps at H = 3: synced after steps 3 and 6; the run cut after step 4 resumes on the uninterrupted bits."""
+    for r in results:
+        assert r["outer"] == (True, 3, 2)
 
 
 def test_teardown_leaves_the_module_as_accelerate_does(results):

@@ -155,6 +155,21 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, object]:
     out["resume"] = _same(_params(whole), _params(resumed))
     out["resume_without_state"] = _same(_params(whole), _params(without))
     out["ckpt_ranks"] = len(torch.load(path, weights_only=True)["gradientflow"]["comm_states"])
+    # sync_every through the strategy: the outer loop inside Lightning's optimizer step, its state (an exchange in
+    # flight too: H = 4, delay 2, the checkpoint right after step 8's sync started) in the checkpoint
+    outer = dict(sync_every=4, sync_delay=2, outer_compression="none")
+    stats: list[dict] = []
+
+    class KeepStats(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, module: Net) -> None:
+            stats.append(trainer.strategy.model.comm_stats(total=True))
+
+    _, whole = _fit(GradientFlowStrategy(**outer), max_epochs=4, callbacks=[KeepStats()])
+    t_first, _ = _fit(GradientFlowStrategy(**outer), max_epochs=2)
+    path = os.path.join(tmp, "outer.ckpt")
+    t_first.save_checkpoint(path)
+    _, resumed = _fit(GradientFlowStrategy(**outer), ckpt_path=path, max_epochs=4)
+    out["outer"] = (_same(_params(whole), _params(resumed)), stats[0]["sync_every"], stats[0]["outer_syncs"])
     # a warning raised inside Lightning's machinery names the user's line (here: this file's fit call)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -207,6 +222,13 @@ def test_sparse_resume_from_lightning_checkpoint_is_the_uninterrupted_run(result
         assert r["ckpt_ranks"] == WORLD  # every rank's residuals are in rank 0's file
         assert r["resume"] is True
         assert r["resume_without_state"] is False  # dropping the sync state changes the run: the test has teeth
+
+
+def test_sync_every_passes_through_and_resumes_from_lightning_checkpoint(results):
+    """16 steps at H = 4, delay 2: syncs start after steps 4, 8, 12, 16 and are merged after 6, 10, 14 (3 counted);
+    the run cut after step 8, its exchange in flight, resumes on the uninterrupted run's bits."""
+    for r in results:
+        assert r["outer"] == (True, 4, 3)
 
 
 def test_teardown_leaves_the_module_as_ddp_strategy_does(results):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_gather_single, start_allreduce
+from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
 from ..comm.quantized_ring import QuantizedRing
 from ..config import OuterExchange
 from ..diagnostics.watchdog import Watchdog
@@ -71,57 +71,96 @@ class Average:
     def average(self, x: torch.Tensor, fragment: int, what: str) -> tuple[Sent, torch.Tensor | None]:
         """``x`` in place: its mean over the replicas.  Returns the bytes and the fragment's new residual (quantised;
         ``None`` for dense), which the caller installs with :meth:`commit` once everything else succeeded."""
-        n = x.numel()
-        s = self.shard(n)
-        full = x
-        if s * self.per_node != n:  # padded to whole shards: the pad is zeros on every rank, sums to zeros
-            full = torch.zeros(s * self.per_node, dtype=x.dtype, device=x.device)
-            full[:n].copy_(x)
-        mine = full[self.local * s : (self.local + 1) * s]
-        sent = Sent()
-        residual = None
-        if self.spec.quantizer is None:
-            self._dense(mine, what, sent)
-        else:
-            residual = self._quantized(mine, fragment, what, sent)
-        if self.node is not None:
-            gathered = torch.empty_like(full)
-            work = all_gather_single(gathered, mine.clone(), group=self.node, async_op=True)
-            self.watchdog.wait(work, f"{what}: all-gather inside the node", s * 4)
-            sent.intra += (self.per_node - 1) * s * 4
-            full = gathered
-        if full is not x:
-            x.copy_(full[:n])
-        return sent, residual
+        return self.start(x, fragment, what).finish()
+
+    def start(self, x: torch.Tensor, fragment: int, what: str) -> Flight:
+        """Post the exchange between replicas of ``x`` and return without waiting (streaming's overlap): the
+        :class:`Flight` finishes it, and only then is ``x`` the mean (the all-gather inside the node, on nodes of
+        several ranks, is posted by :meth:`Flight.finish`, a step every rank of the node reaches in the same order)."""
+        return Flight(self, x, fragment, what)
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
         if residual is not None:
             self.residuals[fragment] = residual
 
-    def _dense(self, mine: torch.Tensor, what: str, sent: Sent) -> None:
+    def _dense(self, mine: torch.Tensor, what: str, sent: Sent) -> tuple[torch.Tensor, PendingAllreduce]:
         dtype = self.spec.wire_dtype
         wire = mine.div(self.parties) if dtype is None else mine.div(self.parties).to(dtype)
-        start_allreduce(wire, group=self.group, watchdog=self.watchdog, what=what).wait()
-        mine.copy_(wire)
+        work = start_allreduce(wire, group=self.group, watchdog=self.watchdog, what=what)
         nbytes = wire.numel() * wire.element_size()
         sent.payload += nbytes
         sent.inter += 2 * (self.parties - 1) * nbytes // self.parties  # a ring allreduce's share per rank
+        return wire, work
 
-    def _quantized(self, mine: torch.Tensor, fragment: int, what: str, sent: Sent) -> torch.Tensor:
+    def _quantized(self, mine: torch.Tensor, fragment: int) -> tuple[torch.Tensor, torch.Tensor, QuantizedRing]:
         q = self.spec.quantizer
         assert q is not None
         old = self.residuals[fragment]
         err = torch.zeros_like(mine) if old is None else old.clone()  # the old one stays until commit()
         x = mine.div(self.parties)
-        t0 = time.perf_counter()
         ring = QuantizedRing(
             x, err, self.group, bits=q.bits, block=q.block, timeout=self.watchdog.timeout, levels=q.levels, carry=True
         )
-        try:
-            ring.wait()
-        except RuntimeError as exc:
-            raise self.watchdog.failure(what, ring.payload_bytes, exc, time.perf_counter() - t0) from exc
-        mine.copy_(x)
-        sent.payload += ring.payload_bytes if self.parties > 1 else 0
-        sent.inter += ring.sent_bytes
-        return err
+        return x, err, ring
+
+
+class Flight:
+    """One outer exchange posted between the replicas, not finished: :meth:`poll` advances it without blocking
+    (the quantised ring posts its next round once the last arrived), :meth:`finish` waits for it, all-gathers the
+    averaged shards inside the node and writes the mean into ``x``.  Nothing of the exchange's state (the residual)
+    changes before :meth:`Average.commit`."""
+
+    def __init__(self, avg: Average, x: torch.Tensor, fragment: int, what: str) -> None:
+        self.avg, self.x, self.what = avg, x, what
+        self.t0 = time.perf_counter()
+        n = x.numel()
+        self.s = s = avg.shard(n)
+        self.full = x
+        if s * avg.per_node != n:  # padded to whole shards: the pad is zeros on every rank, sums to zeros
+            self.full = torch.zeros(s * avg.per_node, dtype=x.dtype, device=x.device)
+            self.full[:n].copy_(x)
+        self.mine = self.full[avg.local * s : (avg.local + 1) * s]
+        self.sent = Sent()
+        self.ring: QuantizedRing | None = None
+        self.err: torch.Tensor | None = None
+        if avg.spec.quantizer is None:
+            self.wire, self.work = avg._dense(self.mine, what, self.sent)
+        else:
+            self.wire, self.err, self.ring = avg._quantized(self.mine, fragment)
+
+    def poll(self) -> None:
+        """Advance the quantised ring's rounds that can go (never blocks; the dense allreduce runs by itself)."""
+        if self.ring is not None:
+            try:
+                self.ring.poll()
+            except RuntimeError as exc:
+                raise self._failure(exc) from exc
+
+    def finish(self) -> tuple[Sent, torch.Tensor | None]:
+        """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer), then
+        the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual."""
+        avg, sent = self.avg, self.sent
+        if self.ring is None:
+            self.work.wait()
+        else:
+            try:
+                self.ring.wait()
+            except RuntimeError as exc:
+                raise self._failure(exc) from exc
+            sent.payload += self.ring.payload_bytes if avg.parties > 1 else 0
+            sent.inter += self.ring.sent_bytes
+        self.mine.copy_(self.wire)
+        full = self.full
+        if avg.node is not None:
+            gathered = torch.empty_like(full)
+            work = all_gather_single(gathered, self.mine.clone(), group=avg.node, async_op=True)
+            avg.watchdog.wait(work, f"{self.what}: all-gather inside the node", self.s * 4)
+            sent.intra += (avg.per_node - 1) * self.s * 4
+            full = gathered
+        if full is not self.x:
+            self.x.copy_(full[: self.x.numel()])
+        return sent, self.err
+
+    def _failure(self, exc: RuntimeError) -> Exception:
+        assert self.ring is not None
+        return self.avg.watchdog.failure(self.what, self.ring.payload_bytes, exc, time.perf_counter() - self.t0)

@@ -13,6 +13,13 @@ sees, and a checkpoint written after that step, are the synchronised ones:
 Steps 3-4 run only once step 2 completed on this rank: a rank lost during the exchange leaves the others'
 parameters, anchor, momentum and residual as they were before the sync (each raises ``CommunicationError``).
 
+Streaming's overlap (``delay`` = ``sync_delay`` > 0): step 2 is only started at the sync step (the exchange posted,
+:class:`.exchange.Flight`) and the inner steps go on; ``delay`` steps later it is finished, step 3 runs, and step 4
+sets the fragment to the new anchor plus this replica's own progress since step 1 (``theta_now - theta_then``),
+so no inner step is lost: the next pseudo-gradient carries that progress to the other replicas.  The anchors are
+the same bits on every replica after every merge; the parameters differ by each replica's progress since the
+sync step.  ``delay = 0`` is the blocking sync above, unchanged.
+
 Memory per rank: the anchor and, with ``outer_momentum > 0``, the momentum (4 bytes per parameter each, on
 ``outer_state_device``; the default, averaging, keeps no momentum), a transient
 pseudo-gradient per sync, and the quantised exchange's residual (4 bytes per element of the rank's shard).
@@ -26,9 +33,40 @@ from typing import Any
 import torch
 
 from ..diagnostics.watchdog import Watchdog
-from .exchange import Average, Sent
+from .exchange import Average, Flight, Sent
 from .fragments import check_cut, cut, due
 from .nesterov import nesterov_step
+
+
+class Pending:
+    """A fragment's outer exchange between :meth:`OuterLoop.begin` and :meth:`OuterLoop.merge` (streaming's
+    overlap): the parameters at the sync step (``then``), the pseudo-gradient's buffers (``wire`` becomes the mean),
+    and the exchange in flight, or its finished result (finished early by a checkpoint, or loaded from one)."""
+
+    def __init__(
+        self,
+        fragment: int,
+        merge_at: int,
+        then: torch.Tensor,
+        delta: torch.Tensor,
+        wire: torch.Tensor,
+        flight: Flight | None,
+        result: tuple[Sent, torch.Tensor | None] | None = None,
+    ) -> None:
+        self.fragment, self.merge_at, self.then = fragment, merge_at, then
+        self.delta, self.wire, self.flight, self.result = delta, wire, flight, result
+
+    def poll(self) -> None:
+        if self.flight is not None:
+            self.flight.poll()
+
+    def finish(self) -> tuple[Sent, torch.Tensor | None]:
+        """The exchange's bytes and new residual, waiting for it the first time (``wire`` is then the mean)."""
+        if self.result is None:
+            assert self.flight is not None
+            self.result = self.flight.finish()
+            self.flight = None
+        return self.result
 
 
 class OuterLoop:
@@ -45,8 +83,10 @@ class OuterLoop:
         exchange: Average,
         watchdog: Watchdog,
         state_device: torch.device | None = None,
+        delay: int = 0,
     ) -> None:
         self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
+        self.delay = delay
         self.exchange, self.watchdog = exchange, watchdog
         self.runs = cut([p.numel() for p in params], fragments)
         check_cut(self.runs, len(params))
@@ -60,6 +100,9 @@ class OuterLoop:
         self.seconds = 0.0
         self.last_sync_step: int | None = None
         self.loaded_steps = 0  # the steps a loaded checkpoint had done (steps_here counts this process's)
+        self.flights: dict[int, Pending] = {}  # delay > 0: the fragments whose exchange is in flight
+        # a loaded checkpoint's own parameters of this replica, written back before the next forward or step
+        self.replica: list[torch.Tensor] | None = None
 
     # ---- the state ---------------------------------------------------------------------
     def _flat(self, f: int) -> torch.Tensor:
@@ -71,19 +114,43 @@ class OuterLoop:
     def start(self) -> None:
         """Before the first inner step: the current parameters are the synchronised ones (the construction's
         broadcast, or a model state every rank loaded after it)."""
+        self.restore_replica()
         if self.anchor is None:
             self.anchor = [self._flat(f) for f in range(len(self.runs))]
             self.buf = [torch.zeros_like(a) for a in self.anchor] if self.momentum else None  # averaging: none
 
+    def restore_replica(self) -> None:
+        """After :meth:`load_state_dict`, once: this replica's own parameters as they were saved.  Between syncs the
+        replicas differ, and a checkpoint written the torch DDP way (the model from rank 0 only, loaded on every
+        rank: accelerate's ``save_state``, Lightning's checkpoint) holds one replica's; each rank's
+        ``comm_state_dict()`` holds its own, written back here, at the next forward or optimizer step (whichever
+        comes first), so that the order in which a framework loads the model and the communication state does not
+        matter."""
+        if self.replica is None:
+            return
+        for f, values in enumerate(self.replica):
+            self._write(f, values)
+        self.replica = None
+
     # ---- per step ----------------------------------------------------------------------
     def after_step(self) -> list[int]:
-        """One inner step done: synchronise every fragment now due; the fragments synchronised."""
+        """One inner step done: synchronise every fragment now due; the fragments whose parameters changed (with
+        ``delay``: merged now, their exchange started ``delay`` steps ago)."""
         self.start()
         self.steps += 1
-        done = [f for f in range(len(self.runs)) if due(self.steps, f, len(self.runs), self.every)]
-        for f in done:
-            self.sync(f)
-        return done
+        due_now = [f for f in range(len(self.runs)) if due(self.steps, f, len(self.runs), self.every)]
+        if not self.delay:
+            for f in due_now:
+                self.sync(f)
+            return due_now
+        for pending in self.flights.values():
+            pending.poll()
+        merged = [f for f, pending in self.flights.items() if pending.merge_at == self.steps]
+        for f in merged:  # merged before a new one starts: one exchange in flight at a time (delay <= H // F)
+            self.merge(f)
+        for f in due_now:
+            self.begin(f)
+        return merged
 
     def sync(self, f: int) -> None:
         """Steps 1-4 of the module docstring for fragment ``f``."""
@@ -109,10 +176,49 @@ class OuterLoop:
         self.seconds += time.perf_counter() - t0
         self.last_sync_step = self.steps
 
-    def _write(self, f: int) -> None:
-        """Fragment ``f``'s parameters := its anchor (in their dtype, on their device)."""
+    def begin(self, f: int) -> None:
+        """Streaming's overlap, at fragment ``f``'s sync step: the pseudo-gradient taken and its exchange started."""
         assert self.anchor is not None
-        anchor = self.anchor[f]
+        t0 = time.perf_counter()
+        self.watchdog.step = self.steps
+        then = self._flat(f)  # this replica's parameters at the sync step (its progress is measured from here)
+        delta = self.anchor[f] - then
+        what = f"outer exchange of fragment {f} after step {self.steps} (merged after step {self.steps + self.delay})"
+        wire = delta.to(self.params[0].device)
+        pending = Pending(f, self.steps + self.delay, then, delta, wire, self.exchange.start(wire, f, what))
+        self.flights[f] = pending
+        self.seconds += time.perf_counter() - t0
+
+    def merge(self, f: int) -> None:
+        """Streaming's overlap, ``delay`` steps after :meth:`begin`: the exchange finished (raises before anything
+        changed), the outer step on the anchor, and the fragment set to the anchor plus the progress since."""
+        assert self.anchor is not None
+        t0 = time.perf_counter()
+        pending = self.flights[f]
+        self.watchdog.step = self.steps
+        sent, residual = pending.finish()
+        delta = pending.delta
+        if pending.wire is not delta:
+            delta.copy_(pending.wire)
+        self.exchange.commit(f, residual)
+        del self.flights[f]
+        if self.buf is None:
+            self.anchor[f].sub_(delta, alpha=self.lr)
+        else:
+            nesterov_step(self.anchor[f], self.buf[f], delta, self.lr, self.momentum)
+        progress = self._flat(f).sub_(pending.then)  # the inner steps since the sync step, kept
+        self._write(f, progress.add_(self.anchor[f]))
+        self.syncs += 1
+        self.sent.payload += sent.payload
+        self.sent.inter += sent.inter
+        self.sent.intra += sent.intra
+        self.seconds += time.perf_counter() - t0
+        self.last_sync_step = self.steps
+
+    def _write(self, f: int, values: torch.Tensor | None = None) -> None:
+        """Fragment ``f``'s parameters := its anchor, or ``values`` (in their dtype, on their device)."""
+        assert self.anchor is not None
+        anchor = self.anchor[f] if values is None else values
         offset = 0
         with torch.no_grad():
             for i in self.runs[f]:
@@ -130,6 +236,7 @@ class OuterLoop:
         return {
             "sync_every": self.every,
             "sync_fragments": len(self.runs),
+            "sync_delay": self.delay,
             "inner_steps": self.steps,
             "outer_syncs": self.syncs,
             "outer_payload_bytes": self.sent.payload,
@@ -148,14 +255,30 @@ class OuterLoop:
     # ---- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The anchor, the momentum, the quantised exchange's residuals (this rank's shards), the step count."""
+        flights = []
+        for f, pending in sorted(self.flights.items()):  # each finished here (not merged): its result is saved
+            _, residual = pending.finish()
+            flights.append(
+                {
+                    "fragment": f,
+                    "merge_at": pending.merge_at,
+                    "then": pending.then.clone(),
+                    "mean": pending.wire.clone(),
+                    "residual": None if residual is None else residual.clone(),
+                }
+            )
         return {
             "sync_every": self.every,
             "fragments": [list(r) for r in self.runs],
+            "sync_delay": self.delay,
             "steps": self.steps,
             "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
             "momentum": None if self.buf is None else [b.clone() for b in self.buf],
             "residuals": [None if r is None else r.clone() for r in self.exchange.residuals],
             "exchange": self.exchange.spec.name,
+            "flights": flights,
+            # this replica's own parameters (they differ from the other replicas' between syncs): see restore_replica
+            "replica": [self._flat(f) for f in range(len(self.runs))] if self.replica is None else self.replica,
         }
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,14 +286,32 @@ class OuterLoop:
         missing = {"sync_every", "fragments", "steps", "anchor", "momentum", "residuals", "exchange"} - set(state)
         if missing:
             raise ValueError(f"gradientflow sync_every: the outer state lacks {sorted(missing)} (truncated?)")
-        saved = (state["sync_every"], [list(r) for r in state["fragments"]], state["exchange"])
-        mine = (self.every, [list(r) for r in self.runs], self.exchange.spec.name)
+        saved = (
+            state["sync_every"],
+            [list(r) for r in state["fragments"]],
+            state["exchange"],
+            state.get("sync_delay", 0),  # saved before streaming's overlap existed: 0
+        )
+        mine = (self.every, [list(r) for r in self.runs], self.exchange.spec.name, self.delay)
         if saved != mine:
             raise ValueError(
-                f"gradientflow sync_every: the outer state was saved with sync_every, fragments, outer_compression = "
-                f"{saved[0]}, {saved[1]}, {saved[2]!r}; this model has {mine[0]}, {mine[1]}, {mine[2]!r}. Resume "
-                "with the same options."
+                f"gradientflow sync_every: the outer state was saved with sync_every, fragments, outer_compression, "
+                f"sync_delay = {saved[0]}, {saved[1]}, {saved[2]!r}, {saved[3]}; this model has {mine[0]}, {mine[1]}, "
+                f"{mine[2]!r}, {mine[3]}. Resume with the same options."
             )
+        replica = state.get("replica")
+        if replica is not None and [t.numel() for t in replica] != self.sizes:
+            raise ValueError(
+                f"gradientflow sync_every: the outer state's replica holds {[t.numel() for t in replica]} elements per "
+                f"fragment, this model {self.sizes}: load it into the model it was saved from."
+            )
+        for flight in state.get("flights", []):
+            f = flight["fragment"]
+            if not 0 <= f < len(self.sizes) or flight["then"].numel() != self.sizes[f]:
+                raise ValueError(
+                    "gradientflow sync_every: the outer state's exchange in flight does not fit this model's "
+                    "fragments: load it into the model it was saved from."
+                )
         for key in ("anchor", "momentum"):
             ts = state[key]
             if ts is not None and [t.numel() for t in ts] != self.sizes:
@@ -200,5 +341,17 @@ class OuterLoop:
             None if r is None else r.to(device=self.params[0].device, dtype=torch.float32).clone()
             for r in state["residuals"]
         ]
+        self.flights = {}
+        params_device = self.params[0].device
+        for flight in state.get("flights", []):
+            mean = flight["mean"].to(device=dev, dtype=torch.float32).clone()
+            residual = flight["residual"]
+            if residual is not None:
+                residual = residual.to(device=params_device, dtype=torch.float32).clone()
+            then = flight["then"].to(device=dev, dtype=torch.float32).clone()
+            f = int(flight["fragment"])
+            self.flights[f] = Pending(f, int(flight["merge_at"]), then, mean, mean, None, (Sent(), residual))
+        replica = state.get("replica")  # saved before the replica was: the model's loaded parameters stand
+        self.replica = None if replica is None else [t.to(dtype=torch.float32).clone() for t in replica]
         self.steps = int(state["steps"])
         self.loaded_steps = self.steps

@@ -115,7 +115,7 @@ class Checkpointing(WrapperSurface):
         """
         state = auto.save(self, comm_state.save(self._gf_engine, self._gf_world_size))
         if self._gf_outer is not None:  # sync_every > 1: the anchor, the outer momentum, residuals, the step phase
-            state["outer"] = self._gf_outer.loop.state_dict()
+            state["outer"] = self._gf_outer.state_dict()
         return state
 
     def load_comm_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,11 +134,11 @@ class Checkpointing(WrapperSurface):
                 "saved with."
             )
         if self._gf_outer is not None and outer is not None:
-            self._gf_outer.loop.validate_state_dict(outer)  # before anything changes
+            self._gf_outer.validate_state_dict(outer)  # before anything changes
         state = auto.prepare_load(self, state)  # first: "auto" may rebuild the engine for the saved recipe
         comm_state.load(self._gf_engine, state, self._gf_world_size)
         if self._gf_outer is not None and outer is not None:
-            self._gf_outer.loop.load_state_dict(outer)
+            self._gf_outer.load_state_dict(outer)
 
     def register_grad_scaler(self, scaler: Any) -> None:
         """Tell CSC about the ``torch.amp.GradScaler`` in use (residuals are kept unscaled).

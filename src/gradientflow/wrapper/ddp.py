@@ -75,8 +75,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
         synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1: DiLoCo, the replicas
         synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [1.0], outer_momentum [0.0] (the
-        replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit"], sync_fragments [1], outer_state_device
-        [None] (the outer ones: sync_every > 1 only);
+        replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit"], sync_fragments [1], sync_delay [0],
+        outer_state_device [None] (the outer ones: sync_every > 1 only);
         timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
         hang, and a timeline [the process group's, False, False, None, (1, 4)].
     """
@@ -137,6 +137,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         outer_momentum: float | None = None,
         outer_compression: str | None = None,
         sync_fragments: int | None = None,
+        sync_delay: int | None = None,
         outer_state_device: str | None = None,
     ) -> None:
         nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
@@ -296,8 +297,10 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             self._gf_engine.raise_pending()  # the last backward left a parameter without gradient (torch's error)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         outer = self._gf_outer
-        if outer is not None and outer.local_steps:  # sync_every > 1, flat: each rank steps on its own gradient
-            sync = False
+        if outer is not None:
+            outer.loop.restore_replica()  # after load_comm_state_dict: this replica's own parameters
+            if outer.local_steps:  # sync_every > 1, flat: each rank steps on its own gradient
+                sync = False
         self._gf_engine.forward_started(sync)  # frees last step's fresh gradients; torch's runtime logging
         tr = self._gf_engine.trace
         self._gf_forward_state = (sync, time.perf_counter() if tr is not None and tr.active else None)

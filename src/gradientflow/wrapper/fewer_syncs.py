@@ -69,8 +69,10 @@ class FewerSyncs:
             exchange=exchange,
             watchdog=model._gf_watchdog,
             state_device=device,
+            delay=int(config.sync_delay or 0),
         )
         self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self.inner_state: dict[int, Any] | None = None  # a loaded checkpoint's inner optimizer state, this rank's
         me = weakref.ref(model)
         own = {id(p) for p in model._gf_params}
 
@@ -80,6 +82,7 @@ class FewerSyncs:
         def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if me() is not None and ours(optimizer):
                 self._check_one_optimizer(optimizer)
+                self._restore_inner_state(optimizer)
                 self.loop.start()
 
         def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -102,6 +105,39 @@ class FewerSyncs:
                 "in one optimizer."
             )
 
+    # ---- checkpoint --------------------------------------------------------------------
+    # Between syncs every replica has its own parameters and its own inner optimizer state (moments of its own
+    # gradients).  A checkpoint written the torch DDP way holds rank 0's model and optimizer only (accelerate's
+    # save_state, Lightning's checkpoint, a script saving on rank 0), so each rank's comm_state_dict() keeps its own
+    # copy of both, written back before the next forward (parameters) and the next optimizer step (its state): an
+    # exact resume whichever rank's model and optimizer state the framework loaded, in whichever order.
+    def state_dict(self) -> dict[str, Any]:
+        """The outer loop's state, this replica's parameters and this rank's inner optimizer state."""
+        state = self.loop.state_dict()
+        known = self.optimizer() if self.optimizer is not None else None
+        inner = self.inner_state
+        if inner is None and known is not None:
+            inner = known.state_dict()["state"]
+        state["inner_optimizer"] = None if inner is None else _cloned(inner)
+        return state
+
+    def validate_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.validate_state_dict(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.load_state_dict(state)
+        inner = state.get("inner_optimizer")  # saved before it was kept: the optimizer's loaded state stands
+        self.inner_state = None if inner is None else _cloned(inner)
+
+    def _restore_inner_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first step after a load: this rank's saved inner optimizer state replaces what the optimizer loaded
+        (torch's own ``load_state_dict`` with the optimizer's current parameter groups, so a scheduler's learning
+        rate stands and torch casts and places the state)."""
+        if self.inner_state is None:
+            return
+        optimizer.load_state_dict({"state": self.inner_state, "param_groups": optimizer.state_dict()["param_groups"]})
+        self.inner_state = None
+
     def engine_setup(self, model: DistributedDataParallel) -> tuple[GradientFlowConfig, Any, Watchdog] | None:
         """Nodes of several ranks: the engine's config (flat: dense inside the node), group and watchdog; ``None``
         on a flat layout (the engine on the wrapper's group, never synchronising)."""
@@ -119,6 +155,14 @@ class FewerSyncs:
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
+
+
+def _cloned(state: dict[int, Any]) -> dict[int, Any]:
+    """An optimizer's per-parameter state with its tensors copied (torch's ``state_dict()`` returns the live ones)."""
+    return {
+        k: {n: v.detach().clone() if isinstance(v, torch.Tensor) else v for n, v in per.items()}
+        for k, per in state.items()
+    }
 
 
 def check(model: DistributedDataParallel) -> None:
