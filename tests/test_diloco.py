@@ -28,9 +28,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import gradientflow as gf
-from gradientflow.config import GradientFlowConfig, outer_exchange_of
+from gradientflow.config import GradientFlowConfig
 from gradientflow.outer.exchange import Average
 from gradientflow.outer.fragments import cut, due
+from gradientflow.outer_options import outer_exchange_of
 
 from _dist import run_distributed
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
+from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
+from .outer_options import OUTER_OPTIONS, settle_outer
 from .recipes import (
     ALIASES,
     NAMES,
@@ -61,11 +62,6 @@ def auto_chunk_size(n_elements: int, floor: int = 16) -> int:
     return max(floor, 2 ** int(math.log2(max(1, n_elements // SMALL_MODEL_CHUNKS))))
 
 
-# "fp32" is full precision: no cast, the gradient travels in its own dtype (fp32 for fp32
-# parameters, fp64 for a float64 model, as torch DDP sends it).
-COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 # torch DDP users write dtypes as torch names them: each is the wire dtype it names.
 COMM_DTYPE_ALIASES: dict[object, str] = {
     torch.float32: "fp32",
@@ -75,12 +71,6 @@ COMM_DTYPE_ALIASES: dict[object, str] = {
     "float16": "fp16",
     "bfloat16": "bf16",
 }
-
-
-def did_you_mean(value: object, choices: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped string, else ``""``."""
-    close = difflib.get_close_matches(str(value).lower(), choices, n=1, cutoff=0.6) if isinstance(value, str) else []
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def pick(name: str, value: object, choices: Sequence[str], more: str = "") -> str:
@@ -162,17 +152,6 @@ def half_wire_dtype(device: torch.device) -> str:
     Accelerators (NCCL): "fp16" — both go at line rate there, and fp16 keeps 3 more mantissa bits.
     """
     return "bf16" if device.type == "cpu" else "fp16"
-
-
-class Quantizer(NamedTuple):
-    """The quantiser a quantising recipe runs (:meth:`GradientFlowConfig.quantizer`)."""
-
-    bits: int
-    block: int
-    levels: str
-    precondition: bool
-    warmup_steps: int
-    clip: float
 
 
 @dataclass(frozen=True)
@@ -363,7 +342,7 @@ class GradientFlowConfig:
                 f"{list(ZEROLESS_BITS)}), got {self.quant_levels!r} at quant_bits={self.quant_bits!r}"
             )
         w, pre = self.quant_warmup_steps, self.quant_precondition  # None: the mechanism has no such option
-        if (pre is not None and not isinstance(pre, bool)) or (w is not None and (_not_int(w) or w < 0)):
+        if (pre is not None and not isinstance(pre, bool)) or (w is not None and (not_int(w) or w < 0)):
             raise ValueError(
                 f"quant_precondition must be True or False and quant_warmup_steps an int >= 0 (steps at 3 bits), got "
                 f"{self.quant_precondition!r}, {w!r}"
@@ -412,63 +391,18 @@ class GradientFlowConfig:
 
     def _validate_outer(self) -> None:
         """``sync_every`` and the outer options (docs/fewer-syncs.md): each checked, the defaults filled in where
-        ``sync_every > 1``, and an outer option at ``sync_every=1`` (where it would do nothing) refused."""
-        h = self.sync_every
-        if _not_int(h) or h < 1:
-            raise ValueError(
-                f"sync_every must be an int >= 1 (optimizer steps between syncs of the replicas; 1 = every step), "
-                f"got {h!r}"
-            )
-        outer = {k: getattr(self, k) for k in OUTER_OPTIONS}
-        if h == 1:
-            given = [k for k, v in outer.items() if v is not None]
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} apply only with sync_every > 1 (the outer optimizer of DiLoCo), but "
-                    f"sync_every=1. Pass sync_every=H (e.g. 30) too, or drop {', '.join(given)}."
-                )
-            return
-        settled = {k: OUTER_DEFAULTS[k] if v is None else v for k, v in outer.items()}
-        lr, mom, frags = settled["outer_lr"], settled["outer_momentum"], settled["sync_fragments"]
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-            raise ValueError(f"outer_lr must be a number > 0 (1.0: averaging; DiLoCo's: 0.7), got {lr!r}")
-        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
-            raise ValueError(
-                f"outer_momentum must be a number in [0, 1) (Nesterov; 0: none; DiLoCo's: 0.9), got {mom!r}"
-            )
-        if _not_int(frags) or not 1 <= frags <= h:
-            raise ValueError(
-                f"sync_fragments must be an int in [1, sync_every] (fragments synchronised in turn, at most one per "
-                f"step), got {frags!r} at sync_every={h}"
-            )
-        delay = settled["sync_delay"]
-        if _not_int(delay) or not 0 <= delay <= h // frags:
-            raise ValueError(
-                f"sync_delay must be an int in [0, sync_every // sync_fragments] = [0, {h // frags}] (inner steps an "
-                f"outer exchange overlaps before it is merged, one exchange in flight at a time), got {delay!r}"
-            )
-        device = settled["outer_state_device"]
-        if device not in ("cpu", "same"):
-            raise ValueError(
-                f"outer_state_device must be None (the parameters' device) or 'cpu' (host memory), got {device!r}"
-            )
-        settled["outer_compression"] = outer_exchange_of(settled["outer_compression"]).name
-        settled["outer_lr"], settled["outer_momentum"] = float(lr), float(mom)
+        ``sync_every > 1``, and an outer option at ``sync_every=1`` (where it would do nothing) refused
+        (:func:`gradientflow.outer_options.settle_outer`; the config holds the values it returns)."""
+        settled = settle_outer(
+            self.sync_every,
+            {k: getattr(self, k) for k in OUTER_OPTIONS},
+            compression=self.compression,
+            comm_dtype=self.comm_dtype,
+            topology=self.topology,
+            mechanism=self.mechanism,
+        )
         for k, v in settled.items():
-            object.__setattr__(self, k, None if k == "outer_state_device" and v == "same" else v)
-        per_step = self.compression != "none" or self.comm_dtype != "fp32"
-        if self.topology == "flat" and per_step:
-            raise ValueError(
-                f"sync_every={h} on a flat layout exchanges no gradient between steps, so compression="
-                f"{self.compression!r} (comm_dtype={self.comm_dtype!r}) has no effect. Pass outer_compression=... for "
-                "the exchange every sync_every steps, and drop compression / comm_dtype."
-            )
-        if self.mechanism != "dense" and per_step:
-            raise ValueError(
-                f"sync_every={h}: gradients are averaged densely inside a node every step and only the outer "
-                f"exchange crosses nodes, so compression={self.compression!r} cannot apply. Pass "
-                f"outer_compression={self.compression!r} for the exchange between nodes, and drop compression."
-            )
+            object.__setattr__(self, k, v)
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -537,58 +471,3 @@ DEFAULT_TRACE_STEPS = (1, 4)
 
 LOCAL_OPTIONS = frozenset({"timeout", "trace_path", "trace_steps"})
 """Options that may differ between ranks; every other option must agree (checked at construction)."""
-
-
-def _not_int(v: object) -> bool:
-    return isinstance(v, bool) or not isinstance(v, int)
-
-
-OUTER_OPTIONS = (
-    "outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "sync_delay", "outer_state_device",
-)  # fmt: skip
-"""The options beside ``sync_every`` (:meth:`GradientFlowConfig._validate_outer`)."""
-OUTER_DEFAULTS: dict[str, Any] = {
-    "outer_lr": 1.0,
-    "outer_momentum": 0.0,
-    "outer_compression": "3bit",
-    "sync_fragments": 1,
-    "sync_delay": 0,
-    "outer_state_device": "same",
-}
-"""The replicas' parameters averaged (outer lr 1, no momentum) through the 3-bit exchange with error feedback: on the
-AdamW transformer, 2 replicas, 4,000 steps, H = 100, averaging ended 0.975x DDP's final loss where DiLoCo's outer
-optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) ended 1.020x, and the 3-bit exchange matched fp32 on a
-tenth of its bytes (docs/results/fewer-syncs.md).  DiLoCo's values stay one option away."""
-
-
-class OuterExchange(NamedTuple):
-    """What the outer exchange of the pseudo-gradient sends (:func:`outer_exchange_of`)."""
-
-    name: str
-    """The recipe's canonical name."""
-    wire_dtype: torch.dtype | None
-    """A dense exchange's wire dtype (None: fp32); None for the quantised one."""
-    quantizer: Quantizer | None
-    """The quantised family's quantiser (error feedback across outer syncs); None for a dense exchange."""
-
-
-def outer_exchange_of(value: object) -> OuterExchange:
-    """The outer exchange an ``outer_compression`` value names: a dense row ("none", "fp16", "bf16") or a width of
-    the quantised family without preconditioning; ``ValueError`` saying what to pass otherwise."""
-    try:
-        found = resolve(value)
-    except UnknownRecipe:
-        found = None
-    ok = "'none' (fp32), 'fp16', 'bf16' or a width of the quantised family ('3bit', '4bit', '2bit', ...)"
-    if found is None:
-        raise ValueError(f"outer_compression must be {ok}, got {value!r}{did_you_mean(value, NAMES)}")
-    recipe, settings = found.recipe, {**found.recipe.settings(), **found.stated}
-    if recipe.mechanism == "dense":
-        return OuterExchange(found.name, COMM_DTYPES[settings.get("comm_dtype", "fp32")], None)
-    if recipe.mechanism == "quantized" and not settings["quant_precondition"]:
-        q = Quantizer(int(settings["quant_bits"]), int(settings["quant_block"]), "fitted", False, 0, 0.0)
-        return OuterExchange(found.name, None, q)
-    raise ValueError(
-        f"outer_compression={value!r} is not built for the outer exchange (top-k, preconditioning and 'auto' are "
-        f"per-step mechanisms): pass {ok}."
-    )

@@ -8,7 +8,7 @@ from . import types
 
 
 def add_arguments(d: argparse.ArgumentParser) -> None:
-    from gradientflow.config import COMM_DTYPES
+    from gradientflow.options_base import COMM_DTYPES
     from gradientflow.recipes import NAMES
 
     d.add_argument("--nproc", type=types.positive_int, default=2, help="number of local ranks (default 2)")

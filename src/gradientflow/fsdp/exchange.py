@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ..comm.precision import from_wire, to_wire
 from ..comm.quantized_ring import QuantizedRing
-from ..config import Quantizer
 from ..diagnostics.watchdog import Watchdog
+from ..options_base import Quantizer
 from ..strategies.quantized_exchange import after_ring, precondition, step_quantizer
 
 _AVG_DTYPES = (torch.float32, torch.bfloat16, torch.float64)

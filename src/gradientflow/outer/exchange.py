@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
 from ..comm.quantized_ring import QuantizedRing
-from ..config import OuterExchange
 from ..diagnostics.watchdog import Watchdog
+from ..outer_options import OuterExchange
 
 
 @dataclass

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..config import OUTER_OPTIONS, GradientFlowConfig, outer_exchange_of
+from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
+from ..outer_options import OUTER_OPTIONS, outer_exchange_of
 from .groups import exchange_group, node_groups, resolve_layout
 
 DistributedDataParallel = Any
