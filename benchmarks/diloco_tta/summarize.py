@@ -1,0 +1,60 @@
+"""Time to a loss on the emulated link, from the quality bench's time-to-accuracy records (run from the repository
+root: ``python benchmarks/diloco_tta/summarize.py benchmarks/diloco_tta/100mbit``).
+
+Per recipe: the final validation loss over torch DDP's, the bytes the kernel counted on node 0's link over the
+whole run (the mean per step: the bench's table gives the median step, which for ``sync_every`` is a step
+without a sync), the median step time, and the training wall clock (the sum of the step times, slowest rank
+per step, validation outside it) until the validation loss first reaches each target, linear between validation
+points, over DDP's time to the same target (how many times sooner)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+
+def reach(run: dict, target: float) -> float | None:
+    """Seconds of training until the validation loss first reaches ``target`` (None: never)."""
+    clock = [0.0]
+    for s in run["step_s"]:
+        clock.append(clock[-1] + s)
+    evals = run["evals"]
+    for prev, cur in zip(evals, evals[1:]):
+        if cur["val_loss"] <= target:
+            t0, t1 = clock[prev["step"]], clock[cur["step"]]
+            l0, l1 = prev["val_loss"], cur["val_loss"]
+            frac = (l0 - target) / (l0 - l1) if l0 != l1 else 1.0
+            return t0 + frac * (t1 - t0)
+    return None
+
+
+def main(folder: str, factors: list[float]) -> None:
+    job = json.loads((Path(folder) / "raw-tta.json").read_text())["jobs"][0]
+    runs = job["runs"]
+    ddp = next(r for r in runs if r["recipe"] == "ddp")
+    base = ddp["evals"][-1]["val_loss"]
+    ddp_tx = sum(ddp["nodes"][0]["tx_bytes"]) / len(ddp["nodes"][0]["tx_bytes"])
+    targets = [base * f for f in factors]
+    head = " | ".join(f"time to {t:.3f} ({f:g}x DDP's final) s | DDP / this" for t, f in zip(targets, factors))
+    print(f"| recipe | final loss / DDP | link tx per step (mean) | × DDP's | median step ms | {head} |")
+    print("|---|---|---|---|---|" + "---|---|" * len(targets))
+    for run in runs:
+        tx = run["nodes"][0]["tx_bytes"]
+        mean_tx = sum(tx) / len(tx)
+        cells = []
+        for t in targets:
+            mine, theirs = reach(run, t), reach(ddp, t)
+            if mine is None:
+                cells += ["not reached", "—"]
+            else:
+                cells += [f"{mine:.1f}", f"{theirs / mine:.2f}" if theirs is not None else "—"]
+        print(
+            f"| {run['recipe']} | {run['evals'][-1]['val_loss'] / base:.3f} | {mean_tx:,.0f} B | "
+            f"{mean_tx / ddp_tx:.4f} | {1000 * median(run['step_s']):.0f} | " + " | ".join(cells) + " |"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], [float(f) for f in sys.argv[2:]] or [1.0, 1.01, 1.03, 1.05])
