@@ -287,7 +287,12 @@ def test_exact_resume_mid_interval(options: dict, cut_at: int) -> None:
         assert torch.equal(straight, resumed)
 
 
-def _rank0_checkpoint_worker(rank: int, world: int, keep_replica: bool) -> object:
+def _rank0_checkpoint_worker(rank: int, world: int) -> object:
+    """With this rank's own outer state, then without its parameters and optimizer state (the control)."""
+    return [_rank0_checkpoint_run(rank, keep) for keep in (True, False)]
+
+
+def _rank0_checkpoint_run(rank: int, keep_replica: bool) -> object:
     """A checkpoint written the torch DDP way: rank 0's model and optimizer state, loaded on every rank (as
     accelerate's save_state and Lightning's checkpoint do), beside each rank's own ``comm_state_dict()``."""
     options = {"sync_every": 4}
@@ -318,10 +323,10 @@ def test_exact_resume_from_rank_0s_model_and_optimizer_state() -> None:
     and writes them back, so a resume from rank 0's model and optimizer state is exact on every rank; without them
     (the control: a state saved before they were kept) rank 1 goes on from rank 0's replica, and the next sync
     carries that into rank 0's parameters too."""
-    for straight, resumed in _run(_rank0_checkpoint_worker, 2, True):
+    for (straight, resumed), (control_straight, control_resumed) in _run(_rank0_checkpoint_worker, 2):
         assert torch.equal(straight, resumed)
-    for straight, resumed in _run(_rank0_checkpoint_worker, 2, False):  # the next sync (step 8) mixes rank 1's in
-        assert not torch.equal(straight, resumed), "without this rank's own state: the test can fail"
+        # the control: the next sync (step 8) mixes rank 1's wrong start into rank 0's parameters too
+        assert not torch.equal(control_straight, control_resumed), "without this rank's own state: the test can fail"
 
 
 def _mismatch_worker(rank: int, world: int) -> str:

@@ -32,17 +32,21 @@ from _dist import run_distributed
 
 
 # ---- the merge by hand --------------------------------------------------------------------------
-def _toy_worker(rank: int, world: int, delay: int) -> list[list[float]]:
-    model = gf.DistributedDataParallel(_Toy(), sync_every=2, sync_delay=delay, outer_compression="none")
-    opt = torch.optim.SGD(model.parameters(), lr=0.25)
-    c = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, -2.0])
-    out = []
-    for _ in range(6):
-        opt.zero_grad()
-        model(c).backward()
-        opt.step()
-        out.append(model.module.w.detach().tolist())
-    return out
+def _toy_worker(rank: int, world: int) -> list[list[list[float]]]:
+    """The overlapped run (delay 1), then the blocking one (delay 0), in one launch."""
+    runs = []
+    for delay in (1, 0):
+        model = gf.DistributedDataParallel(_Toy(), sync_every=2, sync_delay=delay, outer_compression="none")
+        opt = torch.optim.SGD(model.parameters(), lr=0.25)
+        c = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, -2.0])
+        out = []
+        for _ in range(6):
+            opt.zero_grad()
+            model(c).backward()
+            opt.step()
+            out.append(model.module.w.detach().tolist())
+        runs.append(out)
+    return runs
 
 
 def test_merge_by_hand_keeps_the_progress_since_the_sync_step() -> None:
@@ -56,8 +60,8 @@ def test_merge_by_hand_keeps_the_progress_since_the_sync_step() -> None:
     dropped."""
     w0 = torch.tensor([1.0, -2.0])
     d = torch.tensor([1.0, 0.0])
-    overlapped = run_distributed(_toy_worker, 2, 1, timeout=60)
-    blocking = run_distributed(_toy_worker, 2, 0, timeout=60)
+    (over0, block0), (over1, block1) = run_distributed(_toy_worker, 2, timeout=60)
+    overlapped, blocking = [over0, over1], [block0, block1]
     for rank, c in enumerate((torch.tensor([1.0, 2.0]), torch.tensor([3.0, -2.0]))):
         want = [
             w0 - 0.25 * c,
@@ -151,31 +155,32 @@ def test_anchors_agree_after_every_merge_and_the_flight_changes_nothing(options:
 
 
 # ---- the sync step does not wait for a late peer -------------------------------------------------
-LATE_S = 3.0
+LATE_S = 2.0
 
 
-def _late_worker(rank: int, world: int, delay: int) -> float:
-    model = gf.DistributedDataParallel(_net(), sync_every=2, sync_delay=delay, outer_compression="none")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    took = 0.0
-    for step in range(4):
-        opt.zero_grad()
-        model(_batch(rank, step)).square().mean().backward()
-        if rank == 1 and step == 1:
-            time.sleep(LATE_S)  # rank 1 reaches the sync step (the second) LATE_S late
-        t0 = time.monotonic()
-        opt.step()
-        if step == 1:
-            took = time.monotonic() - t0
+def _late_worker(rank: int, world: int) -> list[float]:
+    """Rank 0's time in the sync step's ``optimizer.step()``, blocking (delay 0) then overlapped (delay 1)."""
+    took = []
+    for delay in (0, 1):
+        model = gf.DistributedDataParallel(_net(), sync_every=2, sync_delay=delay, outer_compression="none")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad()
+            model(_batch(rank, step)).square().mean().backward()
+            if rank == 1 and step == 1:
+                time.sleep(LATE_S)  # rank 1 reaches the sync step (the second) LATE_S late
+            t0 = time.monotonic()
+            opt.step()
+            if step == 1:
+                took.append(time.monotonic() - t0)
     return took
 
 
 def test_the_sync_step_does_not_wait_for_a_late_peer() -> None:
-    """Rank 1 reaches the sync step 3 s after rank 0.  Blocking (delay 0), rank 0's optimizer step there waits for it
-    (about 3 s); overlapped (delay 1), it only posts the exchange and returns (a few ms on an idle machine; the bound
-    leaves half of the 3 s for a loaded one), and the wait moves to the merge a step later."""
-    blocking = run_distributed(_late_worker, 2, 0, timeout=60)[0]
-    overlapped = run_distributed(_late_worker, 2, 1, timeout=60)[0]
+    """Rank 1 reaches the sync step 2 s after rank 0.  Blocking (delay 0), rank 0's optimizer step there waits for it
+    (about 2 s); overlapped (delay 1), it only posts the exchange and returns (a few ms on an idle machine; the bound
+    leaves half of the 2 s for a loaded one), and the wait moves to the merge a step later."""
+    blocking, overlapped = run_distributed(_late_worker, 2, timeout=60)[0]
     assert blocking > LATE_S - 0.5, blocking
     assert overlapped < LATE_S / 2, overlapped
 
