@@ -86,8 +86,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range
 
 # ---- every replica identical after every outer sync -----------------------------------------------
 def _replicas_worker(rank: int, world: int, options: dict) -> object:
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     params = _train(model, opt, rank, range(STEPS))
     assert model._gf_outer is not None
     return _lists([params, model.comm_stats(total=True), model._gf_outer.loop.runs])
@@ -254,19 +253,22 @@ def test_quantised_outer_exchange_conserves_error_mass(world: int) -> None:
 
 
 # ---- exact resume mid-interval ------------------------------------------------------------------
+def _wrapped(options: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The toy net wrapped with ``options`` and its AdamW: a run, or a resumed process, starts from these."""
+    model = gf.DistributedDataParallel(_net(), **options)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def _resume_worker(rank: int, world: int, options: dict, cut_at: int) -> object:
     total = 10
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     straight = _train(model, opt, rank, range(total))[-1]
 
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     _train(model, opt, rank, range(cut_at))
     saved = (model.module.state_dict(), opt.state_dict(), model.comm_state_dict())
     del model, opt
-    model = gf.DistributedDataParallel(_net(), **options)  # a fresh process's wrapper (rank 0's initial weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)  # a fresh process's wrapper (rank 0's initial weights)
     model.module.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
     model.load_comm_state_dict(saved[2])
@@ -297,11 +299,9 @@ def _rank0_checkpoint_run(rank: int, keep_replica: bool) -> object:
     accelerate's save_state and Lightning's checkpoint do), beside each rank's own ``comm_state_dict()``."""
     options = {"sync_every": 4}
     total, cut_at = 10, 6
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     straight = _train(model, opt, rank, range(total))[-1]
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     _train(model, opt, rank, range(cut_at))
     shared = [(model.module.state_dict(), opt.state_dict())]
     dist.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
@@ -309,8 +309,7 @@ def _rank0_checkpoint_run(rank: int, keep_replica: bool) -> object:
     if not keep_replica:  # the control: the outer state without this rank's parameters and optimizer state
         comm["outer"] = {k: v for k, v in comm["outer"].items() if k not in ("replica", "inner_optimizer")}
     del model, opt
-    model = gf.DistributedDataParallel(_net(), **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _wrapped(options)
     model.load_comm_state_dict(comm)  # before the model and optimizer: the order does not matter
     model.module.load_state_dict(shared[0][0])
     opt.load_state_dict(shared[0][1])

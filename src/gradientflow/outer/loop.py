@@ -164,17 +164,9 @@ class OuterLoop:
         self.exchange.commit(f, residual)
         if wire is not delta:
             delta.copy_(wire)
-        if self.buf is None:  # no momentum: the plain step (outer_lr 1: the replicas' average)
-            self.anchor[f].sub_(delta, alpha=self.lr)
-        else:
-            nesterov_step(self.anchor[f], self.buf[f], delta, self.lr, self.momentum)
+        self._outer_step(f, delta)
         self._write(f)
-        self.syncs += 1
-        self.sent.payload += sent.payload
-        self.sent.inter += sent.inter
-        self.sent.intra += sent.intra
-        self.seconds += time.perf_counter() - t0
-        self.last_sync_step = self.steps
+        self._count(sent, t0)
 
     def begin(self, f: int) -> None:
         """Streaming's overlap, at fragment ``f``'s sync step: the pseudo-gradient taken and its exchange started."""
@@ -202,12 +194,21 @@ class OuterLoop:
             delta.copy_(pending.wire)
         self.exchange.commit(f, residual)
         del self.flights[f]
-        if self.buf is None:
+        self._outer_step(f, delta)
+        progress = self._flat(f).sub_(pending.then)  # the inner steps since the sync step, kept
+        self._write(f, progress.add_(self.anchor[f]))
+        self._count(sent, t0)
+
+    def _outer_step(self, f: int, delta: torch.Tensor) -> None:
+        """Step 3 on fragment ``f``'s anchor with the averaged ``delta`` (overwritten by Nesterov's direction)."""
+        assert self.anchor is not None
+        if self.buf is None:  # no momentum: the plain step (outer_lr 1: the replicas' average)
             self.anchor[f].sub_(delta, alpha=self.lr)
         else:
             nesterov_step(self.anchor[f], self.buf[f], delta, self.lr, self.momentum)
-        progress = self._flat(f).sub_(pending.then)  # the inner steps since the sync step, kept
-        self._write(f, progress.add_(self.anchor[f]))
+
+    def _count(self, sent: Sent, t0: float) -> None:
+        """One fragment synchronised: its bytes and time in the run's totals."""
         self.syncs += 1
         self.sent.payload += sent.payload
         self.sent.inter += sent.inter
