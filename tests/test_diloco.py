@@ -98,8 +98,9 @@ def _replicas_worker(rank: int, world: int, options: dict) -> object:
         {"sync_every": 4, "outer_compression": "none"},
         {"sync_every": 4},  # the default outer exchange: 3 bits
         {"sync_every": 4, "sync_fragments": 2, "outer_compression": "none"},
+        {"sync_every": 4, "outer_compression": "topk-2bit", "outer_density": 0.5},
     ],
-    ids=["fp32", "3bit", "2-fragments"],
+    ids=["fp32", "3bit", "2-fragments", "topk-2bit"],
 )
 def test_every_replica_identical_after_every_outer_sync(options: dict) -> None:
     H, F = options["sync_every"], options.get("sync_fragments", 1)
@@ -119,10 +120,13 @@ def test_every_replica_identical_after_every_outer_sync(options: dict) -> None:
     assert stats["outer_syncs"] == F * (STEPS // H) and stats["inner_steps"] == STEPS
     assert stats["steps"] == 0, "a flat layout exchanges no gradient between syncs"
     dense = 4 * sum(sizes)  # one dense fp32 allreduce of every gradient (torch DDP's bytes per step)
-    if options.get("outer_compression", "3bit") == "3bit":
-        # 3 bits per element and a bf16 scale per 128-element block, the fragment padded to whole blocks
-        blocks = -(-sum(sizes) // 128)
+    exchange = options.get("outer_compression", "3bit")
+    blocks = -(-sum(sizes) // 128)  # the fragment padded to whole 128-element blocks
+    if exchange == "3bit":  # 3 bits per element and a bf16 scale per block
         assert stats["outer_payload_bytes"] == (STEPS // H) * blocks * (3 * 128 // 8 + 2)
+    elif exchange == "topk-2bit":  # 2 blocks, half of them sent: 1 int32 index, 2-bit codes, a bf16 scale
+        assert blocks == 2
+        assert stats["outer_payload_bytes"] == (STEPS // H) * (4 + 2 * 128 // 8 + 2 + 2)  # padded to 4 bytes
     else:
         assert stats["outer_payload_bytes"] == (STEPS // H) * dense  # one fp32 copy of the parameters per H steps
         assert stats["outer_bytes_ratio"] == pytest.approx(1 / H)
@@ -218,11 +222,11 @@ def test_outer_step_by_hand_on_two_ranks() -> None:
 
 
 # ---- the quantised exchange conserves the error mass -----------------------------------------------
-def _mass_worker(rank: int, world: int) -> object:
+def _mass_worker(rank: int, world: int, exchange: str) -> object:
     from gradientflow.diagnostics.watchdog import Watchdog, resolve_timeout
 
     group = dist.new_group(list(range(world)))
-    avg = Average(outer_exchange_of("3bit"), group, Watchdog(group, resolve_timeout(30, group)), fragments=1)
+    avg = Average(outer_exchange_of(exchange), group, Watchdog(group, resolve_timeout(30, group)), fragments=1)
     out = []
     for k in range(3):  # later rounds start from a non-zero residual
         delta = torch.randn(1000, generator=torch.Generator().manual_seed(100 * rank + k))
@@ -236,12 +240,18 @@ def _mass_worker(rank: int, world: int) -> object:
     return _lists(out)
 
 
-@pytest.mark.parametrize("world", [2, 3], ids=["exchange", "ring"])
-def test_quantised_outer_exchange_conserves_error_mass(world: int) -> None:
+@pytest.mark.parametrize(
+    "world,exchange",
+    [(2, "3bit"), (3, "3bit"), (3, "topk-2bit")],
+    ids=["exchange", "ring", "topk-2bit"],
+)
+def test_quantised_outer_exchange_conserves_error_mass(world: int, exchange: str) -> None:
     """Every rank hands ``delta_r / N + e_r`` (its share and last sync's residual) to the exchange and keeps the
     new residual ``e'_r``: summed over ranks, ``sum delta_r / N + sum e_r == result + sum e'_r`` (what one sync
-    did not deliver is delivered later, not lost), and every rank decodes the same result."""
-    results = _run(_mass_worker, world)
+    did not deliver is delivered later, not lost), and every rank decodes the same result.  The top-k exchange
+    sends 1 of the 8 blocks (density 0.1 of 1000 elements in 128-element chunks) per rank: at most 3 blocks of the
+    result are not zero, and the rest of each rank's contribution waits in its residual."""
+    results = _run(_mass_worker, world, exchange)
     for k in range(3):
         sent = sum(r[k][0] / world for r in results) + sum(r[k][1][:1000] for r in results)
         kept = results[0][k][2] + sum(r[k][3][:1000] for r in results)
@@ -250,6 +260,9 @@ def test_quantised_outer_exchange_conserves_error_mass(world: int) -> None:
         assert torch.allclose(sent, kept, atol=1e-5, rtol=0), (sent - kept).abs().max()
         assert results[0][k][3].abs().max() > 1e-3, "a 3-bit exchange leaves a residual (the test can fail)"
         assert all(r[k][3][1000:].abs().max() == 0 for r in results if r[k][3].numel() > 1000), "the pad stays 0"
+        if exchange.startswith("topk"):
+            result = torch.cat([results[0][k][2], torch.zeros(24)]).view(8, 128)
+            assert 1 <= int((result.abs().sum(1) > 0).sum()) <= world, "each rank's own top block, nothing else"
 
 
 # ---- exact resume mid-interval ------------------------------------------------------------------
@@ -281,8 +294,9 @@ def _resume_worker(rank: int, world: int, options: dict, cut_at: int) -> object:
     [
         ({"sync_every": 4, "outer_compression": "3bit"}, 6),  # 2 steps into the second interval, a residual kept
         ({"sync_every": 4, "sync_fragments": 2}, 3),  # between fragment 0's sync (step 2) and fragment 1's (step 4)
+        ({"sync_every": 4, "outer_compression": "topk-2bit"}, 6),  # the top-k exchange's residual kept
     ],
-    ids=["3bit-mid-interval", "mid-fragment"],
+    ids=["3bit-mid-interval", "mid-fragment", "topk-2bit"],
 )
 def test_exact_resume_mid_interval(options: dict, cut_at: int) -> None:
     for straight, resumed in _run(_resume_worker, 2, options, cut_at):
@@ -363,8 +377,12 @@ def _nodes_worker(rank: int, world: int, options: dict) -> object:
 
 @pytest.mark.parametrize(
     "options",
-    [{"outer_compression": "none"}, {"outer_compression": "3bit", "comm_dtype": "bf16"}],
-    ids=["fp32", "3bit-outer-bf16-inside"],
+    [
+        {"outer_compression": "none"},
+        {"outer_compression": "3bit", "comm_dtype": "bf16"},
+        {"outer_compression": "topk-3bit", "outer_density": 1.0},
+    ],
+    ids=["fp32", "3bit-outer-bf16-inside", "topk-3bit"],
 )
 def test_two_nodes_of_two_ranks(options: dict) -> None:
     """``topology="2x2"``: ranks 0, 1 are node 0 and ranks 2, 3 node 1.  Inside a node the gradients are averaged
@@ -383,7 +401,10 @@ def test_two_nodes_of_two_ranks(options: dict) -> None:
     assert stats["payload_bytes"] == 7 * n * (2 if bf16 else 4), "the whole gradient, in the wire dtype"
     assert stats["outer_syncs"] == 2
     # each rank sends its half of the pseudo-gradient between nodes and all-gathers the halves inside the node
-    if bf16:  # 3-bit between nodes: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank),
+    if options["outer_compression"] == "topk-3bit":  # its half, one block, sent: index, 3-bit codes, scale, pad
+        assert stats["outer_payload_bytes"] == 2 * (4 + 3 * 128 // 8 + 2 + 2)
+        assert stats["outer_intra_node_bytes"] == 2 * 4 * 128
+    elif bf16:  # 3-bit between nodes: halves of whole 128-element blocks (161 elements: 2 blocks, one a rank),
         # 50 bytes a block
         assert stats["outer_payload_bytes"] == 2 * 50
         assert stats["outer_intra_node_bytes"] == 2 * 4 * 128
@@ -426,8 +447,8 @@ def _stall_worker(rank: int, world: int, timeout: float, options: dict) -> dict 
 
 @pytest.mark.parametrize(
     "options",
-    [{"outer_compression": "none"}, {}, {"sync_delay": 1}],
-    ids=["fp32", "3bit", "3bit-overlapped"],
+    [{"outer_compression": "none"}, {}, {"sync_delay": 1}, {"outer_compression": "topk-2bit"}],
+    ids=["fp32", "3bit", "3bit-overlapped", "topk-2bit"],
 )
 def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
     """Rank 2 of 3 stops before its fourth step; ranks 0 and 1 enter the second outer sync and wait for it: both raise
@@ -459,7 +480,11 @@ def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
         ({"sync_every": 4, "sync_delay": 5}, "sync_delay must be an int in [0, sync_every // sync_fragments] = [0, 4]"),
         ({"sync_every": 4, "sync_fragments": 2, "sync_delay": 3}, "= [0, 2]"),
         ({"sync_every": 4, "sync_delay": -1}, "sync_delay must be an int"),
-        ({"sync_every": 4, "outer_compression": "topk-3bit"}, "not built for the outer exchange"),
+        ({"sync_every": 4, "outer_compression": "topk-fp16"}, "not built for the outer exchange"),
+        ({"sync_every": 4, "outer_compression": "topk-4bit"}, "the top chunks in 2 or 3 bits"),
+        ({"sync_every": 4, "outer_density": 0.1}, "Pass outer_compression='topk-2bit'"),
+        ({"sync_every": 4, "outer_compression": "topk-2bit", "outer_density": 0}, "outer_density must be a number"),
+        ({"outer_density": 0.1}, "outer_density applies only with sync_every > 1"),
         ({"sync_every": 4, "outer_compression": "3bt"}, "did you mean '3bit'"),
         ({"sync_every": 4, "outer_state_device": "gpu"}, "outer_state_device must be None"),
         ({"sync_every": 4, "compression": "3bit", "topology": "flat"}, "Pass outer_compression"),

@@ -112,8 +112,9 @@ def _replicas_worker(rank: int, world: int, options: dict) -> object:
         {"sync_every": 4, "sync_delay": 2, "outer_compression": "none"},
         {"sync_every": 4, "sync_delay": 1},  # the default outer exchange: 3 bits
         {"sync_every": 4, "sync_fragments": 2, "sync_delay": 2, "outer_compression": "none"},
+        {"sync_every": 4, "sync_delay": 2, "outer_compression": "topk-2bit"},
     ],
-    ids=["fp32-delay-2", "3bit-delay-1", "2-fragments-delay-2"],
+    ids=["fp32-delay-2", "3bit-delay-1", "2-fragments-delay-2", "topk-2bit-delay-2"],
 )
 def test_anchors_agree_after_every_merge_and_the_flight_changes_nothing(options: dict) -> None:
     """After step k (k + 1 steps done) fragment f is merged iff its sync step was k + 1 - delay: then both replicas
@@ -146,9 +147,12 @@ def test_anchors_agree_after_every_merge_and_the_flight_changes_nothing(options:
             assert not torch.equal(a[step][lo:hi], b[step][lo:hi]), (step, f)
     assert merges and len(merges) < F * (STEPS // H), "the last sync started is still in flight at the end"
     assert stats["outer_syncs"] == len(merges), "a sync is counted when it is merged"
-    if options.get("outer_compression", "3bit") == "none":
+    exchange = options.get("outer_compression", "3bit")
+    if exchange == "none":
         per_fragment = [4 * sum(sizes[i] for i in run) for run in runs]
         assert stats["outer_payload_bytes"] == sum(per_fragment[f] for f in merges)
+    elif exchange == "topk-2bit":  # 1 of the 2 blocks: its index, 2-bit codes, scale, pad
+        assert stats["outer_payload_bytes"] == len(merges) * (4 + 2 * 128 // 8 + 2 + 2)
     else:
         blocks = -(-sum(sizes) // 128)  # 3 bits an element and a bf16 scale per 128-element block
         assert stats["outer_payload_bytes"] == len(merges) * blocks * (3 * 128 // 8 + 2)

@@ -10,6 +10,7 @@ that runs them is :mod:`gradientflow.outer`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -19,7 +20,8 @@ from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
 from .recipes import NAMES, UnknownRecipe, resolve
 
 OUTER_OPTIONS = (
-    "outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "sync_delay", "outer_state_device",
+    "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",
+    "outer_state_device",
 )  # fmt: skip
 """The options beside ``sync_every`` (:func:`settle_outer`, called by
 :meth:`gradientflow.config.GradientFlowConfig._validate_outer`)."""
@@ -27,6 +29,7 @@ OUTER_DEFAULTS: dict[str, Any] = {
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
     "outer_compression": "3bit",
+    "outer_density": None,  # the top-k exchanges' TOPK_DENSITY; no other exchange reads it
     "sync_fragments": 1,
     "sync_delay": 0,
     "outer_state_device": "same",
@@ -35,6 +38,14 @@ OUTER_DEFAULTS: dict[str, Any] = {
 AdamW transformer, 2 replicas, 4,000 steps, H = 100, averaging ended 0.975x DDP's final loss where DiLoCo's outer
 optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) ended 1.020x, and the 3-bit exchange matched fp32 on a
 tenth of its bytes (docs/results/fewer-syncs.md).  DiLoCo's values stay one option away."""
+
+TOPK = re.compile(r"topk-(\d+)bit")
+"""The top-k outer exchanges' names, ``"topk-<bits>bit"``: the top chunks of the pseudo-gradient in ``bits``-bit
+blocks (:mod:`gradientflow.outer.sparse`), the words of the recipe table's ``"topk-3bit"``."""
+TOPK_DENSITY = 0.1
+"""The share of the chunks a top-k outer exchange sends where ``outer_density`` is not given."""
+TOPK_CHUNK = 128
+"""A top-k outer exchange's chunk: one quantiser block (its scale), the unit selected and sent with its index."""
 
 
 class OuterExchange(NamedTuple):
@@ -45,18 +56,32 @@ class OuterExchange(NamedTuple):
     wire_dtype: torch.dtype | None
     """A dense exchange's wire dtype (None: fp32); None for the quantised one."""
     quantizer: Quantizer | None
-    """The quantised family's quantiser (error feedback across outer syncs); None for a dense exchange."""
+    """The quantised family's quantiser, or the top-k exchange's (error feedback across outer syncs); None for a
+    dense exchange."""
+    density: float | None = None
+    """The top-k exchange's share of chunks sent (:data:`TOPK_CHUNK` elements each); None: every coordinate."""
 
 
-def outer_exchange_of(value: object) -> OuterExchange:
-    """The outer exchange an ``outer_compression`` value names: a dense row ("none", "fp16", "bf16") or a width of
-    the quantised family without preconditioning; ``ValueError`` saying what to pass otherwise."""
+def outer_exchange_of(value: object, density: float | None = None) -> OuterExchange:
+    """The outer exchange an ``outer_compression`` value names: a dense row ("none", "fp16", "bf16"), a width of
+    the quantised family without preconditioning, or a top-k exchange ("topk-2bit", "topk-3bit", ...: at
+    ``density``, :data:`TOPK_DENSITY` where None); ``ValueError`` saying what to pass otherwise."""
+    topk = TOPK.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if topk is not None and int(topk[1]) in (2, 3):
+        bits = int(topk[1])
+        # 2 bits: four levels with no zero (every code used: the chunks sent are the largest, few of their
+        # coordinates are near 0); 3 bits: the fitted levels of the quantised family
+        q = Quantizer(bits, TOPK_CHUNK, "zeroless" if bits == 2 else "fitted", False, 0, 0.0)
+        return OuterExchange(f"topk-{bits}bit", None, q, TOPK_DENSITY if density is None else float(density))
     try:
         found = resolve(value)
     except UnknownRecipe:
         found = None
-    ok = "'none' (fp32), 'fp16', 'bf16' or a width of the quantised family ('3bit', '4bit', '2bit', ...)"
-    if found is None:
+    ok = (
+        "'none' (fp32), 'fp16', 'bf16', a width of the quantised family ('3bit', '4bit', '2bit', ...) or the top "
+        "chunks in 2 or 3 bits ('topk-2bit', 'topk-3bit')"
+    )
+    if found is None or topk is not None:
         raise ValueError(f"outer_compression must be {ok}, got {value!r}{did_you_mean(value, NAMES)}")
     recipe, settings = found.recipe, {**found.recipe.settings(), **found.stated}
     if recipe.mechanism == "dense":
@@ -65,8 +90,8 @@ def outer_exchange_of(value: object) -> OuterExchange:
         q = Quantizer(int(settings["quant_bits"]), int(settings["quant_block"]), "fitted", False, 0, 0.0)
         return OuterExchange(found.name, None, q)
     raise ValueError(
-        f"outer_compression={value!r} is not built for the outer exchange (top-k, preconditioning and 'auto' are "
-        f"per-step mechanisms): pass {ok}."
+        f"outer_compression={value!r} is not built for the outer exchange (top-k in 16 bits, preconditioning and "
+        f"'auto' are per-step mechanisms): pass {ok}."
     )
 
 
@@ -96,8 +121,9 @@ def settle_outer(
     if h == 1:
         given = [k for k, v in outer.items() if v is not None]
         if given:
+            verb = "applies" if len(given) == 1 else "apply"
             raise ValueError(
-                f"{', '.join(given)} apply only with sync_every > 1 (the outer optimizer of DiLoCo), but "
+                f"{', '.join(given)} {verb} only with sync_every > 1 (the outer optimizer of DiLoCo), but "
                 f"sync_every=1. Pass sync_every=H (e.g. 30) too, or drop {', '.join(given)}."
             )
         return {}
@@ -123,7 +149,22 @@ def settle_outer(
         raise ValueError(
             f"outer_state_device must be None (the parameters' device) or 'cpu' (host memory), got {device!r}"
         )
-    settled["outer_compression"] = outer_exchange_of(settled["outer_compression"]).name
+    density = settled["outer_density"]
+    spec = outer_exchange_of(settled["outer_compression"])
+    if spec.density is None and density is not None:
+        raise ValueError(
+            f"outer_density applies only to a top-k outer exchange, but outer_compression={spec.name!r} sends every "
+            f"coordinate. Pass outer_compression='topk-2bit' (or 'topk-3bit') with it, or drop outer_density."
+        )
+    if spec.density is not None:
+        d = TOPK_DENSITY if density is None else density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            raise ValueError(
+                f"outer_density must be a number in (0, 1] (the share of the pseudo-gradient's chunks a top-k outer "
+                f"exchange sends; default {TOPK_DENSITY}), got {density!r}"
+            )
+        settled["outer_density"] = float(d)
+    settled["outer_compression"] = spec.name
     settled["outer_lr"], settled["outer_momentum"] = float(lr), float(mom)
     per_step = compression != "none" or comm_dtype != "fp32"
     if topology == "flat" and per_step:

@@ -10,7 +10,10 @@ the averaged shards.  Between nodes goes one copy of the pseudo-gradient per nod
 - quantised (``"3bit"``, any width of the family): :class:`gradientflow.comm.quantized_ring.QuantizedRing` with
   ``carry=True``, its residual kept per fragment (per rank: its shard's) between outer syncs, so what one sync
   did not send is added to the next: summed over replicas, residuals plus ``M`` times the average equal the sum
-  of the contributions.
+  of the contributions;
+- top-k (``"topk-2bit"``, ``"topk-3bit"``): :class:`.sparse.TopChunks`, each replica's own top chunks with their
+  indices in few-bit blocks, all-gathered; its residual kept per fragment as the quantised exchange's, with the
+  same conservation.
 
 Nothing persistent changes unless the exchange completed: the ring writes a copy of the residual, which
 replaces it only at the end (a rank lost mid-exchange leaves every rank's state as before the sync).
@@ -28,6 +31,7 @@ from ..comm.collectives import PendingAllreduce, all_gather_single, start_allred
 from ..comm.quantized_ring import QuantizedRing
 from ..diagnostics.watchdog import Watchdog
 from ..outer_options import OuterExchange
+from .sparse import TopChunks
 
 
 @dataclass
@@ -122,8 +126,15 @@ class Flight:
         self.mine = self.full[avg.local * s : (avg.local + 1) * s]
         self.sent = Sent()
         self.ring: QuantizedRing | None = None
+        self.topk: TopChunks | None = None
         self.err: torch.Tensor | None = None
-        if avg.spec.quantizer is None:
+        if avg.spec.density is not None:
+            q = avg.spec.quantizer
+            assert q is not None
+            self.wire = self.mine.div(avg.parties)
+            self.topk = TopChunks(self.wire, avg.residuals[fragment], avg.spec.density, q, avg.group, avg.parties)
+            self.err = self.topk.residual  # the old one stays until commit()
+        elif avg.spec.quantizer is None:
             self.wire, self.work = avg._dense(self.mine, what, self.sent)
         else:
             self.wire, self.err, self.ring = avg._quantized(self.mine, fragment)
@@ -140,7 +151,11 @@ class Flight:
         """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer), then
         the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual."""
         avg, sent = self.avg, self.sent
-        if self.ring is None:
+        if self.topk is not None:
+            self.topk.finish(self.wire, avg.watchdog, self.what)
+            sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
+            sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
+        elif self.ring is None:
             self.work.wait()
         else:
             try:

@@ -222,6 +222,6 @@ GF_OPTIONS = (
     "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
     "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
     "topology", "quant_bits", "quant_block", "quant_levels", "quant_precondition", "quant_warmup_steps", "quant_clip",
-    "sync_every", "outer_lr", "outer_momentum", "outer_compression", "sync_fragments", "sync_delay",
+    "sync_every", "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",
     "outer_state_device",
 )  # fmt: skip

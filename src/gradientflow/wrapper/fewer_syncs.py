@@ -41,7 +41,7 @@ class FewerSyncs:
         topo = resolve_layout(config, model.process_group)
         self.two_level = topo.two_level
         self.local_steps = not topo.two_level  # flat: no forward synchronises
-        spec = outer_exchange_of(config.outer_compression)
+        spec = outer_exchange_of(config.outer_compression, config.outer_density)
         self.node_watchdog: Watchdog | None = None
         self.node_group: Any = None
         if self.two_level:
