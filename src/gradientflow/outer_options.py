@@ -56,7 +56,7 @@ class OuterExchange(NamedTuple):
     wire_dtype: torch.dtype | None
     """A dense exchange's wire dtype (None: fp32); None for the quantised one."""
     quantizer: Quantizer | None
-    """The quantised family's quantiser, or the top-k exchange's (error feedback across outer syncs); None for a
+    """The quantised family's quantiser (error feedback across outer syncs), or the top-k exchange's; None for a
     dense exchange."""
     density: float | None = None
     """The top-k exchange's share of chunks sent (:data:`TOPK_CHUNK` elements each); None: every coordinate."""

@@ -12,8 +12,9 @@ the averaged shards.  Between nodes goes one copy of the pseudo-gradient per nod
   did not send is added to the next: summed over replicas, residuals plus ``M`` times the average equal the sum
   of the contributions;
 - top-k (``"topk-2bit"``, ``"topk-3bit"``): :class:`.sparse.TopChunks`, each replica's own top chunks with their
-  indices in few-bit blocks, all-gathered; its residual kept per fragment as the quantised exchange's, with the
-  same conservation.
+  indices in few-bit blocks, all-gathered; what a replica did not deliver (``kept``, in the parameters' units:
+  ``M`` times the exchange's ``e``, gathered inside the node like the mean) is returned, not stored: the outer loop
+  leaves it in the replica's parameters (:mod:`.sparse` says why), so nothing stays between syncs.
 
 Nothing persistent changes unless the exchange completed: the ring writes a copy of the residual, which
 replaces it only at the end (a rank lost mid-exchange leaves every rank's state as before the sync).
@@ -72,9 +73,16 @@ class Average:
         units = -(-n // unit)
         return -(-units // self.per_node) * unit
 
+    @property
+    def keeps_unsent(self) -> bool:
+        """The top-k exchange: the second value :meth:`average` returns is what this replica did not deliver, for
+        its parameters (:meth:`commit` stores nothing of it)."""
+        return self.spec.density is not None
+
     def average(self, x: torch.Tensor, fragment: int, what: str) -> tuple[Sent, torch.Tensor | None]:
         """``x`` in place: its mean over the replicas.  Returns the bytes and the fragment's new residual (quantised;
-        ``None`` for dense), which the caller installs with :meth:`commit` once everything else succeeded."""
+        ``None`` for dense), which the caller installs with :meth:`commit` once everything else succeeded; for the
+        top-k exchange (:attr:`keeps_unsent`) instead what this replica did not deliver, ``x``'s length."""
         return self.start(x, fragment, what).finish()
 
     def start(self, x: torch.Tensor, fragment: int, what: str) -> Flight:
@@ -84,7 +92,7 @@ class Average:
         return Flight(self, x, fragment, what)
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
-        if residual is not None:
+        if residual is not None and not self.keeps_unsent:
             self.residuals[fragment] = residual
 
     def _dense(self, mine: torch.Tensor, what: str, sent: Sent) -> tuple[torch.Tensor, PendingAllreduce]:
@@ -132,8 +140,7 @@ class Flight:
             q = avg.spec.quantizer
             assert q is not None
             self.wire = self.mine.div(avg.parties)
-            self.topk = TopChunks(self.wire, avg.residuals[fragment], avg.spec.density, q, avg.group, avg.parties)
-            self.err = self.topk.residual  # the old one stays until commit()
+            self.topk = TopChunks(self.wire, avg.spec.density, q, avg.group, avg.parties)
         elif avg.spec.quantizer is None:
             self.wire, self.work = avg._dense(self.mine, what, self.sent)
         else:
@@ -149,12 +156,14 @@ class Flight:
 
     def finish(self) -> tuple[Sent, torch.Tensor | None]:
         """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer), then
-        the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual."""
+        the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual (top-k:
+        what this replica did not deliver, :meth:`Average.average`)."""
         avg, sent = self.avg, self.sent
         if self.topk is not None:
             self.topk.finish(self.wire, avg.watchdog, self.what)
             sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
             sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
+            self.err = self._gather(self.topk.kept.mul_(avg.parties), "what stays", sent)[: self.x.numel()]
         elif self.ring is None:
             self.work.wait()
         else:
@@ -165,16 +174,22 @@ class Flight:
             sent.payload += self.ring.payload_bytes if avg.parties > 1 else 0
             sent.inter += self.ring.sent_bytes
         self.mine.copy_(self.wire)
-        full = self.full
-        if avg.node is not None:
-            gathered = torch.empty_like(full)
-            work = all_gather_single(gathered, self.mine.clone(), group=avg.node, async_op=True)
-            avg.watchdog.wait(work, f"{self.what}: all-gather inside the node", self.s * 4)
-            sent.intra += (avg.per_node - 1) * self.s * 4
-            full = gathered
+        full = self.full if avg.node is None else self._gather(self.mine, "the mean", sent)
         if full is not self.x:
             self.x.copy_(full[: self.x.numel()])
         return sent, self.err
+
+    def _gather(self, shard: torch.Tensor, name: str, sent: Sent) -> torch.Tensor:
+        """This rank's ``shard`` (fp32, ``s`` elements) all-gathered inside the node: the whole padded fragment
+        (``shard`` itself without a node group)."""
+        avg = self.avg
+        if avg.node is None:
+            return shard
+        gathered = torch.empty(self.s * avg.per_node, dtype=shard.dtype, device=shard.device)
+        work = all_gather_single(gathered, shard.clone(), group=avg.node, async_op=True)
+        avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", self.s * 4)
+        sent.intra += (avg.per_node - 1) * self.s * 4
+        return gathered
 
     def _failure(self, exc: RuntimeError) -> Exception:
         assert self.ring is not None

@@ -8,7 +8,10 @@ sees, and a checkpoint written after that step, are the synchronised ones:
 2. its mean over the replicas (:class:`.exchange.Average`; the only communication);
 3. the outer step (:func:`.nesterov.nesterov_step`) on ``anchor`` and the momentum;
 4. every parameter of the fragment set to ``anchor``: every replica ends with the same bits (the same anchor,
-   the same averaged bytes decoded the same way, the same arithmetic).
+   the same averaged bytes decoded the same way, the same arithmetic).  The top-k exchange sends only part of
+   each replica's pseudo-gradient: there step 4 sets the fragment to ``anchor`` minus what this replica did not
+   send (:mod:`.sparse` says why), so the anchors are the same bits on every replica and the parameters differ by
+   that; averaging (outer lr 1, no momentum) then leaves the replicas' mean where their parameters' mean was.
 
 Steps 3-4 run only once step 2 completed on this rank: a rank lost during the exchange leaves the others'
 parameters, anchor, momentum and residual as they were before the sync (each raises ``CommunicationError``).
@@ -22,7 +25,8 @@ sync step.  ``delay = 0`` is the blocking sync above, unchanged.
 
 Memory per rank: the anchor and, with ``outer_momentum > 0``, the momentum (4 bytes per parameter each, on
 ``outer_state_device``; the default, averaging, keeps no momentum), a transient
-pseudo-gradient per sync, and the quantised exchange's residual (4 bytes per element of the rank's shard).
+pseudo-gradient per sync, and the quantised exchange's residual (4 bytes per element of the rank's shard; the
+top-k exchange keeps none between syncs).
 """
 
 from __future__ import annotations
@@ -165,7 +169,11 @@ class OuterLoop:
         if wire is not delta:
             delta.copy_(wire)
         self._outer_step(f, delta)
-        self._write(f)
+        if self.exchange.keeps_unsent:  # the top-k exchange: what this replica did not send stays in its parameters
+            assert residual is not None
+            self._write(f, self.anchor[f] - residual.to(self.anchor[f].device))
+        else:
+            self._write(f)
         self._count(sent, t0)
 
     def begin(self, f: int) -> None:
@@ -196,6 +204,9 @@ class OuterLoop:
         del self.flights[f]
         self._outer_step(f, delta)
         progress = self._flat(f).sub_(pending.then)  # the inner steps since the sync step, kept
+        if self.exchange.keeps_unsent:  # and, with the top-k exchange, what this replica did not send
+            assert residual is not None
+            progress.sub_(residual.to(progress.device))
         self._write(f, progress.add_(self.anchor[f]))
         self._count(sent, t0)
 
