@@ -71,9 +71,9 @@ def encode(v: torch.Tensor, density: float, q: Quantizer) -> tuple[torch.Tensor,
     codes = message[INDEX_BYTES * k : INDEX_BYTES * k + wire_bytes(rows.numel(), q.bits, q.block)]
     err = torch.empty_like(rows)
     quantize(rows, codes, q.bits, q.block, err=err, levels=q.levels)
-    residual = v.clone()
-    residual.view(-1, q.block).index_copy_(0, idx, err.view(k, q.block))
-    return message, residual
+    kept = v.clone()  # an unsent chunk whole, a sent one its quantisation error
+    kept.view(-1, q.block).index_copy_(0, idx, err.view(k, q.block))
+    return message, kept
 
 
 def decode_sum(gathered: torch.Tensor, n: int, density: float, q: Quantizer, out: torch.Tensor) -> torch.Tensor:
