@@ -126,6 +126,10 @@ def test_every_replica_identical_after_every_outer_sync(options: dict) -> None:
     else:
         assert stats["outer_payload_bytes"] == (STEPS // H) * dense  # one fp32 copy of the parameters per H steps
         assert stats["outer_bytes_ratio"] == pytest.approx(1 / H)
+    # held between steps: the anchor (fp32, no momentum by default) and the 3-bit exchange's residual, its shard
+    # padded to whole blocks (flat: one replica a rank, the whole fragment)
+    residual = 4 * blocks * 128 if exchange == "3bit" else 0
+    assert stats["outer_state_bytes"] == 4 * sum(sizes) + residual
 
 
 def _topk_worker(rank: int, world: int) -> object:
@@ -226,7 +230,7 @@ class _Toy(nn.Module):
         return (self.w * c).sum()
 
 
-def _toy_worker(rank: int, world: int) -> list[list[float]]:
+def _toy_worker(rank: int, world: int) -> tuple[list[list[float]], int]:
     model = gf.DistributedDataParallel(_Toy(), sync_every=2, outer_lr=0.7, outer_momentum=0.9, outer_compression="none")
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     c = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, -2.0])
@@ -236,7 +240,7 @@ def _toy_worker(rank: int, world: int) -> list[list[float]]:
         model(c).backward()
         opt.step()
         out.append(model.module.w.detach().tolist())
-    return out
+    return out, model.comm_stats()["outer_state_bytes"]
 
 
 def test_outer_step_by_hand_on_two_ranks() -> None:
@@ -244,7 +248,8 @@ def test_outer_step_by_hand_on_two_ranks() -> None:
     -0.5 c_r, so the pseudo-gradients are 0.5 c_r and their mean d = 0.5 (2, 0) = (1, 0).  Nesterov (torch's
     SGD(nesterov=True)): b1 = d, w1 = w0 - 0.7 (d + 0.9 b1) = w0 - 1.33 d; the next interval drifts by the same d
     (constant gradients): b2 = 0.9 b1 + d = 1.9 d, w2 = w1 - 0.7 (d + 0.9 * 1.9 d) = w1 - 1.897 d."""
-    r0, r1 = run_distributed(_toy_worker, 2, timeout=60)
+    (r0, held0), (r1, held1) = run_distributed(_toy_worker, 2, timeout=60)
+    assert held0 == held1 == 16, "the anchor and the momentum, 2 fp32 values each (the dense exchange keeps none)"
     w0 = torch.tensor([1.0, -2.0])
     c0, c1 = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -2.0])
     d = torch.tensor([1.0, 0.0])

@@ -163,8 +163,16 @@ class Flight:
             self.topk.finish(self.wire, avg.watchdog, self.what)
             sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
             sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
-            self.err = self._gather(self.topk.kept.mul_(avg.parties), "what stays", sent)[: self.x.numel()]
-        elif self.ring is None:
+            self.mine.copy_(self.wire)
+            # the mean and what stays, gathered inside the node in one round: rank l's pair at [l, 0] and [l, 1]
+            pairs = self._gather(
+                torch.cat([self.mine, self.topk.kept.mul_(avg.parties)]), "the mean and what stays", sent
+            )
+            pairs = pairs.view(avg.per_node, 2, self.s)
+            self.err = pairs[:, 1].reshape(-1)[: self.x.numel()]
+            self.x.copy_(pairs[:, 0].reshape(-1)[: self.x.numel()])
+            return sent, self.err
+        if self.ring is None:
             self.work.wait()
         else:
             try:
@@ -180,15 +188,15 @@ class Flight:
         return sent, self.err
 
     def _gather(self, shard: torch.Tensor, name: str, sent: Sent) -> torch.Tensor:
-        """This rank's ``shard`` (fp32, ``s`` elements) all-gathered inside the node: the whole padded fragment
-        (``shard`` itself without a node group)."""
+        """This rank's ``shard`` (fp32) all-gathered inside the node, the ranks' in local order (``shard`` itself
+        without a node group)."""
         avg = self.avg
         if avg.node is None:
             return shard
-        gathered = torch.empty(self.s * avg.per_node, dtype=shard.dtype, device=shard.device)
+        gathered = torch.empty(shard.numel() * avg.per_node, dtype=shard.dtype, device=shard.device)
         work = all_gather_single(gathered, shard.clone(), group=avg.node, async_op=True)
-        avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", self.s * 4)
-        sent.intra += (avg.per_node - 1) * self.s * 4
+        avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", shard.numel() * 4)
+        sent.intra += (avg.per_node - 1) * shard.numel() * 4
         return gathered
 
     def _failure(self, exc: RuntimeError) -> Exception:

@@ -257,7 +257,17 @@ class OuterLoop:
             "outer_seconds": self.seconds,
             "outer_payload_bytes_per_step": per_step,
             "outer_bytes_ratio": per_step / dense_bytes if dense_bytes else 0.0,
+            "outer_state_bytes": self.state_bytes(),
         }
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors the outer loop holds between steps: the anchor, the momentum, the quantised
+        exchange's residuals and, with ``delay``, the fragments in flight (their parameters at the sync step and
+        pseudo-gradient).  What a sync allocates and frees within the step is not counted."""
+        held = [*(self.anchor or []), *(self.buf or []), *(r for r in self.exchange.residuals if r is not None)]
+        for pending in self.flights.values():
+            held += [pending.then, pending.delta] + ([pending.wire] if pending.wire is not pending.delta else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     @property
     def steps_here(self) -> int:
