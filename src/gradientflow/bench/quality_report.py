@@ -55,7 +55,9 @@ DEFINITIONS = {
     "exposed": "exposed comm ms: gradientflow's comm_stats()['exposed_seconds'], the time the end of backward "
     "waited on communication, median over steps (— for torch DDP, which does not report it)",
     "time": "training wall clock: the sum of every step's time (forward, backward with its communication, "
-    "optimizer), slowest rank per step; validation is outside the clock",
+    "optimizer), slowest rank per step; validation is outside the clock. The recipes run step by step in turn, so "
+    "an exchange a recipe leaves in flight across its steps (sync_delay > 0) crosses the link during the other "
+    "recipes' steps: its wire time and link bytes land partly on theirs (time it beside ddp alone)",
 }
 
 
@@ -87,9 +89,14 @@ def is_sparse_step(stats: dict[str, float]) -> bool:
 
 
 def _library_defaults() -> dict[str, Any]:
+    """The defaults a recipe that does not name an option runs with, as of this run: the per-step ones of
+    ``GradientFlowConfig`` and the outer loop's (``sync_every > 1``), which have changed before (2026-12-02: from
+    DiLoCo's fp32 Nesterov step to averaging through 3 bits), so that a record says which ones its rows used."""
     from gradientflow import GradientFlowConfig
+    from gradientflow.outer_options import OUTER_DEFAULTS
 
-    return {
+    outer = {k: OUTER_DEFAULTS[k] for k in ("outer_lr", "outer_momentum", "outer_compression")}
+    return outer | {
         f.name: f.default
         for f in fields(GradientFlowConfig)
         if f.name

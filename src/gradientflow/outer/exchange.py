@@ -80,7 +80,8 @@ class Average:
         return self.spec.density is not None
 
     def average(self, x: torch.Tensor, fragment: int, what: str) -> tuple[Sent, torch.Tensor | None]:
-        """``x`` in place: its mean over the replicas.  Returns the bytes and the fragment's new residual (quantised;
+        """``x`` in place: its mean over the replicas (should it raise, ``x`` is left divided or half-exchanged: the
+        caller's scratch, never its state).  Returns the bytes and the fragment's new residual (quantised;
         ``None`` for dense), which the caller installs with :meth:`commit` once everything else succeeded; for the
         top-k exchange (:attr:`keeps_unsent`) instead what this replica did not deliver, ``x``'s length."""
         return self.start(x, fragment, what).finish()
@@ -88,7 +89,8 @@ class Average:
     def start(self, x: torch.Tensor, fragment: int, what: str) -> Flight:
         """Post the exchange between replicas of ``x`` and return without waiting (streaming's overlap): the
         :class:`Flight` finishes it, and only then is ``x`` the mean (the all-gather inside the node, on nodes of
-        several ranks, is posted by :meth:`Flight.finish`, a step every rank of the node reaches in the same order)."""
+        several ranks, is posted by :meth:`Flight.finish`, a step every rank of the node reaches in the same order).
+        Until then ``x`` is the exchange's working buffer: not to be read or written."""
         return Flight(self, x, fragment, what)
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
@@ -97,7 +99,8 @@ class Average:
 
     def _dense(self, mine: torch.Tensor, what: str, sent: Sent) -> tuple[torch.Tensor, PendingAllreduce]:
         dtype = self.spec.wire_dtype
-        wire = mine.div(self.parties) if dtype is None else mine.div(self.parties).to(dtype)
+        # divided in place: ``mine`` is the caller's pseudo-gradient, which finish() overwrites with the mean anyway
+        wire = mine.div_(self.parties) if dtype is None else mine.div_(self.parties).to(dtype)
         work = start_allreduce(wire, group=self.group, watchdog=self.watchdog, what=what)
         nbytes = wire.numel() * wire.element_size()
         sent.payload += nbytes
@@ -109,7 +112,7 @@ class Average:
         assert q is not None
         old = self.residuals[fragment]
         err = torch.zeros_like(mine) if old is None else old.clone()  # the old one stays until commit()
-        x = mine.div(self.parties)
+        x = mine.div_(self.parties)  # in place, as in _dense: one copy of the fragment less while a sync runs
         ring = QuantizedRing(
             x, err, self.group, bits=q.bits, block=q.block, timeout=self.watchdog.timeout, levels=q.levels, carry=True
         )
@@ -135,12 +138,19 @@ class Flight:
         self.sent = Sent()
         self.ring: QuantizedRing | None = None
         self.topk: TopChunks | None = None
+        self.pair: torch.Tensor | None = None  # top-k on a node: [the mean, what stays], this rank's shard of each
         self.err: torch.Tensor | None = None
         if avg.spec.density is not None:
             q = avg.spec.quantizer
             assert q is not None
-            self.wire = self.mine.div(avg.parties)
-            self.topk = TopChunks(self.wire, avg.spec.density, q, avg.group, avg.parties)
+            # the scaled shard becomes what stays (encoded in place); on a node it is the second row of the pair
+            # the node's ranks all-gather at the end, the mean the first: one round, no copy to build the pair
+            if avg.node is None:
+                scaled = self.mine.div(avg.parties)
+            else:
+                self.pair = torch.empty(2, s, dtype=x.dtype, device=x.device)
+                scaled = torch.div(self.mine, avg.parties, out=self.pair[1])
+            self.topk = TopChunks(scaled, avg.spec.density, q, avg.group, avg.parties)
         elif avg.spec.quantizer is None:
             self.wire, self.work = avg._dense(self.mine, what, self.sent)
         else:
@@ -159,18 +169,19 @@ class Flight:
         the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual (top-k:
         what this replica did not deliver, :meth:`Average.average`)."""
         avg, sent = self.avg, self.sent
+        n = self.x.numel()
         if self.topk is not None:
-            self.topk.finish(self.wire, avg.watchdog, self.what)
+            self.topk.finish(self.mine if self.pair is None else self.pair[0], avg.watchdog, self.what)
             sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
             sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
-            self.mine.copy_(self.wire)
-            # the mean and what stays, gathered inside the node in one round: rank l's pair at [l, 0] and [l, 1]
-            pairs = self._gather(
-                torch.cat([self.mine, self.topk.kept.mul_(avg.parties)]), "the mean and what stays", sent
-            )
-            pairs = pairs.view(avg.per_node, 2, self.s)
-            self.err = pairs[:, 1].reshape(-1)[: self.x.numel()]
-            self.x.copy_(pairs[:, 0].reshape(-1)[: self.x.numel()])
+            kept = self.topk.kept.mul_(avg.parties)
+            if self.pair is not None:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
+                pairs = self._gather(self.pair.view(-1), "the mean and what stays", sent).view(avg.per_node, 2, self.s)
+                self.full.view(avg.per_node, self.s).copy_(pairs[:, 0])
+                kept = pairs[:, 1].reshape(-1)
+            self.err = kept[:n]
+            if self.full is not self.x:
+                self.x.copy_(self.full[:n])
             return sent, self.err
         if self.ring is None:
             self.work.wait()
@@ -184,7 +195,7 @@ class Flight:
         self.mine.copy_(self.wire)
         full = self.full if avg.node is None else self._gather(self.mine, "the mean", sent)
         if full is not self.x:
-            self.x.copy_(full[: self.x.numel()])
+            self.x.copy_(full[:n])
         return sent, self.err
 
     def _gather(self, shard: torch.Tensor, name: str, sent: Sent) -> torch.Tensor:
@@ -194,7 +205,7 @@ class Flight:
         if avg.node is None:
             return shard
         gathered = torch.empty(shard.numel() * avg.per_node, dtype=shard.dtype, device=shard.device)
-        work = all_gather_single(gathered, shard.clone(), group=avg.node, async_op=True)
+        work = all_gather_single(gathered, shard, group=avg.node, async_op=True)  # a view is read, never written
         avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", shard.numel() * 4)
         sent.intra += (avg.per_node - 1) * shard.numel() * 4
         return gathered

@@ -161,7 +161,7 @@ class OuterLoop:
         assert self.anchor is not None  # start() ran
         t0 = time.perf_counter()
         self.watchdog.step = self.steps  # messages name the inner step the sync follows
-        delta = self.anchor[f] - self._flat(f)
+        delta = self._flat(f).neg_().add_(self.anchor[f])  # anchor - now, in the new copy: the same bits, one copy
         what = f"outer exchange of fragment {f} after step {self.steps}"
         wire = delta.to(self.params[0].device)  # the exchange runs where the backend sends from (NCCL: the GPU)
         sent, residual = self.exchange.average(wire, f, what)  # raises before anything below changed

@@ -57,9 +57,9 @@ def message_layout(n: int, density: float, q: Quantizer) -> tuple[int, int]:
     return k, -(-raw // 4) * 4
 
 
-def encode(v: torch.Tensor, density: float, q: Quantizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1-2 of the module docstring on ``v`` (fp32, 1-D, whole blocks; not changed): the message (uint8)
-    and what is not delivered (``v`` minus the message decoded)."""
+def encode(v: torch.Tensor, density: float, q: Quantizer) -> torch.Tensor:
+    """Steps 1-2 of the module docstring on ``v`` (fp32, 1-D, whole blocks): returns the message (uint8); ``v``
+    becomes what is not delivered (``v`` minus the message decoded), in place: a sync holds no second copy."""
     k, length = message_layout(v.numel(), density, q)
     chunks = v.view(-1, q.block)
     # the chunks in index order: the receivers' index_add_ then writes rows in one sweep, and ties in the scores
@@ -71,9 +71,8 @@ def encode(v: torch.Tensor, density: float, q: Quantizer) -> tuple[torch.Tensor,
     codes = message[INDEX_BYTES * k : INDEX_BYTES * k + wire_bytes(rows.numel(), q.bits, q.block)]
     err = torch.empty_like(rows)
     quantize(rows, codes, q.bits, q.block, err=err, levels=q.levels)
-    kept = v.clone()  # an unsent chunk whole, a sent one its quantisation error
-    kept.view(-1, q.block).index_copy_(0, idx, err.view(k, q.block))
-    return message, kept
+    chunks.index_copy_(0, idx, err.view(k, q.block))  # an unsent chunk stays whole, a sent one its quantisation error
+    return message
 
 
 def decode_sum(gathered: torch.Tensor, n: int, density: float, q: Quantizer, out: torch.Tensor) -> torch.Tensor:
@@ -91,12 +90,13 @@ def decode_sum(gathered: torch.Tensor, n: int, density: float, q: Quantizer, out
 
 
 class TopChunks:
-    """One top-k exchange posted: the message encoded, what this replica keeps (``kept``: ``e`` of step 2), and
-    the all-gather started (:meth:`finish` waits)."""
+    """One top-k exchange posted: the message encoded, what this replica keeps (``kept``: ``e`` of step 2, ``x``
+    itself, overwritten), and the all-gather started (:meth:`finish` waits)."""
 
     def __init__(self, x: torch.Tensor, density: float, q: Quantizer, group: dist.ProcessGroup, parties: int) -> None:
         self.n, self.density, self.q = x.numel(), density, q
-        self.message, self.kept = encode(x, density, q)  # kept: what this replica did not deliver
+        self.message = encode(x, density, q)
+        self.kept = x  # now what this replica did not deliver
         self.gathered = torch.empty(parties * self.message.numel(), dtype=torch.uint8, device=x.device)
         self.work = all_gather_single(self.gathered, self.message, group=group, async_op=True)
 
