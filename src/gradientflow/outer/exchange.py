@@ -177,6 +177,8 @@ class Flight:
             kept = self.topk.kept.mul_(avg.parties)
             if self.pair is not None:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
                 pairs = self._gather(self.pair.view(-1), "the mean and what stays", sent).view(avg.per_node, 2, self.s)
+                self.pair = self.topk = None  # this rank's pair is in ``pairs`` now: freed before the copy below
+                del kept
                 self.full.view(avg.per_node, self.s).copy_(pairs[:, 0])
                 kept = pairs[:, 1].reshape(-1)
             self.err = kept[:n]

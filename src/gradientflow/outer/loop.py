@@ -169,9 +169,10 @@ class OuterLoop:
         if wire is not delta:
             delta.copy_(wire)
         self._outer_step(f, delta)
+        del delta, wire  # a copy of the fragment less while the parameters are written
         if self.exchange.keeps_unsent:  # the top-k exchange: what this replica did not send stays in its parameters
-            assert residual is not None
-            self._write(f, self.anchor[f] - residual.to(self.anchor[f].device))
+            assert residual is not None  # the exchange's own tensor, stored nowhere: anchor - it, in place
+            self._write(f, residual.to(self.anchor[f].device).neg_().add_(self.anchor[f]))
         else:
             self._write(f)
         self._count(sent, t0)

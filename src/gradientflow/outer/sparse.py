@@ -64,7 +64,8 @@ def encode(v: torch.Tensor, density: float, q: Quantizer) -> torch.Tensor:
     chunks = v.view(-1, q.block)
     # the chunks in index order: the receivers' index_add_ then writes rows in one sweep, and ties in the scores
     # go the same way on every rank's copy of the message
-    idx = torch.topk(chunks.abs().sum(1), k, sorted=False).indices.sort().values
+    # each chunk's L1 as one reduction: abs().sum(1) would hold a copy of the shard for the scores
+    idx = torch.topk(torch.linalg.vector_norm(chunks, ord=1, dim=1), k, sorted=False).indices.sort().values
     rows = chunks.index_select(0, idx).reshape(-1)
     message = torch.zeros(length, dtype=torch.uint8, device=v.device)
     message[: INDEX_BYTES * k].view(torch.int32).copy_(idx)
