@@ -9,6 +9,7 @@ resumes (SIGCONT) and kills whatever is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,7 +99,9 @@ def run_faulty(fn, world_size: int, *args: Any, wait_for: list[int], timeout: fl
         finally:
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot die until resumed
+                    # a stopped process cannot die until resumed; one that exited since is_alive() is already gone
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGCONT)
                     p.kill()
                 p.join(timeout=10)
 
