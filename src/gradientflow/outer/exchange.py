@@ -174,11 +174,12 @@ class Flight:
             self.topk.finish(self.mine if self.pair is None else self.pair[0], avg.watchdog, self.what)
             sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
             sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
-            kept = self.topk.kept.mul_(avg.parties)
-            if self.pair is not None:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
+            self.topk.kept.mul_(avg.parties)  # what stays, in the parameters' units (on a node: the pair's row 1)
+            if self.pair is None:
+                kept = self.topk.kept
+            else:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
                 pairs = self._gather(self.pair.view(-1), "the mean and what stays", sent).view(avg.per_node, 2, self.s)
                 self.pair = self.topk = None  # this rank's pair is in ``pairs`` now: freed before the copy below
-                del kept
                 self.full.view(avg.per_node, self.s).copy_(pairs[:, 0])
                 kept = pairs[:, 1].reshape(-1)
             self.err = kept[:n]
