@@ -334,3 +334,37 @@ def test_the_sgd_transformer_trains_every_recipe_with_sgd_momentum(tmp_path):
             assert options["optimizer"] == "SGD(lr=0.3, momentum=0.9)"
     finally:
         dist.destroy_process_group()
+
+
+def test_the_adamw_digits_jobs_train_every_recipe_with_adamw(tmp_path):
+    """--digits-optimizer adamw: small_cnn and digits_wide (the time-to-accuracy net) trained with AdamW by every
+    recipe, the compute-only probe included; gf-paper keeps the paper's SGD."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from gradientflow.bench.quality import DIGITS_ADAMW_LR, build_recipe
+    from gradientflow.bench.quality_worker import _Data, _Probe
+
+    jobs, tta = plan_jobs(QualityOptions(workloads=["digits"], digits_optimizer="adamw", bandwidth="100mbit"))
+    assert [j.model for j in (*jobs, *tta)] == ["small_cnn", "digits_wide"]
+    assert all(j.optimizer == "adamw" and j.lr == DIGITS_ADAMW_LR == 3e-4 for j in (*jobs, *tta))
+    (sgd,) = plan_jobs(QualityOptions(workloads=["digits"], bandwidth="none"))[0]
+    assert sgd.optimizer == "sgd" and sgd.lr == 0.05  # the default is unchanged
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        for recipe in ("ddp", "gf-auto"):
+            _, opt, options = build_recipe(recipe, nn.Linear(3, 2), jobs[0])
+            assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 3e-4
+            assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
+            assert options["optimizer"] == "AdamW(lr=0.0003, betas=(0.9, 0.95), weight_decay=0.1)"
+        _, opt, _ = build_recipe("gf-paper", nn.Linear(3, 2), jobs[0])
+        assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.0
+        _, opt, _ = build_recipe("ddp", nn.Linear(3, 2), sgd)
+        assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.05 and opt.defaults["momentum"] == 0.9
+        probe = _Probe(_Data(jobs[0], 0, 0, 1), jobs[0])
+        assert type(probe.opt) is torch.optim.AdamW
+    finally:
+        dist.destroy_process_group()

@@ -1,11 +1,13 @@
 """Time to a loss on the emulated link, from the quality bench's time-to-accuracy records (run from the repository
-root: ``python benchmarks/diloco_tta/summarize.py benchmarks/diloco_tta/100mbit``).
+root: ``python benchmarks/diloco_tta/summarize.py benchmarks/diloco_tta/100mbit 1.0 1.05``).
 
 Per recipe: the final validation loss over torch DDP's, the bytes the kernel counted on node 0's link over the
 whole run (the mean per step: the bench's table gives the median step, which for ``sync_every`` is a step
 without a sync), the median step time, and the training wall clock (the sum of the step times, slowest rank
-per step, validation outside it) until the validation loss first reaches each target, linear between validation
-points, over DDP's time to the same target (how many times sooner)."""
+per step, validation outside it) until the validation loss first reaches each target (a factor of DDP's final
+loss), linear between validation points, over DDP's time to the same target (how many times sooner).  Where the
+launch trained per-step ``gf-auto`` (with or without a ``steps=F`` variant), a last column per target gives how
+many times sooner than the sooner of those to reach it."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def reach(run: dict, target: float) -> float | None:
     return None
 
 
+def is_per_step_auto(recipe: str) -> bool:
+    """``gf-auto`` or a ``gf-auto:steps=F`` variant: the per-step recipe, not a ``sync_every`` one."""
+    base, _, rest = recipe.partition(":")
+    return base == "gf-auto" and all(item.startswith("steps=") for item in rest.split(",") if item)
+
+
 def main(folder: str, factors: list[float]) -> None:
     job = json.loads((Path(folder) / "raw-tta.json").read_text())["jobs"][0]
     runs = job["runs"]
@@ -37,9 +45,12 @@ def main(folder: str, factors: list[float]) -> None:
     base = ddp["evals"][-1]["val_loss"]
     ddp_tx = sum(ddp["nodes"][0]["tx_bytes"]) / len(ddp["nodes"][0]["tx_bytes"])
     targets = [base * f for f in factors]
-    head = " | ".join(f"time to {t:.3f} ({f:g}x DDP's final) s | DDP / this" for t, f in zip(targets, factors))
+    autos = [r for r in runs if is_per_step_auto(r["recipe"])]
+    auto_time = {t: min((x for x in (reach(r, t) for r in autos) if x is not None), default=None) for t in targets}
+    per = "DDP / this" + (" | auto / this" if autos else "")
+    head = " | ".join(f"time to {t:.3f} ({f:g}x DDP's final) s | {per}" for t, f in zip(targets, factors))
     print(f"| recipe | final loss / DDP | link tx per step (mean) | × DDP's | median step ms | {head} |")
-    print("|---|---|---|---|---|" + "---|---|" * len(targets))
+    print("|---|---|---|---|---|" + ("---|---|---|" if autos else "---|---|") * len(targets))
     for run in runs:
         tx = run["nodes"][0]["tx_bytes"]
         mean_tx = sum(tx) / len(tx)
@@ -47,9 +58,11 @@ def main(folder: str, factors: list[float]) -> None:
         for t in targets:
             mine, theirs = reach(run, t), reach(ddp, t)
             if mine is None:
-                cells += ["not reached", "—"]
-            else:
-                cells += [f"{mine:.1f}", f"{theirs / mine:.2f}" if theirs is not None else "—"]
+                cells += ["not reached", "—"] + (["—"] if autos else [])
+                continue
+            cells += [f"{mine:.1f}", f"{theirs / mine:.2f}" if theirs is not None else "—"]
+            if autos:
+                cells.append(f"{auto_time[t] / mine:.2f}" if auto_time[t] is not None else "—")
         print(
             f"| {run['recipe']} | {run['evals'][-1]['val_loss'] / base:.3f} | {mean_tx:,.0f} B | "
             f"{mean_tx / ddp_tx:.4f} | {1000 * median(run['step_s']):.0f} | " + " | ".join(cells) + " |"

@@ -253,6 +253,12 @@ def _times(x: float | None, k: float) -> float | None:
     return None if x is None else x * k
 
 
+def _optimizer(w: dict[str, Any]) -> str:
+    """The oracle's optimizer as the worker built it (``SGD(lr=0.05, momentum=0.9)``), from its run record."""
+    ddp = next((r for r in w["rows"] if r["recipe"] == "ddp"), None)
+    return ddp["options"].get("optimizer", "the job's optimizer") if ddp else "the job's optimizer"
+
+
 def _describe(w: dict[str, Any], world: int, head: str | None = None, layout: str = "") -> str:
     """One line on what was trained, led by ``head`` (default: the job's name in bold)."""
     j = w["job"]
@@ -264,7 +270,7 @@ def _describe(w: dict[str, Any], world: int, head: str | None = None, layout: st
     else:
         what = (
             f"{j.get('model', 'small_cnn')} ({w['n_params']:,} parameters) on scikit-learn digits, "
-            f"batch {j['batch_size']}/rank"
+            f"batch {j['batch_size']}/rank, {_optimizer(w)}"
         )
     head = head or f"**{w['name']}**"
     return (

@@ -6,8 +6,10 @@ every recipe), and every ``sync_every`` optimizer steps torchft averages the pse
 synchronised parameters minus the local ones) across the replicas and steps an outer SGD(lr=0.7,
 momentum=0.9, nesterov=True) on them: DiLoCo's defaults, so ``torchft-diloco:sync_every=H`` sits beside
 ``gf-…:sync_every=H,outer_lr=0.7,outer_momentum=0.9,outer_compression=none`` (gradientflow's defaults average
-through 3 bits instead) at equal steps and tokens.  H is the recipe's one option
-(``torchft-diloco:sync_every=30``; :data:`DEFAULT_SYNC_EVERY` without it).
+through 3 bits instead) at equal steps and tokens.  The recipe's options: H (``torchft-diloco:sync_every=30``;
+:data:`DEFAULT_SYNC_EVERY` without it), and the outer SGD's ``outer_lr`` and ``outer_momentum`` (Nesterov where
+the momentum is above 0), named as gradientflow's: ``torchft-diloco:sync_every=10,outer_lr=1,outer_momentum=0``
+is torchft averaging the replicas through fp32, beside gradientflow's defaults at the same H.
 
 The set-up per recipe: rank 0 starts torchft's lighthouse (``torchft.coordination.LighthouseServer``, in
 process) for all ``world`` replicas and broadcasts its address over the launch's own process group; each rank
@@ -37,8 +39,9 @@ TORCHFT_PEERS = ("torchft-diloco", "torchft-diloco-quantized")
 DEFAULT_SYNC_EVERY = 100
 """H of ``torchft-diloco`` named without ``sync_every=`` (DiLoCo's paper: 500; this bench's runs are a few
 hundred steps, so a few outer steps at least)."""
-OPTIONS = ("sync_every",)
+OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+"""The outer SGD's defaults (DiLoCo's); ``outer_lr=`` and ``outer_momentum=`` change them per recipe."""
 TIMEOUT = timedelta(seconds=120)
 """Every wait of torchft here (quorum, collectives, connections, commits; the lighthouse's heartbeat): as
 long as the bench's own process group waits, so a rank that died stops the others instead of hanging them."""
@@ -50,16 +53,30 @@ QUANT_NEEDS = (
 
 
 def parse_options(recipe: str, rest: str) -> dict[str, Any]:
-    """``"sync_every=30"`` (the text after ``torchft-diloco:``) -> ``{"sync_every": 30}``; ``ValueError``
-    saying what is allowed otherwise."""
+    """``"sync_every=30,outer_lr=1"`` (the text after ``torchft-diloco:``) -> ``{"sync_every": 30, "outer_lr":
+    1.0}``; ``ValueError`` saying what is allowed otherwise."""
     options: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, text = (part.strip() for part in item.partition("="))
         if not eq or key not in OPTIONS:
-            raise ValueError(f"{recipe!r}: {item!r} is not sync_every=N, the one option of torchft's DiLoCo peers")
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{recipe!r}: sync_every must be a whole number of optimizer steps >= 1, got {text!r}")
-        options[key] = int(text)
+            raise ValueError(
+                f"{recipe!r}: {item!r} is not one of torchft's DiLoCo peers' options: sync_every=N, outer_lr=X, "
+                "outer_momentum=X"
+            )
+        if key == "sync_every":
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"{recipe!r}: sync_every must be a whole number of optimizer steps >= 1, got {text!r}")
+            options[key] = int(text)
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = value > 0 if key == "outer_lr" else 0 <= value < 1
+        if not ok:
+            bound = "> 0" if key == "outer_lr" else "in [0, 1)"
+            raise ValueError(f"{recipe!r}: {key} must be a number {bound}, got {text!r}")
+        options[key] = value
     return options
 
 
@@ -95,10 +112,18 @@ class TorchftDiLoCo(nn.Module):
     """One rank's replica under torchft's DiLoCo; ``module`` is the model (the worker evaluates it), the forward
     is the model's.  :meth:`attach` hands it the inner optimizer, whose step then syncs every ``sync_every``."""
 
-    def __init__(self, model: nn.Module, recipe: str, sync_every: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        recipe: str,
+        sync_every: int,
+        outer_lr: float = OUTER_LR,
+        outer_momentum: float = OUTER_MOMENTUM,
+    ) -> None:
         super().__init__()
         self.module = model
         self.sync_every = sync_every
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.quantized = recipe == "torchft-diloco-quantized"
         self.world = dist.get_world_size()
         self._lighthouse: Any = None
@@ -164,7 +189,9 @@ class TorchftDiLoCo(nn.Module):
             init_sync=False,  # every recipe's model is built from the same seed: nothing to send at step 0
             max_retries=0,  # a failed outer step raises (recorded as the recipe's error) instead of retrying
         )
-        outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        # torch's SGD refuses Nesterov without momentum: at 0 the outer step is plain SGD (lr 1: averaging)
+        nesterov = self.outer_momentum > 0
+        outer = torch.optim.SGD(model.parameters(), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=nesterov)
         self._diloco = DiLoCo(
             self._manager,
             [model],
@@ -178,7 +205,7 @@ class TorchftDiLoCo(nn.Module):
         return {
             "wrapper": "torchft.local_sgd.DiLoCo + torchft.Manager (one replica group per rank)",
             "sync_every": self.sync_every,
-            "outer_optimizer": f"SGD(lr={OUTER_LR:g}, momentum={OUTER_MOMENTUM:g}, nesterov=True)",
+            "outer_optimizer": f"SGD(lr={self.outer_lr:g}, momentum={self.outer_momentum:g}, nesterov={nesterov})",
             "should_quantize": self.quantized,
         }
 

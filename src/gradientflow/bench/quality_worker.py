@@ -193,7 +193,7 @@ class _Probe:
         params = self.model.parameters()
         self.opt = (
             torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), weight_decay=0.1)
-            if job.workload == "transformer" and job.optimizer == "adamw"
+            if job.optimizer == "adamw"
             else torch.optim.SGD(params, lr=0.0, momentum=0.9)
         )
         self.batches = data.batches()

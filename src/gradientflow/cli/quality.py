@@ -88,6 +88,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "LR 0.3, the language workload for SGD users)",
     )
     q.add_argument(
+        "--digits-optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="the digits jobs' optimizer (small_cnn, and digits_wide on the time-to-accuracy clock), every recipe's "
+        "(default sgd: SGD momentum 0.9, peak LR 0.05; adamw: AdamW, peak LR 3e-4, the transformer's betas and "
+        "weight decay; gf-paper keeps its SGD)",
+    )
+    q.add_argument(
         "--adamw-beta2",
         type=types.beta,
         default=0.95,
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         adamw_lr=args.adamw_lr,
         adamw_beta2=args.adamw_beta2,
         transformer_optimizer=args.transformer_optimizer,
+        digits_optimizer=args.digits_optimizer,
         tta_recipes=args.tta_recipes,
         timeout_s=float(args.timeout),
         prefix=args.netns_prefix,
