@@ -274,6 +274,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             find_unused=self.find_unused_parameters,
             layout_final=layout_final,
             totals=old.totals if old is not None else None,  # the run's, since construction
+            local_steps=self._gf_outer is not None and self._gf_outer.local_steps,  # sync_every > 1, flat
         )
         self._gf_optimizers = OptimizerWatch(self, self.__dict__.get("_gf_optimizers"))
         if self._gf_optimizers.scaler is not None:  # a rebuild (after .to()) keeps the registration
