@@ -25,14 +25,21 @@ class PoolLayout:
     """The gradient pool of one reducer's parameters, its buckets and whether its layout is final.
 
     ``order``: the first layout's parameter order; ``final``: the layout already follows an observed
-    backward (a rebuilt engine keeps its predecessor's), so it is never re-laid.
+    backward (a rebuilt engine keeps its predecessor's), so it is never re-laid; ``materialize=False``: the pool
+    holds no memory (:class:`GradPool`) and ``.grad`` is never moved into it (an engine that never synchronises).
     """
 
     def __init__(
-        self, params: list[torch.nn.Parameter], config: GradientFlowConfig, order: list[int], final: bool = False
+        self,
+        params: list[torch.nn.Parameter],
+        config: GradientFlowConfig,
+        order: list[int],
+        final: bool = False,
+        materialize: bool = True,
     ) -> None:
         self.params = params
         self.config = config
+        self.materialize = materialize
         self.final = final  # True once the pool follows an observed backward order (torch's has_rebuilt_buckets)
         self.pool, self.bucket_of = self._allocate(self.plan(order))
 
@@ -43,10 +50,11 @@ class PoolLayout:
         """The pool for ``layout`` (gradients that exist move into it, ``None`` stays ``None``) and each
         parameter's bucket index."""
         sparse = self.config.sparse
-        pool = GradPool(layout, self.params, pad_to=int(self.config.chunk_size) if sparse else 1)
+        pad = int(self.config.chunk_size) if sparse else 1
+        pool = GradPool(layout, self.params, pad_to=pad, materialize=self.materialize)
         with torch.no_grad():
             for p, view in zip(self.params, pool.views):
-                if p.grad is not None:
+                if p.grad is not None and self.materialize:
                     view.copy_(p.grad)
                     p.grad = view
         bucket_of = [0] * len(self.params)

@@ -141,12 +141,17 @@ def small_last(order: Sequence[int], small: Sequence[bool]) -> list[int]:
 class GradPool:
     """Owns the flat gradient buffers of a layout and the per-parameter views into them."""
 
-    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], pad_to: int = 1) -> None:
+    def __init__(
+        self, layout: Layout, params: Sequence[torch.Tensor], pad_to: int = 1, materialize: bool = True
+    ) -> None:
         """``pad_to``: each buffer's storage is rounded up to a multiple of it (CSC: whole chunks),
-        so ``padded[k]`` can be viewed as rows; ``buffers[k]`` is the exact-size view of it."""
+        so ``padded[k]`` can be viewed as rows; ``buffers[k]`` is the exact-size view of it.  ``materialize=False``:
+        the buffers are on the meta device (shapes, no memory), for an engine that never synchronises a gradient
+        (``sync_every > 1`` on a flat layout)."""
         self.layout = layout
+        self.materialized = materialize
         self.padded = [
-            torch.zeros(-(-size // pad_to) * pad_to, dtype=dtype, device=device)
+            torch.zeros(-(-size // pad_to) * pad_to, dtype=dtype, device=device if materialize else "meta")
             for (dtype, device), size in zip(layout.keys, layout.sizes)
         ]
         self.buffers = [t[:size] for t, size in zip(self.padded, layout.sizes)]

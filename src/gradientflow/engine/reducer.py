@@ -65,7 +65,7 @@ class Reducer:
     ``local_steps``: no backward is ever synchronised (``sync_every > 1`` on a flat layout, where every rank steps
     on its own gradient): no hook is put on the parameters or the outputs, and autograd's gradients stay its own
     tensors, as a plain module's (no pool zeroed and accumulated into every step: on digits_wide's 8.4M
-    parameters that cost 15-20 ms of a 50 ms SGD step)."""
+    parameters that cost 15-20 ms of a 50 ms SGD step), and the pool holds no memory (meta tensors)."""
 
     def __init__(
         self,
@@ -92,7 +92,8 @@ class Reducer:
         self.src = dist.get_global_rank(group, 0)
         self.dense_bytes = 4 * sum(p.numel() for p in params)
         self.find_unused = find_unused
-        self.layout = PoolLayout(params, config, order if order is not None else list(reversed(range(n))), layout_final)
+        order = order if order is not None else list(reversed(range(n)))
+        self.layout = PoolLayout(params, config, order, layout_final, materialize=not local_steps)
         self.sync: SyncStrategy = make_sync(self.layout.pool, [p.shape for p in params])
         self.usage = ParamUsage(n, static_graph)
         self.binding = GradBinding(params, names, self.layout, self.sync, self.usage)

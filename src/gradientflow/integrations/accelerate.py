@@ -150,4 +150,5 @@ class GradientFlowAccelerator(Accelerator):
                             stacklevel=2,
                         )
                 continue  # dense: nothing in the state changes the numbers
-            model.load_comm_state_dict(torch.load(path, map_location=model.pool.buffers[0].device, weights_only=True))
+            device = next(model.parameters()).device  # the model's (sync_every > 1, flat: the pool holds no memory)
+            model.load_comm_state_dict(torch.load(path, map_location=device, weights_only=True))

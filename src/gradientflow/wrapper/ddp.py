@@ -56,7 +56,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         find_unused_parameters: as torch DDP: True = a per-parameter count of the ranks that used it is
             exchanged every step (``.grad`` of those no rank used goes back to ``None``); False = no
             exchange, and a parameter that got no gradient is torch's RuntimeError at the next forward.
-        gradient_as_bucket_view: accepted, no effect: ``.grad`` is always a view of the pool.
+        gradient_as_bucket_view: accepted, no effect: ``.grad`` is always a view of the pool (but with
+            ``sync_every > 1`` on a flat layout, where no gradient is ever exchanged: autograd's own tensors).
         static_graph: the set of used parameters never changes, so the "used" exchange runs
             once instead of every step.
         check_reduction, skip_all_reduce_unused_params, batched_grad_copy: accepted, no effect on
@@ -455,5 +456,6 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
 
     @property
     def pool(self) -> GradPool:
-        """The gradient pool (its ``layout`` and flat ``buffers``); read-only."""
+        """The gradient pool (its ``layout`` and flat ``buffers``); read-only.  With ``sync_every > 1`` on a flat
+        layout it holds no memory (meta tensors): no gradient is ever exchanged there."""
         return self._gf_engine.pool
