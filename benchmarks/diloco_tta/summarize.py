@@ -7,12 +7,14 @@ without a sync), the median step time, and the training wall clock (the sum of t
 per step, validation outside it) until the validation loss first reaches each target (a factor of DDP's final
 loss), linear between validation points, over DDP's time to the same target (how many times sooner).  Where the
 launch trained per-step ``gf-auto`` (with or without a ``steps=F`` variant), a last column per target gives how
-many times sooner than the sooner of those to reach it."""
+many times sooner than the sooner of those to reach it.  ``--for-good``: the time from which every later validation
+is at or below the target (a loss that dips below it once and comes back above is not counted reached)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -32,13 +34,34 @@ def reach(run: dict, target: float) -> float | None:
     return None
 
 
+def reach_for_good(run: dict, target: float) -> float | None:
+    """Seconds of training until the validation loss reaches ``target`` for good: from then on every validation
+    to the end of the run is at or below it (None: the last is above).  A validation loss that dips below the
+    target once and comes back above counts in :func:`reach`, not here."""
+    clock = [0.0]
+    for s in run["step_s"]:
+        clock.append(clock[-1] + s)
+    evals = run["evals"]
+    if not evals or evals[-1]["val_loss"] > target:
+        return None
+    k = len(evals) - 1
+    while k > 0 and evals[k - 1]["val_loss"] <= target:
+        k -= 1
+    if k == 0:
+        return clock[evals[0]["step"]]
+    prev, cur = evals[k - 1], evals[k]
+    t0, t1 = clock[prev["step"]], clock[cur["step"]]
+    return t0 + (prev["val_loss"] - target) / (prev["val_loss"] - cur["val_loss"]) * (t1 - t0)
+
+
 def is_per_step_auto(recipe: str) -> bool:
     """``gf-auto`` or a ``gf-auto:steps=F`` variant: the per-step recipe, not a ``sync_every`` one."""
     base, _, rest = recipe.partition(":")
     return base == "gf-auto" and all(item.startswith("steps=") for item in rest.split(",") if item)
 
 
-def main(folder: str, factors: list[float]) -> None:
+def main(folder: str, factors: list[float], when: Callable[[dict, float], float | None] = reach) -> None:
+    """The table, the times by ``when`` (:func:`reach`: first reached; :func:`reach_for_good`)."""
     job = json.loads((Path(folder) / "raw-tta.json").read_text())["jobs"][0]
     runs = job["runs"]
     ddp = next(r for r in runs if r["recipe"] == "ddp")
@@ -46,7 +69,7 @@ def main(folder: str, factors: list[float]) -> None:
     ddp_tx = sum(ddp["nodes"][0]["tx_bytes"]) / len(ddp["nodes"][0]["tx_bytes"])
     targets = [base * f for f in factors]
     autos = [r for r in runs if is_per_step_auto(r["recipe"])]
-    auto_time = {t: min((x for x in (reach(r, t) for r in autos) if x is not None), default=None) for t in targets}
+    auto_time = {t: min((x for x in (when(r, t) for r in autos) if x is not None), default=None) for t in targets}
     per = "DDP / this" + (" | auto / this" if autos else "")
     head = " | ".join(f"time to {t:.3f} ({f:g}x DDP's final) s | {per}" for t, f in zip(targets, factors))
     print(f"| recipe | final loss / DDP | link tx per step (mean) | × DDP's | median step ms | {head} |")
@@ -56,7 +79,7 @@ def main(folder: str, factors: list[float]) -> None:
         mean_tx = sum(tx) / len(tx)
         cells = []
         for t in targets:
-            mine, theirs = reach(run, t), reach(ddp, t)
+            mine, theirs = when(run, t), when(ddp, t)
             if mine is None:
                 cells += ["not reached", "—"] + (["—"] if autos else [])
                 continue
@@ -70,4 +93,7 @@ def main(folder: str, factors: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [float(f) for f in sys.argv[2:]] or [1.0, 1.01, 1.03, 1.05])
+    args = sys.argv[1:]
+    for_good = "--for-good" in args  # the times to reach each target for good (reach_for_good)
+    args = [a for a in args if a != "--for-good"]
+    main(args[0], [float(f) for f in args[1:]] or [1.0, 1.01, 1.03, 1.05], reach_for_good if for_good else reach)
