@@ -281,9 +281,7 @@ class QualityOptions:
     adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
     transformer_optimizer: str = "adamw"  # "sgd": the quality transformer trained with SGD momentum by every recipe
-    digits_optimizer: str = (
-        "sgd"  # "adamw": the digits jobs (small_cnn, digits_wide) trained with AdamW by every recipe
-    )
+    digits_optimizer: str = "sgd"  # "adamw": the digits jobs (small_cnn, digits_wide) trained with AdamW
     threads: int = 1
     seed: int = 0
     device: str = "cpu"  # "cuda": models, batches and codecs on the GPU (communication still over Gloo)

@@ -149,7 +149,6 @@ class GradPool:
         the buffers are on the meta device (shapes, no memory), for an engine that never synchronises a gradient
         (``sync_every > 1`` on a flat layout)."""
         self.layout = layout
-        self.materialized = materialize
         self.padded = [
             torch.zeros(-(-size // pad_to) * pad_to, dtype=dtype, device=device if materialize else "meta")
             for (dtype, device), size in zip(layout.keys, layout.sizes)

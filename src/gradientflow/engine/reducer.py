@@ -99,14 +99,8 @@ class Reducer:
         self.binding = GradBinding(params, names, self.layout, self.sync, self.usage)
         self.unused = UnusedSearch(params, names, group, control, watchdog, self.sync, self.usage, find_unused)
         # local_steps: nothing to synchronise, ever: autograd's gradients are left where it puts them
-        self.hooks = (
-            [
-                p.register_post_accumulate_grad_hook(weak_hook(self, Reducer._param_ready, i))
-                for i, p in enumerate(params)
-            ]
-            if not local_steps
-            else []
-        )
+        ready = [weak_hook(self, Reducer._param_ready, i) for i in range(n)] if not local_steps else []
+        self.hooks = [p.register_post_accumulate_grad_hook(hook) for p, hook in zip(params, ready)]
         # Freed with its wrapper (the hooks hold it weakly), it takes its hooks off the parameters, so the
         # module is left as torch DDP leaves it (accelerate's free_memory(), a plain `del model`).
         weakref.finalize(self, remove_handles, self.hooks)
