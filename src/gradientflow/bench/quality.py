@@ -117,7 +117,7 @@ class Job:
     lr_warmup_frac: float = 0.05
     probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
     model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
-    beta2: float = 0.95  # the transformer's AdamW betas = (0.9, beta2)
+    beta2: float = 0.95  # AdamW betas = (0.9, beta2), the transformer's and the AdamW digits jobs'
     optimizer: str = "adamw"  # "adamw" (at lr), or "sgd" (momentum 0.9: the transformer's at paper_lr, digits' at lr)
     device: str = "cpu"  # "cuda": every rank on GPU local-rank mod the GPU count (Gloo: ranks may share one)
 
