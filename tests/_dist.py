@@ -18,6 +18,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = 60
+_GRACE_S = 3  # after a rank's error, how long the others' outcomes are awaited for the report
 
 
 def _worker(
@@ -112,6 +113,14 @@ def run_distributed(
                 else:
                     errors.append(f"rank {rank}:\n{value}")
                     break  # other ranks are likely stuck in a collective with the failed one
+            if errors:  # what the other ranks did tells the cause: their own errors, or returned already
+                for _ in range(world_size - len(out) - 1):
+                    try:
+                        rank, status, value = results.get(timeout=_GRACE_S)
+                    except queue.Empty:
+                        break
+                    errors.append(f"rank {rank}:\n{value}" if status != "ok" else f"rank {rank}: returned")
+                errors += [f"rank {r}: returned" for r in sorted(out)]
         finally:
             for p in procs:
                 p.join(timeout=5)

@@ -357,3 +357,43 @@ def test_stopped_rank_two_level_makes_the_others_raise(options: dict) -> None:
         assert rep is not None and rep["type"] == "CommunicationError", (rank, rep)
         assert rep["elapsed"] < timeout + 15, rep
         assert rep["missing"] == [3] and rep["step"] == FAULT_STEP, rep
+
+
+def _leave_right_after_building(rank: int, world: int, options: dict) -> tuple[list, float]:
+    """Rank 0 is slow to come back from creating each of the wrapper's groups (as a loaded machine is while Gloo
+    finishes a handshake); every rank returns the moment its construction does."""
+    joined: list[tuple[list[int], float]] = []  # rank 0's: each group's ranks, when rank 0 was back from creating it
+    if rank == 0:
+        create = dist.new_group
+
+        def slow_new_group(ranks: list[int], *args: Any, **kwargs: Any) -> Any:
+            group = create(ranks, *args, **kwargs)
+            time.sleep(1.0)
+            joined.append((list(ranks), time.monotonic()))
+            return group
+
+        dist.new_group = slow_new_group
+    gf.DistributedDataParallel(Net(), **options)
+    return joined, time.monotonic()
+
+
+@pytest.mark.parametrize(
+    "options,per_node",
+    [({"sync_every": 4}, None), ({"compression": "3bit"}, 2)],
+    ids=["flat-exchange-group", "2x2-node-groups"],
+)
+def test_construction_returns_once_every_rank_has_joined_the_wrappers_groups(
+    options: dict, per_node: int | None
+) -> None:
+    """A rank that builds the model and leaves at once (a dry run; or H local steps before the first collective)
+    must not close a group under a peer still joining it: Gloo's "connectFullMesh failed: Connection closed by
+    peer" on that peer.  So construction returns on no rank before rank 0 is back from creating the last group
+    the two share (CLOCK_MONOTONIC is one clock for every process on the machine; the slow return is 1 s, far
+    above jitter)."""
+    world = 4 if per_node else 2
+    results = run_distributed(_leave_right_after_building, world, options, ranks_per_node=per_node, timeout=60)
+    joined = results[0][0]
+    for rank, (_, returned) in enumerate(results[1:], start=1):
+        shared = [t for ranks, t in joined if rank in ranks]
+        assert shared, f"rank 0 created no group with rank {rank}: {joined}"
+        assert returned >= shared[-1], f"rank {rank} returned {shared[-1] - returned:.2f} s before rank 0 had joined"

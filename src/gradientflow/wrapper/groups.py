@@ -17,6 +17,7 @@ import os
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..comm.topology import Topology, resolve_topology
@@ -95,8 +96,26 @@ def _own_group(model: DistributedDataParallel, attr: str) -> dist.ProcessGroup:
     group = ref() if ref is not None else None
     if group is None:
         ranks = dist.get_process_group_ranks(model.process_group)
-        group = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
+        group = _new_group(model, ranks)
         setattr(model, attr, weakref.ref(group))
+    return group
+
+
+def _new_group(model: DistributedDataParallel, ranks: list[int]) -> dist.ProcessGroup:
+    """A group over ``ranks`` (this rank among them), returned on no member before every member has joined it.
+
+    Gloo connects a new group's pairs eagerly, and ``new_group`` returns on a rank once *its* ends are
+    connected: a peer may still be finishing its handshake.  A rank that then destroys its groups or
+    exits (a script that only builds the model; the first outer sync H steps away, so nothing else waits)
+    closes the socket under that peer, which fails with "connectFullMesh failed: Connection closed by
+    peer" (seen in this suite, one launch in ~15 under load).  One tiny allreduce on the new group, under
+    the wrapper's timeout, completes on no member before every member has connected.  NCCL's
+    communicators connect at their first collective, so they are left to it.
+    """
+    group = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
+    if "gloo" in str(dist.get_backend(group)):
+        work = dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=group, async_op=True)
+        model._gf_watchdog.wait(work, "new group's handshake", 4)
     return group
 
 
@@ -118,8 +137,7 @@ def node_groups(model: DistributedDataParallel) -> NodeGroups | None:
         g, node, local = topo.per_node, topo.node_of(rank), topo.local_of(rank)
         mine = ranks[node * g : (node + 1) * g]
         across = [ranks[n * g + local] for n in range(topo.nodes)]
-        timeout = model._gf_watchdog.timeout
-        held = [dist.new_group(r, timeout=timeout, use_local_synchronization=True) for r in (mine, mine, across)]
+        held = [_new_group(model, r) for r in (mine, mine, across)]
         model._gf_node_groups = (topo, *(weakref.ref(h) for h in held))
         logger.info("gradientflow: two-level synchronisation, %s (node %d, local rank %d)", topo.name, node, local)
     rank = dist.get_rank(model.process_group)
