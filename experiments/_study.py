@@ -11,7 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradientflow.bench.quality import Job, QualityOptions, plan_jobs
+from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_spec import Job
 from gradientflow.bench.quality_worker import _Data
 
 

@@ -90,7 +90,8 @@ def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gradientflow.bench.quality import build_recipe, lr_schedule
+    from gradientflow.bench.quality_lr import lr_schedule
+    from gradientflow.bench.quality_recipes import build_recipe
     from gradientflow.bench.quality_worker import _loss
 
     from _study import start_transformer_study

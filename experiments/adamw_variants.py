@@ -260,7 +260,7 @@ class PredictorSync(SparseSync):
 # ==== the run =================================================================================
 def _build(variant: str, data: Any, job: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """Wrapper, optimizer and selection rule of one variant."""
-    from gradientflow.bench.quality import build_recipe
+    from gradientflow.bench.quality_recipes import build_recipe
 
     recipe = {
         "ddp": "ddp",
@@ -316,7 +316,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gradientflow.bench.quality import lr_schedule
+    from gradientflow.bench.quality_lr import lr_schedule
     from gradientflow.bench.quality_worker import _loss, evaluate
 
     from _study import start_transformer_study

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gradientflow.bench.quality import QualityOptions, lr_schedule, plan_jobs
+from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_lr import lr_schedule
 from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
 from gradientflow.strategies.precondition import PRECONDITION_BETA, precondition_root

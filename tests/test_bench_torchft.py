@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from gradientflow.bench.quality import QualityOptions, parse_recipe, plan_jobs
+from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_recipes import parse_recipe
 
 CLI = [sys.executable, "-m", "gradientflow.cli"]
 

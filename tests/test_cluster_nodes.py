@@ -134,7 +134,7 @@ def test_a_mode_carries_its_topology_to_the_wrapper_as_a_keyword(monkeypatch: py
 
 
 def test_quality_recipes_take_a_topology() -> None:
-    from gradientflow.bench.quality import parse_recipe
+    from gradientflow.bench.quality_recipes import parse_recipe
 
     assert parse_recipe("gf-auto:topology=flat") == ("gf-auto", {"topology": "flat"})
     assert parse_recipe("gf-auto:topology=2x2") == ("gf-auto", {"topology": "2x2"})

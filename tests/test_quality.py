@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from gradientflow.bench.cluster import can_emulate
-from gradientflow.bench.quality import Job, QualityOptions, lr_factor, parse_recipe, plan_jobs
+from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_lr import lr_factor
+from gradientflow.bench.quality_recipes import parse_recipe
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
+from gradientflow.bench.quality_spec import Job
 from gradientflow.cli import main
 from gradientflow.config import auto_chunk_size
 from gradientflow.strategies.selection import dense_from, density_at
@@ -320,7 +323,7 @@ def test_the_sgd_transformer_trains_every_recipe_with_sgd_momentum(tmp_path):
     import torch.distributed as dist
     from torch import nn
 
-    from gradientflow.bench.quality import build_recipe
+    from gradientflow.bench.quality_recipes import build_recipe
 
     jobs, _ = plan_jobs(QualityOptions(workloads=["transformer"], transformer_optimizer="sgd", bandwidth="none"))
     (job,) = jobs
@@ -344,7 +347,8 @@ def test_the_adamw_digits_jobs_train_every_recipe_with_adamw(tmp_path):
     import torch.distributed as dist
     from torch import nn
 
-    from gradientflow.bench.quality import DIGITS_ADAMW_LR, build_recipe
+    from gradientflow.bench.quality import DIGITS_ADAMW_LR
+    from gradientflow.bench.quality_recipes import build_recipe
     from gradientflow.bench.quality_worker import _Data, _Probe
 
     jobs, tta = plan_jobs(QualityOptions(workloads=["digits"], digits_optimizer="adamw", bandwidth="100mbit"))

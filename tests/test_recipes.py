@@ -198,7 +198,7 @@ with contextlib.redirect_stdout(buf):
 print("bench-help", "gf-topk-4bit" in buf.getvalue())
 from gradientflow.bench.runner_spec import split_mode
 print("bench-mode", split_mode("gf-topk-4bit@flat"))
-from gradientflow.bench.quality import parse_recipe
+from gradientflow.bench.quality_recipes import parse_recipe
 print("quality", parse_recipe("gf-topk-4bit"))
 from gradientflow.cli import main
 argv = ["--model", "resnet50", "--bandwidth", "1gbit", "--gpu-images-per-s", "1000", "--gpus", "8", "--recipes"]

@@ -8,7 +8,7 @@ rank), step by step interleaved after a barrier:
   own help topics (``pydoc_data.topics``, split by topic 90/10 into train/validation), AdamW (or SGD momentum);
 - ``digits``: ``small_cnn`` on scikit-learn's digits (the demo's split), SGD with momentum 0.9;
 
-both under linear LR warm-up then cosine decay to 10%.  Recipes (:data:`RECIPES`): ``ddp`` (torch
+both under linear LR warm-up then cosine decay to 10%.  Recipes (:data:`~.quality_recipes.RECIPES`): ``ddp`` (torch
 DDP, dense fp32: the oracle), ``gf-recommended`` (fp16 wire + CSC density 0.1 with the library's
 defaults otherwise, the user's optimizer untouched), ``gf-density-0.3`` (the same at density 0.3:
 three times the bytes, for optimizers that lose quality at 0.1), ``gf-paper`` (fp16 + CSC 0.1 + momentum
@@ -21,13 +21,12 @@ emulated cluster and records the training wall clock at each validation point (v
 outside the clock), for time to accuracy: a bigger transformer (AdamW) and ``digits_wide`` (SGD momentum;
 AlexNet-shaped: nearly all of its 8.4M parameters in fully connected layers, so communication-bound).
 
+Recipes, what each builds: :mod:`.quality_recipes`; the jobs handed to the ranks: :mod:`.quality_spec`.
 Worker: :mod:`.quality_worker` (under torchrun); report: :mod:`.quality_report`; plots: :mod:`.quality_plot`.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
 import logging
 import sys
@@ -36,52 +35,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from gradientflow.bench.quality_lr import lr_factor, lr_schedule
-from gradientflow.bench.quality_peers import (
-    POSTLOCAL_PERIOD,
-    TORCH_PEER_WARMUP,
-    TORCH_PEERS,
-    register_torch_hook,
-    torch_peer_bytes,
-)
-from gradientflow.bench.quality_torchft import (
-    DEFAULT_SYNC_EVERY,
-    TORCHFT_PEERS,
-    TorchftDiLoCo,
-    parse_options,
-)
+from gradientflow.bench.quality_peers import TORCH_PEERS
+from gradientflow.bench.quality_recipes import RECIPES, TABLE_RECIPES, parse_recipe
+from gradientflow.bench.quality_spec import Job, QualitySpec
+from gradientflow.bench.quality_torchft import TORCHFT_PEERS
 from gradientflow.bench.quality_torchft import check as check_torchft
-from gradientflow.bench.sharded import SHARDED_MODES, is_sharded, shard
-from gradientflow.recipes import BY_NAME
-from gradientflow.recipes import RECIPES as RECIPE_TABLE
+from gradientflow.bench.sharded import SHARDED_MODES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TORCHFT_PEERS", "TORCH_PEERS", "lr_factor", "lr_schedule", "torch_peer_bytes"]
-
-RECIPES = (
-    "ddp",
-    "gf-recommended",
-    "gf-density-0.3",
-    "gf-paper",
-    "gf-fp16-dense",
-    "ddp-sgd",
-    "gf-auto",
-    "ddp-fp16-hook",
-    "ddp-powersgd",
-    "ddp-postlocal",
-)
-TABLE_RECIPES = tuple(f"gf-{r.name}" for r in RECIPE_TABLE if r.name != "auto")
-"""``gf-<recipe>``: ``compression="<recipe>"``, one per row of the recipe table (docs/recipes.md; ``gf-auto`` above),
-trained when named (``--recipes``)."""
-DENSITY = BY_NAME["topk-fp16"].options["density"]
-USER_OPTIMIZER_DENSITY = {"gf-recommended": DENSITY, "gf-density-0.3": 0.3}
-"""fp16 + CSC at this density, the library's defaults otherwise, the user's optimizer untouched;
-0.3 is what a user whose optimizer loses quality at 0.1 (AdamW) can turn to."""
-PAPER_MOMENTUM = 0.9
 _TTA_TRANSFORMER = "ddp gf-auto gf-auto:steps=1.2 gf-fp16-dense ddp-fp16-hook ddp-powersgd ddp-postlocal"
 TTA_RECIPES = {"transformer": _TTA_TRANSFORMER.split(), "digits": ["ddp", "gf-recommended", "gf-auto"]}
 """Recipes on the clock.  The transformer's AdamW loses quality at density 0.1, so its user's two
@@ -96,170 +58,6 @@ WORKLOAD_OF_CLI = {"tiny_transformer": "transformer", "small_cnn": "digits"}
 """``--workload`` names (the bench's models) of the quality workloads."""
 
 
-@dataclass
-class Job:
-    """One workload trained by several recipes in one launch (``name``: transformer, digits or tta)."""
-
-    name: str
-    workload: str  # "transformer" | "digits"
-    steps: int
-    batch_size: int
-    eval_every: int
-    recipes: list[str]
-    lr: float  # peak LR of the user's optimizer (AdamW / SGD momentum 0.9)
-    paper_lr: float  # peak LR of gf-paper's (and ddp-sgd's) SGD
-    paper_warmup_steps: int  # gf-paper's dense CSC warm-up
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 64
-    val_windows: int = 256
-    lr_warmup_frac: float = 0.05
-    probe_steps: int = 20  # compute-only steps spread over the run (no communication): the step's compute share
-    model: str = "small_cnn"  # digits: the network (bench.models); the transformer is sized by d_model/n_layers
-    beta2: float = 0.95  # AdamW betas = (0.9, beta2), the transformer's and the AdamW digits jobs'
-    optimizer: str = "adamw"  # "adamw" (at lr), or "sgd" (momentum 0.9: the transformer's at paper_lr, digits' at lr)
-    device: str = "cpu"  # "cuda": every rank on GPU local-rank mod the GPU count (Gloo: ranks may share one)
-
-
-@dataclass
-class QualitySpec:
-    """Everything a worker needs; written to JSON by the parent, read by every rank."""
-
-    jobs: list[dict[str, Any]]
-    out_path: str
-    seed: int = 0
-    threads: int = 1
-    pg_timeout_s: float = 120.0
-
-
-# ==== recipes =================================================================================
-def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
-    """``"gf-recommended:warmup_steps=300,dense_1d=False"`` -> ``("gf-recommended", {...})``.
-
-    A *variant* of a gradientflow recipe: the recipe with some of the wrapper's options changed, to
-    measure what an option does to quality (an ablation) on the same seed and batches.  Values are
-    Python literals (``300``, ``0.3``, ``False``, ``None``); anything else is taken as a string
-    (``csc_scope=global``).  One option is the bench's own: ``steps=F`` trains F times the job's steps
-    (F > 0; the LR schedule stretched to them), for time to a loss that a recipe reaches only with more,
-    faster, steps.  ``topology=flat`` (or ``auto``, ``MxG``) is passed to the wrapper as its keyword (a
-    variant forced flat beside the layout torchrun gives).  Raises ``ValueError`` for an unknown recipe or
-    option or a bad value.
-
-    torchft's DiLoCo peers (:data:`TORCHFT_PEERS`) take ``sync_every=H`` (a whole number >= 1) and the outer SGD's
-    ``outer_lr`` and ``outer_momentum`` (:func:`~gradientflow.bench.quality_torchft.parse_options`).
-    """
-    from gradientflow.config import GradientFlowConfig
-
-    base, _, rest = recipe.partition(":")
-    if base not in (*RECIPES, *TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS):
-        known = ", ".join((*RECIPES, *TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS))
-        raise ValueError(f"unknown recipe {base!r}; choose from {known}")
-    if not rest:
-        return base, {}
-    if base in TORCHFT_PEERS:
-        return base, parse_options(recipe, rest)
-    if not base.startswith("gf-"):  # torch DDP and its peers
-        what = "an FSDP2 / HSDP mode" if is_sharded(base) else "torch DDP"
-        raise ValueError(
-            f"{recipe!r}: only gradientflow's DDP recipes (gf-*) and torchft's (sync_every=H) take options; "
-            f"{base} is {what}"
-        )
-    fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
-    names = fields | {"steps"}
-    overrides: dict[str, Any] = {}
-    for item in rest.split(","):
-        key, eq, text = (part.strip() for part in item.partition("="))
-        if not eq or key not in names:
-            raise ValueError(f"{recipe!r}: {item!r} is not OPTION=VALUE with OPTION one of {', '.join(sorted(names))}")
-        try:
-            overrides[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            overrides[key] = text
-    factor = overrides.get("steps", 1.0)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
-    try:  # the wrapper's validation
-        GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
-    except ValueError as exc:
-        raise ValueError(f"{recipe!r}: {exc}") from None
-    return base, overrides
-
-
-def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-    """Wrapper + optimizer of one recipe (or variant, see :func:`parse_recipe`), and what was passed."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import gradientflow as gf
-
-    recipe, overrides = parse_recipe(recipe)
-    paper_sgd = recipe in ("gf-paper", "ddp-sgd")
-    options: dict[str, Any]
-    wrapped: nn.Module
-    if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
-        wrapped = shard(model, recipe)
-        options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node"}
-    elif recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
-        # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
-        # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
-        # (an explicit bucket_cap_mb makes the first bucket that size too) keeps them in one chain.
-        torch_ddp = TorchDDP(model, bucket_cap_mb=1e4) if recipe == "ddp-powersgd" else TorchDDP(model)
-        options = {"wrapper": "torch.nn.parallel.DistributedDataParallel"}
-        options.update(register_torch_hook(recipe, torch_ddp))
-        wrapped = torch_ddp
-    elif recipe in TORCHFT_PEERS:  # DiLoCo is attached to the optimizer below, once it exists
-        sync_every = overrides.pop("sync_every", DEFAULT_SYNC_EVERY)
-        wrapped = TorchftDiLoCo(model, recipe, sync_every, **overrides)  # outer_lr, outer_momentum where named
-        options = {}
-    else:
-        if recipe == "gf-auto":
-            options = {"compression": "auto"}
-        elif recipe in TABLE_RECIPES:
-            options = {"compression": recipe.removeprefix("gf-")}
-        elif recipe in USER_OPTIMIZER_DENSITY:
-            options = {"comm_dtype": "fp16", "density": USER_OPTIMIZER_DENSITY[recipe]}  # all else: the defaults
-        elif recipe == "gf-paper":
-            options = {
-                "comm_dtype": "fp16",
-                "density": DENSITY,
-                "momentum": PAPER_MOMENTUM,
-                "warmup_steps": job.paper_warmup_steps,
-            }
-        else:  # gf-fp16-dense
-            options = {"comm_dtype": "fp16"}
-        factor = overrides.pop("steps", 1.0)
-        options.update(overrides)
-        wrapped = gf.DistributedDataParallel(model, **options)
-        if factor != 1.0:
-            options["steps_factor"] = factor  # the bench's, not the wrapper's: read by the worker
-    params = wrapped.parameters()
-    if paper_sgd:
-        # gf-paper: momentum lives in CSC's momentum correction, so the optimizer applies none;
-        # ddp-sgd: the same SGD with its momentum in the optimizer, dense (gf-paper's oracle)
-        momentum = 0.0 if recipe == "gf-paper" else PAPER_MOMENTUM
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=job.paper_lr, momentum=momentum)
-        options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={momentum:g})"
-    elif job.workload == "transformer" and job.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=job.paper_lr, momentum=PAPER_MOMENTUM)
-        options["optimizer"] = f"SGD(lr={job.paper_lr:g}, momentum={PAPER_MOMENTUM:g})"
-    elif job.optimizer == "adamw":  # the transformer's by default; the digits jobs' with --digits-optimizer adamw
-        opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)
-        options["optimizer"] = f"AdamW(lr={job.lr:g}, betas=(0.9, {job.beta2:g}), weight_decay=0.1)"
-    else:
-        opt = torch.optim.SGD(params, lr=job.lr, momentum=0.9)
-        options["optimizer"] = f"SGD(lr={job.lr:g}, momentum=0.9)"
-    if recipe == "ddp-postlocal":
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-        from torch.distributed.optim import PostLocalSGDOptimizer
-
-        averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
-        opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
-    if isinstance(wrapped, TorchftDiLoCo):  # torchft is imported here, by the recipes that use it only
-        options.update(wrapped.attach(opt))
-    return wrapped, opt, options
-
-
-# ==== orchestration ===========================================================================
 @dataclass
 class QualityOptions:
     """Options of ``gradientflow bench --quality`` (see ``gradientflow bench --help``)."""

@@ -9,7 +9,7 @@ import torch
 
 
 class Job(Protocol):
-    """What the schedule reads of a quality job (:class:`gradientflow.bench.quality.Job`)."""
+    """What the schedule reads of a quality job (:class:`gradientflow.bench.quality_spec.Job`)."""
 
     steps: int
     lr_warmup_frac: float

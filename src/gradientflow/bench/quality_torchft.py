@@ -19,7 +19,7 @@ and :meth:`TorchftDiLoCo.close` (called by the worker also when a recipe or a ra
 the lighthouse.
 
 torchft itself (the ``torchft`` extra) is imported only when such a recipe is built: this module, which
-``bench.quality`` imports for the names and the option parser, needs torch alone.
+``bench.quality_recipes`` imports for the names and the option parser, needs torch alone.
 """
 
 from __future__ import annotations

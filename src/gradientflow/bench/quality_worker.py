@@ -25,14 +25,10 @@ from torch import nn
 
 from gradientflow.bench import sharded
 from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, close_window, node_of_rank, open_window, per_node
-from gradientflow.bench.quality import (
-    TORCH_PEERS,
-    Job,
-    QualitySpec,
-    build_recipe,
-    lr_schedule,
-    torch_peer_bytes,
-)
+from gradientflow.bench.quality_lr import lr_schedule
+from gradientflow.bench.quality_peers import TORCH_PEERS, torch_peer_bytes
+from gradientflow.bench.quality_recipes import build_recipe
+from gradientflow.bench.quality_spec import Job, QualitySpec
 from gradientflow.bench.runner import MARK, exit_measured, timing_allocator
 from gradientflow.bench.runner_spec import rank_device
 

@@ -10,7 +10,7 @@ from . import types
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     """The ``--quality options`` group of ``gradientflow bench``."""
-    from gradientflow.bench.quality import RECIPES, TABLE_RECIPES
+    from gradientflow.bench.quality_recipes import RECIPES, TABLE_RECIPES
     from gradientflow.bench.quality_torchft import DEFAULT_SYNC_EVERY
 
     q = b.add_argument_group(

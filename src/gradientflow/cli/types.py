@@ -153,7 +153,7 @@ def bench_mode(text: str) -> str:
 
 
 def recipe(text: str) -> str:
-    from gradientflow.bench.quality import parse_recipe
+    from gradientflow.bench.quality_recipes import parse_recipe
 
     try:
         parse_recipe(text)
