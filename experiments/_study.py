@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_data import WorkloadData
 from gradientflow.bench.quality_spec import Job
-from gradientflow.bench.quality_worker import _Data
 
 
-def start_transformer_study(steps: int) -> tuple[Job, _Data]:
+def start_transformer_study(steps: int) -> tuple[Job, WorkloadData]:
     """Under torchrun: join the process group as the quality bench's ranks do (Gloo, one torch thread)
     and return its transformer job, ``steps`` long, with this rank's data (seed 0).
 
@@ -26,4 +26,4 @@ def start_transformer_study(steps: int) -> tuple[Job, _Data]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     job = plan_jobs(QualityOptions(workloads=["transformer"], steps=steps, bandwidth="none"))[0][0]
-    return job, _Data(job, 0, dist.get_rank(), dist.get_world_size())
+    return job, WorkloadData(job, 0, dist.get_rank(), dist.get_world_size())

@@ -90,9 +90,9 @@ def markdown(rows: list[dict[str, Any]], total: int, counted: int, travel: float
 
 
 def main(argv: list[str] | None = None) -> None:
+    from gradientflow.bench.quality_data import cross_entropy
     from gradientflow.bench.quality_lr import lr_schedule
     from gradientflow.bench.quality_recipes import build_recipe
-    from gradientflow.bench.quality_worker import _loss
 
     from _study import start_transformer_study
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         for kind, (wrapped, opt, sched, batches) in runs.items():
             x, y = next(batches)
             opt.zero_grad(set_to_none=True)
-            _loss(wrapped(x), y).backward()
+            cross_entropy(wrapped(x), y).backward()
             if kind == "gf" and step >= half:
                 # a sent chunk carries a nonzero synchronised gradient; the others are exactly 0
                 now = torch.cat(

@@ -316,8 +316,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from gradientflow.bench.quality_data import cross_entropy, evaluate
     from gradientflow.bench.quality_lr import lr_schedule
-    from gradientflow.bench.quality_worker import _loss, evaluate
 
     from _study import start_transformer_study
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             x, y = next(batches)
             opt.zero_grad(set_to_none=True)
             with _selection(rule):
-                _loss(wrapped(x), y).backward()
+                cross_entropy(wrapped(x), y).backward()
             opt.step()
             sched.step()
     losses = {variant: evaluate(wrapped.module, data)[0] for variant, wrapped, *_ in runs}

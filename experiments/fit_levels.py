@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_data import WorkloadData
 from gradientflow.bench.quality_lr import lr_schedule
-from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
 
 LAYOUTS = {"zero": True, "zeroless": False}
@@ -75,7 +75,7 @@ def main() -> None:
     train_zero = not args.train.endswith("n")
     train_mags = torch.tensor(CODEBOOKS[bits] if train_zero else ZEROLESS[bits])
     job = plan_jobs(QualityOptions(workloads=["transformer"], steps=args.steps, bandwidth="none"))[0][0]
-    ranks = [_Data(job, 0, r, 2) for r in range(2)]
+    ranks = [WorkloadData(job, 0, r, 2) for r in range(2)]
     model = ranks[0].build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)

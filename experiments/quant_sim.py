@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from gradientflow.bench.quality import QualityOptions, plan_jobs
+from gradientflow.bench.quality_data import WorkloadData
 from gradientflow.bench.quality_lr import lr_schedule
-from gradientflow.bench.quality_worker import _Data
 from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
 from gradientflow.strategies.precondition import PRECONDITION_BETA, precondition_root
 
@@ -302,7 +302,7 @@ def train(variant: str, args: argparse.Namespace) -> tuple[float, ...]:
     if args.size:
         opts.transformer_size = tuple(int(v) for v in args.size.split("x"))  # type: ignore[assignment]
     job = plan_jobs(opts)[0][0]
-    ranks = [_Data(job, args.seed, r, args.nproc) for r in range(args.nproc)]
+    ranks = [WorkloadData(job, args.seed, r, args.nproc) for r in range(args.nproc)]
     model = ranks[0].build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.lr, betas=(0.9, job.beta2), weight_decay=0.1)

@@ -348,8 +348,9 @@ def test_the_adamw_digits_jobs_train_every_recipe_with_adamw(tmp_path):
     from torch import nn
 
     from gradientflow.bench.quality import DIGITS_ADAMW_LR
+    from gradientflow.bench.quality_data import WorkloadData
     from gradientflow.bench.quality_recipes import build_recipe
-    from gradientflow.bench.quality_worker import _Data, _Probe
+    from gradientflow.bench.quality_worker import _Probe
 
     jobs, tta = plan_jobs(QualityOptions(workloads=["digits"], digits_optimizer="adamw", bandwidth="100mbit"))
     assert [j.model for j in (*jobs, *tta)] == ["small_cnn", "digits_wide"]
@@ -368,7 +369,7 @@ def test_the_adamw_digits_jobs_train_every_recipe_with_adamw(tmp_path):
         assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.0
         _, opt, _ = build_recipe("ddp", nn.Linear(3, 2), sgd)
         assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.05 and opt.defaults["momentum"] == 0.9
-        probe = _Probe(_Data(jobs[0], 0, 0, 1), jobs[0])
+        probe = _Probe(WorkloadData(jobs[0], 0, 0, 1), jobs[0])
         assert type(probe.opt) is torch.optim.AdamW
     finally:
         dist.destroy_process_group()

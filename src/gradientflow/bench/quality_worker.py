@@ -20,78 +20,18 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from gradientflow.bench import sharded
 from gradientflow.bench.link_bytes import LINK_ENV, LinkCounter, close_window, node_of_rank, open_window, per_node
+from gradientflow.bench.quality_data import WorkloadData, cross_entropy, evaluate
 from gradientflow.bench.quality_lr import lr_schedule
 from gradientflow.bench.quality_peers import TORCH_PEERS, torch_peer_bytes
 from gradientflow.bench.quality_recipes import build_recipe
 from gradientflow.bench.quality_spec import Job, QualitySpec
 from gradientflow.bench.runner import MARK, exit_measured, timing_allocator
-from gradientflow.bench.runner_spec import rank_device
 
 logger = logging.getLogger(__name__)
-
-
-# ==== data ====================================================================================
-class _Data:
-    """Training batches (per rank, from a generator) and the fixed validation set of a workload."""
-
-    def __init__(self, job: Job, seed: int, rank: int, world: int) -> None:
-        self.job, self.rank, self.world = job, rank, world
-        self.device = rank_device(job.device, int(os.environ.get("LOCAL_RANK", "0")))
-        if job.workload == "transformer":
-            from gradientflow.bench.data import char_vocab, encode, pydoc_topics_corpus
-
-            train, val = pydoc_topics_corpus()
-            self.vocab = char_vocab(train + val)
-            self.train_ids = encode(train, self.vocab)
-            val_ids = encode(val, self.vocab)
-            t = job.seq_len
-            n = (len(val_ids) - 1) // t
-            starts = torch.linspace(0, n - 1, min(n, job.val_windows)).long() * t  # non-overlapping, spread out
-            offs = torch.arange(t)
-            self.val_x, self.val_y = val_ids[starts[:, None] + offs], val_ids[starts[:, None] + offs + 1]
-        else:
-            from gradientflow.bench.data import load_digits_split, shard
-
-            x_train, y_train, self.val_x, self.val_y = load_digits_split(seed=seed)
-            self.xs, self.ys = shard(x_train, y_train, rank, world)
-        self.val_x, self.val_y = self.val_x.to(self.device), self.val_y.to(self.device)
-        self.seed = seed
-
-    def batches(self):
-        """An endless iterator of this rank's batches; equal for every recipe (same seed)."""
-        gen = torch.Generator().manual_seed(self.seed * 1000 + self.rank)
-        b = self.job.batch_size
-        if self.job.workload == "transformer":
-            from gradientflow.bench.data import lm_batch
-
-            while True:
-                x, y = lm_batch(self.train_ids, b, self.job.seq_len, gen)
-                yield x.to(self.device), y.to(self.device)
-        while True:
-            order = torch.randperm(len(self.xs), generator=gen)
-            for pos in range(0, len(order) - b + 1, b):
-                idx = order[pos : pos + b]
-                yield self.xs[idx].to(self.device), self.ys[idx].to(self.device)
-
-    def build_model(self) -> nn.Module:
-        from gradientflow.bench.models import build_model
-
-        torch.manual_seed(self.seed)
-        if self.job.workload == "transformer":
-            return build_model(
-                "tiny_transformer",
-                vocab_size=len(self.vocab),
-                d_model=self.job.d_model,
-                n_layers=self.job.n_layers,
-                n_heads=self.job.n_heads,
-                seq_len=self.job.seq_len,
-            ).to(self.device)
-        return build_model(self.job.model).to(self.device)
 
 
 def _elapsed(t0: float, device: torch.device) -> float:
@@ -99,32 +39,6 @@ def _elapsed(t0: float, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction=reduction)
-
-
-def evaluate(module: nn.Module, data: _Data) -> tuple[float, float | None]:
-    """(mean validation loss, accuracy or None) over the whole validation set; each rank scores its
-    strided share and the sums are allreduced.  Not part of any timed step."""
-    was = module.training
-    module.eval()
-    x, y = data.val_x[data.rank :: data.world], data.val_y[data.rank :: data.world]
-    if getattr(module, "_get_fsdp_state", None) is not None:  # FSDP: every forward all-gathers, so every rank
-        n = len(data.val_x) // data.world  # runs as many of them: the same count of windows each (the rest unused)
-        x, y = x[:n], y[:n]
-    with torch.no_grad():
-        total = torch.zeros(3, dtype=torch.float64)
-        for i in range(0, len(x), 64):
-            out = module(x[i : i + 64])
-            total[0] += float(_loss(out, y[i : i + 64], "sum"))
-            total[1] += y[i : i + 64].numel()
-            total[2] += float((out.argmax(-1) == y[i : i + 64]).sum())
-    module.train(was)
-    dist.all_reduce(total)
-    acc = float(total[2] / total[1]) if data.job.workload == "digits" else None
-    return float(total[0] / total[1]), acc
 
 
 def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict[str, float]:
@@ -184,7 +98,7 @@ class _Probe:
     """Compute-only steps (the ddp recipe's forward, backward and optimizer, lr 0, no communication),
     spread over the run so that they see the same machine load as the training steps."""
 
-    def __init__(self, data: _Data, job: Job) -> None:
+    def __init__(self, data: WorkloadData, job: Job) -> None:
         self.model = data.build_model()
         params = self.model.parameters()
         self.opt = (
@@ -203,7 +117,7 @@ class _Probe:
         dist.barrier()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
-        _loss(self.model(x), y).backward()
+        cross_entropy(self.model(x), y).backward()
         self.opt.step()
         if record:
             self.times.append(_elapsed(t0, self.device))
@@ -211,7 +125,7 @@ class _Probe:
 
 def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
     """Train every recipe of ``job`` interleaved step by step; this rank's record."""
-    data = _Data(job, seed, rank, world)
+    data = WorkloadData(job, seed, rank, world)
     probe = _Probe(data, job)
     # on an emulated cluster (every rank has LINK_ENV): the kernel's count of the node's link, per step
     counted = LINK_ENV in os.environ
@@ -235,7 +149,7 @@ def run_job(job: Job, seed: int, rank: int, world: int) -> dict[str, Any]:
 
 def _train(
     job: Job,
-    data: _Data,
+    data: WorkloadData,
     probe: _Probe,
     runs: list[_Run],
     rank: int,
@@ -286,7 +200,7 @@ def _train(
             t0 = time.perf_counter()
             try:
                 run.opt.zero_grad(set_to_none=True)
-                loss = _loss(run.wrapped(x), y)
+                loss = cross_entropy(run.wrapped(x), y)
                 loss.backward()
                 run.opt.step()
             except Exception as exc:  # noqa: BLE001 — recorded per recipe; the others go on
