@@ -397,3 +397,22 @@ def test_construction_returns_once_every_rank_has_joined_the_wrappers_groups(
         shared = [t for ranks, t in joined if rank in ranks]
         assert shared, f"rank 0 created no group with rank {rank}: {joined}"
         assert returned >= shared[-1], f"rank {rank} returned {shared[-1] - returned:.2f} s before rank 0 had joined"
+
+
+def _join_alone(rank: int, world: int) -> list[str]:
+    from gradientflow.wrapper.groups import _joined
+
+    out = []
+    t0 = time.monotonic()
+    try:
+        _joined(dist.group.WORLD, 2, 0.5)  # a second member that never comes
+    except RuntimeError as exc:
+        out.append(str(exc))
+    out.append(f"{time.monotonic() - t0:.1f}")
+    return out
+
+
+def test_a_member_that_never_joins_a_new_group_is_an_error_within_the_timeout() -> None:
+    said, waited = run_distributed(_join_alone, 1, timeout=30)[0]
+    assert "1 of the 2 members of a new process group did not join it within the timeout of 0.5 s" in said, said
+    assert float(waited) < 2.0, waited

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..comm.topology import Topology, resolve_topology
@@ -108,15 +108,42 @@ def _new_group(model: DistributedDataParallel, ranks: list[int]) -> dist.Process
     connected: a peer may still be finishing its handshake.  A rank that then destroys its groups or
     exits (a script that only builds the model; the first outer sync H steps away, so nothing else waits)
     closes the socket under that peer, which fails with "connectFullMesh failed: Connection closed by
-    peer" (seen in this suite, one launch in ~15 under load).  One tiny allreduce on the new group, under
-    the wrapper's timeout, completes on no member before every member has connected.  NCCL's
-    communicators connect at their first collective, so they are left to it.
+    peer" (seen in this suite, 3 launches in 40 under load).  So each member counts itself in the
+    group's store once back from ``new_group`` and waits, under the wrapper's timeout, for every member's
+    count: a barrier through the store (as torch's own after ``new_group`` with
+    ``TORCH_DIST_INIT_BARRIER=1``), not a collective on the new group, which would add its traffic to
+    the group's first moments.  NCCL's communicators connect at their first collective: left to it.
     """
     group = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
     if "gloo" in str(dist.get_backend(group)):
-        work = dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=group, async_op=True)
-        model._gf_watchdog.wait(work, "new group's handshake", 4)
+        _joined(group, len(ranks), model._gf_watchdog.timeout.total_seconds())
     return group
+
+
+def _joined(group: dist.ProcessGroup, members: int, timeout_s: float) -> None:
+    """Wait until every one of the group's ``members`` has counted itself in (``RuntimeError`` after ``timeout_s``).
+
+    The count only grows: a later group that gets this one's name (torch names groups by their ranks, and a
+    name is free again once its group is destroyed) waits for the next multiple of ``members``.
+    """
+    from torch.distributed.distributed_c10d import _get_process_group_store  # noqa: PLC0415
+
+    store = _get_process_group_store(group)
+    key = "gradientflow/joined"
+    arrived = store.add(key, 1)
+    target = -(-arrived // members) * members  # every member of this generation
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while arrived < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"gradientflow: {target - arrived} of the {members} members of a new process group did not join it "
+                f"within the timeout of {timeout_s:g} s: a rank stalled or died while building the model. "
+                "Restart the job."
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        arrived = store.add(key, 0)
 
 
 def node_groups(model: DistributedDataParallel) -> NodeGroups | None:
