@@ -19,11 +19,17 @@ from pathlib import Path
 from statistics import median
 
 
-def reach(run: dict, target: float) -> float | None:
-    """Seconds of training until the validation loss first reaches ``target`` (None: never)."""
+def clock_of(run: dict) -> list[float]:
+    """Seconds of training before each step (``[0]`` before step 0, then the running sum of the step times)."""
     clock = [0.0]
     for s in run["step_s"]:
         clock.append(clock[-1] + s)
+    return clock
+
+
+def reach(run: dict, target: float) -> float | None:
+    """Seconds of training until the validation loss first reaches ``target`` (None: never)."""
+    clock = clock_of(run)
     evals = run["evals"]
     for prev, cur in zip(evals, evals[1:]):
         if cur["val_loss"] <= target:
@@ -38,9 +44,7 @@ def reach_for_good(run: dict, target: float) -> float | None:
     """Seconds of training until the validation loss reaches ``target`` for good: from then on every validation
     to the end of the run is at or below it (None: the last is above).  A validation loss that dips below the
     target once and comes back above counts in :func:`reach`, not here."""
-    clock = [0.0]
-    for s in run["step_s"]:
-        clock.append(clock[-1] + s)
+    clock = clock_of(run)
     evals = run["evals"]
     if not evals or evals[-1]["val_loss"] > target:
         return None
