@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 import gradientflow.strategies.csc as csc_module
 from gradientflow.strategies.csc import SparseSync
-from gradientflow.strategies.selection import select_chunks
+from gradientflow.exchange.selection import select_chunks
 
 VARIANTS: dict[str, str] = {
     "ddp": "torch DDP, dense fp32 (the oracle)",

@@ -46,7 +46,7 @@ from gradientflow.bench.quality import QualityOptions, plan_jobs
 from gradientflow.bench.quality_data import WorkloadData
 from gradientflow.bench.quality_lr import lr_schedule
 from gradientflow.comm.levels import CODEBOOKS, ZEROLESS
-from gradientflow.strategies.precondition import PRECONDITION_BETA, precondition_root
+from gradientflow.exchange.precondition import PRECONDITION_BETA, precondition_root
 
 SPEC = re.compile(r"(pre\d*(?:\.\d+)?-)?(h)?q(\d)(n)?(?:b(\d+))?")
 MEAN_SIGN = 1  # ``q1``: the sign of each element times the block's mean |x| (the L2-best 1-bit code)

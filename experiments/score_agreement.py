@@ -39,7 +39,7 @@ REPEATS = 9
 
 def agreement(rows: torch.Tensor, density: float = DENSITY) -> dict[str, float]:
     """Overlap and L1-mass ratio of the sampled top-k against the exact top-k of ``rows``."""
-    from gradientflow.strategies.selection import chunk_scores, n_selected, select_chunks
+    from gradientflow.exchange.selection import chunk_scores, n_selected, select_chunks
 
     exact = chunk_scores(rows)
     sampled = chunk_scores(rows, sampled=True)
@@ -50,7 +50,7 @@ def agreement(rows: torch.Tensor, density: float = DENSITY) -> dict[str, float]:
 
 
 def _pass_ms(rows: torch.Tensor, sampled: bool) -> float:
-    from gradientflow.strategies.selection import chunk_scores, score_scratch
+    from gradientflow.exchange.selection import chunk_scores, score_scratch
 
     out = torch.empty(rows.shape[0])
     scratch = score_scratch(rows.shape[1], rows.dtype, sampled)
@@ -66,7 +66,7 @@ def measure(workload: str, steps: int, batch_size: int = 8) -> dict[str, Any]:
     """Train ``workload`` for ``steps`` steps on one rank; agreement per step, pass times at the end."""
     import gradientflow as gf
     from gradientflow.bench.models import build_model, synthetic_batch
-    from gradientflow.strategies.selection import samples_chunks
+    from gradientflow.exchange.selection import samples_chunks
 
     torch.manual_seed(0)
     model = gf.DistributedDataParallel(build_model(workload), density=DENSITY, warmup_steps=0)

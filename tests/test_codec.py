@@ -155,7 +155,7 @@ def test_preconditioner_kernel_matches_torch_ops_bit_for_bit(
     and the torch ops, on a whole bucket (``lo`` 0) and on a two-level shard of it starting at ``lo``: divide
     before the ring, then multiply back and update q's EMA after it."""
     from gradientflow.strategies import precondition
-    from gradientflow.strategies.precondition import Root
+    from gradientflow.exchange.precondition import Root
 
     q = _history(n + lo, kind)
     g = torch.Generator().manual_seed(2)
@@ -194,7 +194,7 @@ def test_preconditioner_folded_into_the_codec_equals_its_own_passes(
     the wire and the same floats after, for every table, blocks smaller and larger than the preconditioner's
     windows, a bucket slice starting mid-window (``lo`` 200), and a quantiser the kernel lacks (``"uniform"``:
     the divide and restore fall back to passes of their own)."""
-    from gradientflow.strategies.precondition import Root
+    from gradientflow.exchange.precondition import Root
 
     q = _history(n + lo, "holes")
     g = torch.Generator().manual_seed(3)
@@ -227,7 +227,7 @@ def test_preconditioner_folded_into_the_codec_equals_its_own_passes(
 
 def test_fused_preconditioner_needs_the_error_it_folds_in() -> None:
     """``fused`` divides ``x + err`` and restores ``err``: without ``carry`` / ``err`` it is refused, not ignored."""
-    from gradientflow.strategies.precondition import Root
+    from gradientflow.exchange.precondition import Root
 
     x, e = torch.randn(256), torch.zeros(256)
     fused = Root(torch.rand(256)).fused(x, e)
@@ -248,7 +248,7 @@ def test_an_exchange_decoding_its_own_codes_beside_the_peers_equals_decoding_int
     decodes both messages in one pass (``own + peer``), against ``quantize(inplace=True)`` (x = own decoded) and
     ``dequantize(peer, add=True)`` in torch ops: the same bytes, the same floats (with the preconditioner folded
     in or not; ``"uniform"``: a quantiser the kernel lacks, where ``encode`` leaves the decoded values in x)."""
-    from gradientflow.strategies.precondition import Root
+    from gradientflow.exchange.precondition import Root
 
     q = _history(n, "holes")
     g = torch.Generator().manual_seed(4)

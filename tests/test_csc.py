@@ -13,7 +13,7 @@ from torch import nn
 
 import gradientflow as gf
 from gradientflow.config import auto_chunk_size
-from gradientflow.strategies.selection import (
+from gradientflow.exchange.selection import (
     chunk_scores,
     dense_from,
     density_at,
@@ -840,7 +840,7 @@ def test_slices_go_on_the_wire_during_backward_not_at_its_end() -> None:
 def test_accelerator_score_pass_writes_fp32_scores_for_every_param_dtype(dtype: torch.dtype, sampled: bool) -> None:
     # The GPU branch of chunk_scores, run here on CPU tensors: a half or double model's residual
     # must give fp32 scores (the scores buffer and its allreduce are fp32), not an out= dtype error.
-    from gradientflow.strategies.selection import fused_scores
+    from gradientflow.exchange.selection import fused_scores
 
     rows = torch.randn(6, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
     view = rows.view(6, 8, 128)[:, :, :16] if sampled else rows

@@ -22,7 +22,7 @@ from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, su
 from gradientflow.bench.quality_spec import Job
 from gradientflow.cli import main
 from gradientflow.config import auto_chunk_size
-from gradientflow.strategies.selection import dense_from, density_at
+from gradientflow.exchange.selection import dense_from, density_at
 
 CLI = [sys.executable, "-m", "gradientflow.cli"]
 

@@ -23,7 +23,7 @@ from gradientflow.comm import codec_native
 from gradientflow.comm.levels import ZEROLESS
 from gradientflow.comm.quantize import dequantize, quantize, wire_bytes
 from gradientflow.config import GradientFlowConfig
-from gradientflow.strategies.precondition import precondition_root
+from gradientflow.exchange.precondition import precondition_root
 
 from _dist import run_distributed
 
@@ -270,7 +270,7 @@ def _fused_worker(rank: int, world: int) -> dict:
     from torch.nn import functional as F
 
     import gradientflow
-    from gradientflow.strategies.precondition import Root
+    from gradientflow.exchange.precondition import Root
 
     def train() -> list[list[float]]:
         net = _net()

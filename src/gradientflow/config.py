@@ -39,7 +39,7 @@ QuantLevels = Literal["fitted", "uniform", "zeroless"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 """``algorithm``: the backend's allreduce, or gradientflow's ring (:mod:`gradientflow.comm.ring`)."""
 CHUNK_SCORES: tuple[ChunkScore, ...] = get_args(ChunkScore)
-"""``chunk_score``: how CSC ranks chunks (:mod:`gradientflow.strategies.selection`)."""
+"""``chunk_score``: how CSC ranks chunks (:mod:`gradientflow.exchange.selection`)."""
 
 PAPER_CHUNK = 32768
 """The paper's chunk size (32K gradients)."""
@@ -233,7 +233,7 @@ class GradientFlowConfig:
     """The quantiser's levels: "fitted" (``comm.levels.CODEBOOKS``: non-uniform, with a zero), "uniform" (steps
     ``k / L`` of the scale) or "zeroless" (2 bits: four levels, no zero) [fitted; "2bit-precond": zeroless]."""
     quant_precondition: bool | None = None
-    """Each coordinate quantised in units of its own RMS (:mod:`gradientflow.strategies.precondition`)
+    """Each coordinate quantised in units of its own RMS (:mod:`gradientflow.exchange.precondition`)
     [False; the "-precond" recipes: True]."""
     quant_warmup_steps: int | None = None
     """The first steps sent at 3 bits before the recipe's width [0; "2bit-precond": 20]."""

@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void encode_block8(const float *x, 
 }
 #endif
 
-/* The preconditioner's passes (strategies/precondition.py), for CPU tensors: r = sqrt(q floored) is
+/* The preconditioner's passes (exchange/precondition.py), for CPU tensors: r = sqrt(q floored) is
  * computed where it is used instead of being written out, and the divide before the ring, the two
  * multiplies after it and the EMA of the squared result share one pass each (11 torch passes -> 2); in a
  * two-rank exchange they run inside gf_quantize's and gf_dequantize's own passes, block by block while the

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("codec.c")
 
 @dataclass(frozen=True)
 class Fused:
-    """The preconditioner's divisor ``r`` (strategies/precondition.py's ``Root``) folded into the codec's own
+    """The preconditioner's divisor ``r`` (exchange/precondition.py's ``Root``) folded into the codec's own
     passes: :func:`quantize` makes each block ``(x + err) / r`` just before encoding it and :func:`dequantize`
     multiplies each decoded block (and its error) back by ``r``, updating ``q``'s EMA (``ema``: its beta and
     1 - beta), while the block is in the cache: two passes over the bucket fewer than dividing and

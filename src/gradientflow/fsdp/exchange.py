@@ -19,16 +19,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..comm.precision import from_wire, to_wire
-from ..comm.quantized_ring import QuantizedRing
 from ..diagnostics.watchdog import Watchdog
+from ..exchange import error_feedback
+from ..exchange.quantized import QuantizedExchange
 from ..options_base import Quantizer
-from ..strategies.quantized_exchange import after_ring, precondition, step_quantizer
 
 _AVG_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 """Reduce dtypes torch's HSDP all-reduces with ``ReduceOp.AVG`` (no overflow risk: the backend divides)."""
@@ -89,27 +88,37 @@ def on_default_stream(t: torch.Tensor) -> Iterator[None]:
 
 class QuantizedShard:
     """The quantised recipe's state on this rank's shard of one module: the error-feedback residual ``err`` (fp32,
-    the shard's size; in units of the contribution ``t / M``), the preconditioner's ``q`` (``sq``) and the count of
-    exchanges (the warm-up's)."""
+    the shard's size; in units of the contribution ``t / M``), the preconditioner's ``q`` (``sq``) and the
+    exchange (:class:`gradientflow.exchange.quantized.QuantizedExchange`: the quantiser, the count of exchanges for
+    the warm-up, failures named by ``watchdog``) over the ``group`` of ranks holding the same shard."""
 
-    def __init__(self, numel: int, device: torch.device, precondition: bool) -> None:
-        self.err = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.sq = torch.zeros(numel, dtype=torch.float32, device=device) if precondition else None
-        self.step = 0
+    def __init__(
+        self, numel: int, device: torch.device, precondition: bool, group: dist.ProcessGroup, watchdog: Watchdog
+    ) -> None:
+        self.err = error_feedback.zeros(numel, device)
+        self.sq = error_feedback.zeros(numel, device) if precondition else None
+        self.group, self.watchdog = group, watchdog
+        self.exchange: QuantizedExchange | None = None  # made at the first exchange, with the recipe's quantiser
+        self._resumed = 0
+
+    @property
+    def step(self) -> int:
+        """Exchanges done (the warm-up's count; a checkpoint's)."""
+        return self.exchange.step if self.exchange is not None else self._resumed
 
     def resume(self, step: int) -> None:
         """Continue a checkpoint's count of exchanges (the residual and ``q`` were loaded in place)."""
-        self.step = step
+        self._resumed = step
+        if self.exchange is not None:
+            self.exchange.step = step
 
     def ensure_sq(self) -> None:
         """Keep ``q`` from now on (a switch to a preconditioned recipe)."""
         if self.sq is None:
-            self.sq = torch.zeros_like(self.err)
+            self.sq = error_feedback.zeros(self.err.numel(), self.err.device)
 
-    def reduce(
-        self, t: torch.Tensor, group: dist.ProcessGroup, quantizer: Quantizer, timeout: timedelta | None
-    ) -> Sent:
-        """``t`` <- the average over ``group`` of every rank's ``t``, each quantised with its residual added
+    def reduce(self, t: torch.Tensor, quantizer: Quantizer) -> Sent:
+        """``t`` <- the average over the group of every rank's ``t``, each quantised with its residual added
         (``carry``); the quantisation error stays in :attr:`err` for the next exchange.  Nothing is lost:
         ``sum over ranks of (t / M + err before) == result + sum over ranks of err after``, to fp32 rounding."""
         if t.numel() != self.err.numel():
@@ -118,31 +127,19 @@ class QuantizedShard:
                 f"{self.err.numel()}: a parameter got no gradient and FSDP left it out of the reduce-scatter. "
                 "fully_shard sets set_reduce_scatter_unused_params(True) for this; do not turn it off."
             )
+        if self.exchange is None:
+            self.exchange = QuantizedExchange(quantizer, self.group, self.watchdog)
+            self.exchange.step = self._resumed
+        exchange = self.exchange
+        exchange.quantizer = quantizer  # "auto" switches recipe between exchanges
         with on_default_stream(t):  # CUDA: every op of the exchange on one stream (see on_default_stream)
-            nodes = dist.get_world_size(group)
             x = t if t.dtype == torch.float32 else t.float()  # a 16-bit reduce_dtype: the contribution in fp32
-            x.div_(nodes)  # each node contributes t / M: the ring's sum is the average
-            warm = self.step < quantizer.warmup_steps
-            bits, levels = step_quantizer(self.step, quantizer.warmup_steps, quantizer.bits, quantizer.levels)
-            root, fused, carry = None, None, True
+            x.div_(exchange.parties)  # each node contributes t / M: the ring's sum is the average
             sq = self.sq if quantizer.precondition else None
-            if sq is not None and not warm:  # two nodes: the divide by r inside the codec's passes (CPU kernel)
-                root, fused, carry = precondition(x, self.err, sq, nodes == 2)
-            ring = QuantizedRing(
-                x,
-                self.err,
-                group,
-                bits=bits,
-                block=quantizer.block,
-                timeout=timeout,
-                clip=quantizer.clip,
-                levels=levels,
-                carry=carry,
-                fused=fused,
-            )
-            ring.wait()
-            after_ring(x, self.err, root, fused, sq)
+            flight = exchange.start(x, self.err, "FSDP shard between nodes (quantised exchange)", sq=sq)
+            flight.wait()
+            flight.complete()
             if x is not t:
                 t.copy_(x)
-        self.step += 1
-        return Sent(ring.payload_bytes, ring.sent_bytes)
+        exchange.advance()
+        return Sent(flight.payload_bytes, flight.sent_bytes)

@@ -100,7 +100,7 @@ class ModuleComm:
         else:
             return
         if self.feedback is None:
-            self.feedback = QuantizedShard(self.numel, self.device, precondition)
+            self.feedback = QuantizedShard(self.numel, self.device, precondition, self.mesh.replicate, self.watchdog)
         elif precondition:
             self.feedback.ensure_sq()
 
@@ -131,10 +131,10 @@ class ModuleComm:
         mech = self.config.mechanism
         if mech == "quantized":
             assert isinstance(self.feedback, QuantizedShard)  # made with the recipe
-            sent = self.feedback.reduce(t, self.mesh.replicate, self.config.quantizer(), self.timeout)
+            sent = self.feedback.reduce(t, self.config.quantizer())
         elif mech in ("topk", "topk-quantized"):
             assert isinstance(self.feedback, TopkShard)
-            sent = self.feedback.reduce(t, self.mesh.replicate, self.watchdog, self.timeout)
+            sent = self.feedback.reduce(t, self.mesh.replicate, self.watchdog)
         elif mech in ("dense", "auto"):  # "auto" before its switch: torch HSDP's exact reduction
             sent = dense_exchange(t, self.mesh.replicate, self.config.wire_dtype, self.watchdog)
         else:  # refused by fully_shard's validation

@@ -6,9 +6,9 @@ the other nodes (the mesh's ``replicate`` group) pick the same chunks of it.  Pe
 
 1. ``v += t / M``: the node's contribution joins the residual (fp32, the shard padded to whole chunks), which holds
    every chunk not sent yet;
-2. the L1 norm of each chunk of ``v`` (:func:`~gradientflow.strategies.selection.chunk_scores`), SUM-all-reduced
+2. the L1 norm of each chunk of ``v`` (:func:`~gradientflow.exchange.selection.chunk_scores`), SUM-all-reduced
    over the nodes, and the top ``ceil(density * chunks)`` of them, the same on every node
-   (:func:`~gradientflow.strategies.selection.select_chunks`); chunks holding a 1-D parameter (biases, norms: a few
+   (:func:`~gradientflow.exchange.selection.select_chunks`); chunks holding a 1-D parameter (biases, norms: a few
    elements that move every step) are always among them, as DDP's ``dense_1d``;
 3. the selected rows of ``v``: ``"topk-fp16"`` casts them to fp16 and all-reduces (the rounding stays in ``v``),
    ``"topk-3bit"`` sends them through the quantised exchange (:class:`~gradientflow.comm.quantized_ring.
@@ -16,7 +16,7 @@ the other nodes (the mesh's ``replicate`` group) pick the same chunks of it.  Pe
 4. the shard gets the summed rows and zeros elsewhere; the sent rows of ``v`` keep only what the wire lost.
 
 Nothing is lost, only delayed: summed over the nodes, ``sum(v before) + sum(t / M) == result + sum(v after)``, to
-fp32 rounding.  The density ramps from dense as DDP's does (:func:`~gradientflow.strategies.selection.density_at`
+fp32 rounding.  The density ramps from dense as DDP's does (:func:`~gradientflow.exchange.selection.density_at`
 over ``warmup_steps``); a step of the ramp that would be no fewer bytes than a dense one is sent dense (the wire
 dtype's all-reduce, ``v`` untouched).  The optimizer's own momentum is kept (no momentum correction: the
 recommended recipe, as for DDP).
@@ -25,15 +25,15 @@ recommended recipe, as for DDP).
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..comm.quantized_ring import QuantizedRing
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
-from ..strategies.selection import chunk_scores, dense_from, density_at, n_selected, select_chunks
+from ..exchange import error_feedback
+from ..exchange.ring import start_ring
+from ..exchange.selection import chunk_scores, dense_from, density_at, n_selected, select_chunks
 from .exchange import Sent, dense_exchange, on_default_stream, ring_allreduce_bytes
 
 
@@ -62,7 +62,7 @@ class TopkShard:
         assert config.density is not None and isinstance(config.chunk_size, int), "a resolved top-k config"
         self.numel, self.chunk = numel, config.chunk_size
         self.n_chunks = -(-numel // self.chunk)
-        self.err = torch.zeros(self.n_chunks * self.chunk, dtype=torch.float32, device=device)
+        self.err = error_feedback.zeros(self.n_chunks * self.chunk, device)
         self.density, self.warmup_steps = float(config.density), config.warmup_steps
         self.quantizer = config.quantizer() if config.mechanism == "topk-quantized" else None
         # a dense step's wire, and the sparse rows' for "topk-fp16"; "topk-3bit"'s dense ramp steps go in fp32
@@ -80,7 +80,7 @@ class TopkShard:
     def ensure_sq(self) -> None:
         """No preconditioner here (see the class docstring)."""
 
-    def reduce(self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog, timeout: timedelta | None) -> Sent:
+    def reduce(self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog) -> Sent:
         """``t`` <- the average over ``group`` of every node's ``t``, the top chunks of ``t / M + v`` sent, the rest
         (and what the wire lost) kept in ``v`` for the next exchange (the module docstring's steps)."""
         if t.numel() != self.numel:
@@ -113,14 +113,15 @@ class TopkShard:
                 payload, sent = nbytes, ring_allreduce_bytes(nbytes, nodes)
             else:
                 q = self.quantizer
-                lost = torch.zeros_like(sent_rows)
-                ring = QuantizedRing(
+                lost = error_feedback.zeros_like(sent_rows)
+                ring = start_ring(
                     sent_rows.view(-1),
                     lost.view(-1),
                     group,
                     bits=q.bits,
                     block=q.block,
-                    timeout=timeout,
+                    watchdog=watchdog,
+                    what="FSDP top-k chunks between nodes (quantised exchange)",
                     clip=q.clip,
                     levels=q.levels,
                 )

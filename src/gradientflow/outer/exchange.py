@@ -22,15 +22,16 @@ replaces it only at the end (a rank lost mid-exchange leaves every rank's state 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
-from ..comm.quantized_ring import QuantizedRing
 from ..diagnostics.watchdog import Watchdog
+from ..exchange import error_feedback
+from ..exchange.quantized import Flight as QuantizedFlight
+from ..exchange.quantized import QuantizedExchange
 from ..outer_options import OuterExchange
 from .sparse import TopChunks
 
@@ -66,6 +67,8 @@ class Average:
         self.local, self.per_node = local, per_node
         self.parties = dist.get_world_size(group)
         self.residuals: list[torch.Tensor | None] = [None] * fragments  # the quantised exchange's, per fragment
+        # the quantised exchange (its quantiser; no warm-up, no preconditioner: the outer rows have neither)
+        self.quantized = QuantizedExchange(spec.quantizer, group, watchdog) if spec.quantizer is not None else None
 
     def shard(self, n: int) -> int:
         """Elements of this rank's shard of an ``n``-element fragment (whole blocks when quantised)."""
@@ -107,16 +110,14 @@ class Average:
         sent.inter += 2 * (self.parties - 1) * nbytes // self.parties  # a ring allreduce's share per rank
         return wire, work
 
-    def _quantized(self, mine: torch.Tensor, fragment: int) -> tuple[torch.Tensor, torch.Tensor, QuantizedRing]:
-        q = self.spec.quantizer
-        assert q is not None
+    def _quantized(
+        self, mine: torch.Tensor, fragment: int, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor, QuantizedFlight]:
+        assert self.quantized is not None
         old = self.residuals[fragment]
-        err = torch.zeros_like(mine) if old is None else old.clone()  # the old one stays until commit()
+        err = error_feedback.zeros_like(mine) if old is None else old.clone()  # the old one stays until commit()
         x = mine.div_(self.parties)  # in place, as in _dense: one copy of the fragment less while a sync runs
-        ring = QuantizedRing(
-            x, err, self.group, bits=q.bits, block=q.block, timeout=self.watchdog.timeout, levels=q.levels, carry=True
-        )
-        return x, err, ring
+        return x, err, self.quantized.start(x, err, what)
 
 
 class Flight:
@@ -127,7 +128,6 @@ class Flight:
 
     def __init__(self, avg: Average, x: torch.Tensor, fragment: int, what: str) -> None:
         self.avg, self.x, self.what = avg, x, what
-        self.t0 = time.perf_counter()
         n = x.numel()
         self.s = s = avg.shard(n)
         self.full = x
@@ -136,7 +136,7 @@ class Flight:
             self.full[:n].copy_(x)
         self.mine = self.full[avg.local * s : (avg.local + 1) * s]
         self.sent = Sent()
-        self.ring: QuantizedRing | None = None
+        self.ring: QuantizedFlight | None = None
         self.topk: TopChunks | None = None
         self.pair: torch.Tensor | None = None  # top-k on a node: [the mean, what stays], this rank's shard of each
         self.err: torch.Tensor | None = None
@@ -154,15 +154,12 @@ class Flight:
         elif avg.spec.quantizer is None:
             self.wire, self.work = avg._dense(self.mine, what, self.sent)
         else:
-            self.wire, self.err, self.ring = avg._quantized(self.mine, fragment)
+            self.wire, self.err, self.ring = avg._quantized(self.mine, fragment, what)
 
     def poll(self) -> None:
         """Advance the quantised ring's rounds that can go (never blocks; the dense allreduce runs by itself)."""
         if self.ring is not None:
-            try:
-                self.ring.poll()
-            except RuntimeError as exc:
-                raise self._failure(exc) from exc
+            self.ring.poll()  # a failure is named by the exchange (gradientflow.exchange.ring)
 
     def finish(self) -> tuple[Sent, torch.Tensor | None]:
         """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer), then
@@ -189,10 +186,8 @@ class Flight:
         if self.ring is None:
             self.work.wait()
         else:
-            try:
-                self.ring.wait()
-            except RuntimeError as exc:
-                raise self._failure(exc) from exc
+            self.ring.wait()
+            self.ring.complete()
             sent.payload += self.ring.payload_bytes if avg.parties > 1 else 0
             sent.inter += self.ring.sent_bytes
         self.mine.copy_(self.wire)
@@ -212,7 +207,3 @@ class Flight:
         avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", shard.numel() * 4)
         sent.intra += (avg.per_node - 1) * shard.numel() * 4
         return gathered
-
-    def _failure(self, exc: RuntimeError) -> Exception:
-        assert self.ring is not None
-        return self.avg.watchdog.failure(self.what, self.ring.payload_bytes, exc, time.perf_counter() - self.t0)

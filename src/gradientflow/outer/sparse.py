@@ -42,8 +42,8 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather_single
 from ..comm.quantize import dequantize, quantize, wire_bytes
 from ..diagnostics.watchdog import Watchdog
+from ..exchange.selection import n_selected
 from ..options_base import Quantizer
-from ..strategies.selection import n_selected
 
 INDEX_BYTES = 4
 """A sent chunk's index: int32 (a shard of up to 2**31 chunks)."""

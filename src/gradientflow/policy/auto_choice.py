@@ -40,7 +40,7 @@ of its node's rows, 1/G of them, so 0.5 costs the slow link less than 0.3 flat. 
 MANY_PARTIES_ADAM = "3bit-precond"
 """What ``"auto"`` gives an Adam-type optimizer where the quantised exchange has more than two parties (more than
 two flat ranks, or more than two nodes): 3 bits, preconditioned (each coordinate quantised in units of its own RMS,
-``strategies.precondition``).  There every segment's sum is quantised once more after the contributions, and AdamW
+``exchange.precondition``).  There every segment's sum is quantised once more after the contributions, and AdamW
 divides each coordinate's step by its RMS, so a max-abs block's noise on its small coordinates weighs most; the
 preconditioner spreads it by each coordinate's RMS.  Measured at 4 flat ranks (docs/results/adamw.md, the AdamW
 transformer): 1.016x DDP's final loss against plain 3 bits' 1.028x, seed 0, one launch, the same bytes; on the

@@ -33,7 +33,8 @@ from ..comm import codec_native
 from ..comm import quantize as qz
 from ..comm.quantized_ring import encode_share, sum_shares
 from ..config import DEFAULT_QUANT, GradientFlowConfig
-from ..strategies.precondition import Root
+from ..exchange import error_feedback
+from ..exchange.precondition import Root
 
 FEWER_BITS = "2bit-precond"
 """The 2-bit recipe ``"auto"`` may pick (docs/recipes.md#2bit-precond)."""
@@ -87,7 +88,7 @@ def extra_seconds(device: torch.device, n: int = SAMPLE) -> float:
         b: torch.empty(qz.wire_bytes(n, b, blk), dtype=torch.uint8, device=device)
         for b, blk in [(bits, block), (TWO_BITS, TWO_BLOCK)]
     }
-    x, e, q = torch.empty_like(g), torch.zeros_like(g), g * g
+    x, e, q = torch.empty_like(g), error_feedback.zeros_like(g), g * g
 
     def exchange(b: int, blk: int, levels: str, carry: bool, fused: codec_native.Fused | None = None) -> None:
         """comm/quantized_ring.py's exchange, the peer's bytes standing in for ours."""

@@ -180,8 +180,8 @@ def local_costs(numel: int, repeats: int = 3) -> dict[str, float]:
     """
     from gradientflow.comm.precision import from_wire, to_wire  # noqa: PLC0415
     from gradientflow.comm.quantize import dequantize, quantize, wire_bytes  # noqa: PLC0415
+    from gradientflow.exchange.selection import chunk_scores  # noqa: PLC0415
     from gradientflow.strategies import csc_native  # noqa: PLC0415
-    from gradientflow.strategies.selection import chunk_scores  # noqa: PLC0415
     from gradientflow.strategies.writeback import zero_rows  # noqa: PLC0415
 
     g = torch.randn(numel)

@@ -6,7 +6,7 @@ Timeline of one GPU (all GPUs are alike, so one stands for all):
 
 The fusion schedule is the engine's own: :func:`gradientflow.engine.pool.plan_layout` cuts the pool in
 backward order at θ (θ = 0: one bucket per tensor), and CSC's selection size is
-:func:`gradientflow.strategies.selection.n_selected` — the model calls them, it does not re-derive them.
+:func:`gradientflow.exchange.selection.n_selected` — the model calls them, it does not re-derive them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gradientflow.engine.pool import plan_layout
-from gradientflow.strategies.selection import n_selected
+from gradientflow.exchange.selection import n_selected
 
 from .config import CONFIGS, MIB, SimConfig
 from .cost import _levels, allreduce_s, exchange_s

@@ -11,7 +11,7 @@ to whole chunks; chunks get one global index across buffers).  Per synchronised 
      bound to v, so ``v += g`` is autograd's own accumulation.  With momentum correction (or a 16-bit
      pool, whose v is fp32) the gradient lands in the pool and :meth:`SparseSync.launch` folds it in
      bucket by bucket: ``u = m*u + g; v += u`` (or ``v += g``).
-  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.strategies.selection.chunk_scores`).  On
+  2. Score: the L1 norm of v per chunk (:func:`~gradientflow.exchange.selection.chunk_scores`).  On
      CPU fp32 pools filled from ``None`` gradients it is summed while step 1 writes v (no pass of its
      own, :class:`~gradientflow.strategies.scorer.ChunkScorer`); elsewhere a score pass runs in the
      launch of the bucket that completes the chunk, so scoring runs while backward goes on.
@@ -64,12 +64,12 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import phase_end, phase_start
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
+from ..exchange.error_feedback import Residuals, residual_dtype, residual_state, validate_residual_state
+from ..exchange.selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
 from . import csc_native
 from .csc_quantized import QuantizedChunks
 from .dense import DenseSync
-from .error_feedback import Residuals, residual_dtype, residual_state, validate_residual_state
 from .scorer import ChunkScorer
-from .selection import dense_from, density_at, n_selected, samples_chunks, select_chunks
 from .slices import Slice, SliceQueue, pack
 from .writeback import PoolWriter, untouched_params
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -42,23 +41,26 @@ import torch.distributed as dist
 from ..comm import codec_native
 from ..comm.levels import kernel_levels, kernel_table
 from ..comm.quantize import code_bytes, wire_bytes
-from ..comm.quantized_ring import PairExchange, QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import NodeGroups
 from ..config import GradientFlowConfig
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
+from ..exchange import error_feedback
+from ..exchange.ring import Pair, Ring, guarded, start_pair, start_ring
 from .dense import DenseSync
-from .quantized_exchange import RINGS, TWO_LEVEL, guarded, run_ring, start_two_level
-from .quantized_nodes import NodeQuantizer
+from .quantized_nodes import TWO_LEVEL, NodeQuantizer, start_two_level
 from .slices import Slice, pack
+
+RINGS = "CSC chunks (quantised exchange)"
+"""What a failure of ``"topk-3bit"``'s flat exchanges names."""
 
 
 class _Straight(NamedTuple):
     """One slice sent straight from v's rows: its exchange, our bytes and the peer's, v's rows and the pool's."""
 
     sl: Slice
-    exchange: PairExchange
+    exchange: Pair
     send: torch.Tensor
     recv: torch.Tensor
     rows: torch.Tensor
@@ -71,7 +73,7 @@ class _Packed:
 
     sl: Slice
     started: float
-    ring: QuantizedRing | None = None
+    ring: Ring | None = None
 
 
 class QuantizedChunks:
@@ -123,38 +125,35 @@ class QuantizedChunks:
         """Start the exchange of ``sl``'s selected rows of v (``rows``, undivided fp32): straight from them where it
         can (two ranks, the CPU kernel: :meth:`_start_rows`), else packed into ``sl.packed`` with their error going
         into ``sl.err``, buffers of their shape from ``take`` (the step's scratch): its rows become v's."""
-        timeout = self._timeout
         if self._straight(rows, pool_rows):
-            self._start_rows(sl, rows, pool_rows, take, timeout, stats)
+            self._start_rows(sl, rows, pool_rows, take, stats)
             return
         pack(sl, rows, take, self.world_size, False)
         assert sl.packed is not None and sl.packed.dtype == torch.float32, "cscq packs fp32 rows"
         err = sl.err = take(sl.packed.numel(), torch.float32).view_as(sl.packed)
         if self._nodes is not None:
-            self._start_two_level(sl, err.view(-1), timeout, stats)
+            self._start_two_level(sl, err.view(-1), stats)
             return
         self._running.append(_Packed(sl, time.perf_counter()))
         # started now if it may be (and earlier rings moved on): after backward, slices are packed one after another
         # with nothing else advancing the rings in between
         self.progress(stats)
 
-    @property
-    def _timeout(self) -> timedelta | None:
-        return self.watchdog.timeout if self.watchdog is not None else None
-
-    def _ring(self, entry: _Packed, stats: StepStats) -> QuantizedRing:
+    def _ring(self, entry: _Packed, stats: StepStats) -> Ring:
         """``entry``'s ring, started (its first round posted, its bytes counted) if it was not yet."""
         if entry.ring is None:
             sl = entry.sl
             assert sl.packed is not None and sl.err is not None
-            entry.ring = QuantizedRing(
+            entry.ring = start_ring(
                 sl.packed.view(-1),
                 sl.err.view(-1),
                 self.group,
                 bits=self.bits,
                 block=self.block,
-                timeout=self._timeout,
+                watchdog=self.watchdog,
+                what=RINGS,
                 levels=self.levels,
+                started=entry.started,
             )
             stats.record_collective(entry.ring.payload_bytes)
         return entry.ring
@@ -174,7 +173,6 @@ class QuantizedChunks:
         rows: torch.Tensor,
         pool_rows: torch.Tensor,
         take: Callable[[int, torch.dtype], torch.Tensor],
-        timeout: timedelta | None,
         stats: StepStats,
     ) -> None:
         n = sl.selected.numel() * rows.shape[1]
@@ -186,7 +184,8 @@ class QuantizedChunks:
             rows, sl.selected, send[:cb], send[cb:], self.bits, self.block, tab.mids, tab.poly, tab.first
         )
         sl.written = True  # v's rows hold their error now; the pool's rows get the average at finish()
-        self._pairs.append(_Straight(sl, PairExchange(send, recv, self.group, timeout), send, recv, rows, pool_rows))
+        pair = start_pair(send, recv, self.group, self.watchdog, RINGS)
+        self._pairs.append(_Straight(sl, pair, send, recv, rows, pool_rows))
         stats.record_collective(nbytes)
 
     def _decode_rows(self, send: torch.Tensor, recv: torch.Tensor | None, sl: Slice, out: torch.Tensor) -> None:
@@ -210,7 +209,7 @@ class QuantizedChunks:
                 self._decode_rows(p.send, None, p.sl, p.rows)
         self._delivered = []
 
-    def _start_two_level(self, sl: Slice, err: torch.Tensor, timeout: timedelta | None, stats: StepStats) -> None:
+    def _start_two_level(self, sl: Slice, err: torch.Tensor, stats: StepStats) -> None:
         """The packed rows into the two-level pipeline; their error (this rank's shard of the node sum's) into
         ``err`` at the shard's place, 0 elsewhere, once the rows' average is back."""
         assert self._nodes is not None and self.groups is not None and sl.packed is not None
@@ -219,7 +218,7 @@ class QuantizedChunks:
         plan = two_level_plan(n, topo.nodes, topo.per_node, self.block)
         a, b = plan.bounds[self.groups.local]
         m = max(0, min(b, n) - a)  # the shard's real elements (the rest pads the rows to whole shards)
-        shard_err = torch.zeros(plan.shard, dtype=torch.float32, device=x.device)  # nothing carried: v holds it
+        shard_err = error_feedback.zeros(plan.shard, x.device)  # nothing carried: v holds it
 
         def delivered(result: torch.Tensor) -> None:
             if result.data_ptr() != x.data_ptr():
@@ -228,7 +227,7 @@ class QuantizedChunks:
             err.zero_()
             err[a : a + m].copy_(shard_err[:m])
 
-        args = {"bits": self.bits, "block": self.block, "timeout": timeout, "clip": 0.0, "levels": self.levels}
+        args = {"bits": self.bits, "block": self.block, "clip": 0.0, "levels": self.levels}
         start_two_level(self._nodes, x, shard_err, None, args, stats, "CSC chunks (quantised shard)", delivered)
         self.progress(stats)
 
@@ -242,11 +241,11 @@ class QuantizedChunks:
         # lands in another ring's receive), as the quantised recipe's buckets do.
         for entry in self._running:
             ring = self._ring(entry, stats)
-            run_ring(ring, self.watchdog, RINGS, entry.started, block=False)
-            if not ring.exchange and not ring.done:
+            ring.poll()
+            if not ring.one_round and not ring.done:
                 break
         for p in self._pairs:
-            guarded(self.watchdog, "CSC chunks (quantised exchange)", p.exchange.poll)
+            p.exchange.poll()
 
     def finish(self, stats: StepStats) -> None:
         """Run every exchange to its end; each slice's ``packed`` then holds the average of the ranks' rows."""
@@ -255,7 +254,7 @@ class QuantizedChunks:
             guarded(self.watchdog, f"CSC chunks ({TWO_LEVEL})", self._nodes.drain)
         pairs, self._pairs = self._pairs, []
         for p in pairs:  # the pool was cleared: its rows get the average
-            guarded(self.watchdog, "CSC chunks (quantised exchange)", p.exchange.wait)
+            p.exchange.wait()
             stats.record_done(time.perf_counter())
             t0 = stats.phase("wire_wait", t0)
             self._decode_rows(p.send, p.recv, p.sl, p.pool_rows)
@@ -264,7 +263,7 @@ class QuantizedChunks:
         running, self._running = self._running, []
         for entry in running:
             sl, ring = entry.sl, self._ring(entry, stats)
-            run_ring(ring, self.watchdog, RINGS, entry.started, block=True)
+            ring.wait()
             stats.record_done(time.perf_counter())
             assert sl.packed is not None
             sl.packed.div_(self.world_size)

@@ -48,38 +48,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import codec_native
 from ..comm.precision import divide, loss_scale
-from ..comm.quantized_ring import QuantizedRing
 from ..comm.two_level import NodeGroups
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
-from .error_feedback import Residuals, ShardResiduals, residual_state, validate_residual_state
-from .precondition import Root, ema_update
-from .quantized_exchange import (
-    TWO_LEVEL,
-    after_ring,
-    guarded,
-    precondition,
-    run_ring,
-    start_two_level,
-    step_quantizer,
-)
-from .quantized_nodes import NodeQuantizer
+from ..exchange.error_feedback import Residuals, ShardResiduals, residual_state, validate_residual_state
+from ..exchange.precondition import Root, ema_update
+from ..exchange.quantized import Flight, QuantizedExchange
+from ..exchange.ring import guarded
+from ..options_base import Quantizer
+from .quantized_nodes import TWO_LEVEL, NodeQuantizer, start_two_level
 
 
 class _Pending:
-    """One launched bucket: its pool slice, its fp32 contribution, its residual slice, its ring."""
+    """One launched bucket: its pool slice, its fp32 contribution, its residual slice, its exchange once started."""
 
     def __init__(self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool) -> None:
         self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
         self.x: torch.Tensor | None = None
-        self.root: Root | None = None  # precondition's divisor, for this step and bucket
-        self.fused: codec_native.Fused | None = None  # root folded into the ring's codec passes (two ranks)
-        self.ring: QuantizedRing | None = None
-        self.started_at = 0.0
+        self.flight: Flight | None = None
 
 
 class QuantizedSync(SyncStrategy):
@@ -103,12 +92,13 @@ class QuantizedSync(SyncStrategy):
     ) -> None:
         self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
         self.levels, self.precondition, self.warmup = levels, precondition, warmup
+        # the flat exchange (its quantiser, the warm-up's count, failures named); two-level sends through NodeQuantizer
+        self.exchange = QuantizedExchange(Quantizer(bits, block, levels, precondition, warmup, clip), group, watchdog)
         self.sq: Residuals | None = None  # precondition's EMA of the squared result, in units of the scale²
         self.watchdog = watchdog
         self._shapes = list(shapes)
         self.pool = pool
         self.res: Residuals | ShardResiduals | None = None  # allocated at the first step (two-level: 1/G the size)
-        self.step = 0
         self._scaler: Any = None
         self._queue: deque[_Pending] = deque()
         self._in_step = False
@@ -199,27 +189,10 @@ class QuantizedSync(SyncStrategy):
             p.x = p.flat.float()
         if not p.divided:
             divide(p.x, self.world_size, None)
-        timeout = self.watchdog.timeout if self.watchdog is not None else None
-        bits, levels = self._quantizer()
-        carry = True  # x + e: the ring adds e (two ranks: inside the quantisation's pass)
-        if self.precondition and self.step >= self.warmup:
-            assert self.sq is not None  # allocated by _begin_step
-            b = p.bucket
-            p.root, p.fused, carry = precondition(p.x, p.err, self.sq.v[b.pool][b.start : b.end], self.world_size == 2)
-        p.ring = QuantizedRing(
-            p.x,
-            p.err,
-            self.group,
-            bits=bits,
-            block=self.block,
-            timeout=timeout,
-            clip=self.clip,
-            levels=levels,
-            carry=carry,
-            fused=p.fused,
-        )
-        p.started_at = time.perf_counter()
-        stats.record_collective(p.ring.payload_bytes)
+        b = p.bucket
+        sq = self.sq.v[b.pool][b.start : b.end] if self.sq is not None else None
+        p.flight = self.exchange.start(p.x, p.err, f"bucket {b.index} (quantised ring)", sq=sq)
+        stats.record_collective(p.flight.payload_bytes)
 
     def _launch_two_level(self, bucket: Bucket, flat: torch.Tensor, divided: bool, stats: StepStats) -> None:
         """The bucket's contribution ``g / N`` into the two-level pipeline (the residual is added to the node sum
@@ -232,12 +205,11 @@ class QuantizedSync(SyncStrategy):
         if self._fold is not None:  # residual off the shards: into the contribution (node-summed by the reduce-scatter)
             x.add_(self._fold.v[bucket.pool][bucket.start : bucket.end])
         root = None
-        if self.precondition and self.step >= self.warmup:
+        if self.exchange.preconditions:
             assert self.sq is not None  # allocated by _begin_step
             root = Root(self.sq.v[bucket.pool][bucket.start : bucket.end])
         bits, levels = self._quantizer()
-        timeout = self.watchdog.timeout if self.watchdog is not None else None
-        args = {"bits": bits, "block": self.block, "timeout": timeout, "clip": self.clip, "levels": levels}
+        args = {"bits": bits, "block": self.block, "clip": self.clip, "levels": levels}
 
         def delivered(result: torch.Tensor) -> None:
             if self.sq is not None:
@@ -250,13 +222,21 @@ class QuantizedSync(SyncStrategy):
 
     def _quantizer(self) -> tuple[int, str]:
         """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
-        return step_quantizer(self.step, self.warmup, self.bits, self.levels)
+        return self.exchange.widths()
+
+    @property
+    def step(self) -> int:
+        """Synchronised steps done (the warm-up's count), the exchange's."""
+        return self.exchange.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.exchange.step = value
 
     def _complete(self, p: _Pending, stats: StepStats) -> None:
         stats.record_done(time.perf_counter())
-        assert p.x is not None  # started by _start
-        b = p.bucket
-        after_ring(p.x, p.err, p.root, p.fused, self.sq.v[b.pool][b.start : b.end] if self.sq is not None else None)
+        assert p.x is not None and p.flight is not None  # started by _start
+        p.flight.complete()
         if p.x is not p.flat:
             p.flat.copy_(p.x)
 
@@ -269,7 +249,7 @@ class QuantizedSync(SyncStrategy):
             return
         while self._queue:
             p = self._queue[0]
-            if p.ring is None:
+            if p.flight is None:
                 self._start(p, stats)
             if not self._run(p, block=False):
                 break
@@ -278,8 +258,11 @@ class QuantizedSync(SyncStrategy):
         stats.phase("pack", t0)
 
     def _run(self, p: _Pending, block: bool) -> bool:
-        assert p.ring is not None  # started by _start
-        return run_ring(p.ring, self.watchdog, f"bucket {p.bucket.index} (quantised ring)", p.started_at, block)
+        assert p.flight is not None  # started by _start
+        if block:
+            p.flight.wait()
+            return True
+        return p.flight.poll()
 
     def finish(self, stats: StepStats) -> None:
         """End of backward: run every queued ring to the end; the pool holds the decoded average."""
@@ -291,7 +274,7 @@ class QuantizedSync(SyncStrategy):
             stats.phase("wire_wait", t0)
         while self._queue:
             p = self._queue[0]
-            if p.ring is None:
+            if p.flight is None:
                 self._start(p, stats)
             t0 = time.perf_counter()
             self._run(p, block=True)
@@ -301,7 +284,7 @@ class QuantizedSync(SyncStrategy):
         self._in_step = False
         self._fold = None  # every bucket launched: the folded residual went into this step's contributions
         stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
-        self.step += 1
+        self.exchange.advance()
 
     def untouched(self, params: Sequence[int]) -> list[int]:
         """Unused parameters whose delivered average is exactly 0 (a residual may deliver something).
@@ -366,4 +349,4 @@ class QuantizedSync(SyncStrategy):
         if self.precondition and state["v"] is not None:
             self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.load({"v": state["sq"]})
-        self.step = int(state["step"])
+        self.exchange.step = int(state["step"])

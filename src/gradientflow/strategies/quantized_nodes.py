@@ -25,6 +25,7 @@ elementwise, up to fp32 rounding.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +33,17 @@ from typing import Any
 import torch
 
 from ..comm.quantize import wire_bytes
-from ..comm.quantized_ring import QuantizedRing
 from ..comm.topology import two_level_plan
 from ..comm.two_level import Item, NodeGroups, TwoLevelPipeline
+from ..diagnostics.stats import StepStats
 from ..engine.pool import Layout, Scratch
-from .error_feedback import ShardResiduals
-from .precondition import Root
+from ..exchange.error_feedback import ShardResiduals
+from ..exchange.precondition import Root
+from ..exchange.ring import Ring, start_ring
+
+TWO_LEVEL = "two-level quantised exchange"
+"""What a failure of the two-level pipeline names (the pipeline's steps are guarded as a whole, so its rings are
+started without a watchdog of their own)."""
 
 
 @dataclass
@@ -57,7 +63,7 @@ class ShardRing:
     """One bucket's exchange between nodes: the quantised ring on the shard, then the residual and the
     preconditioner's scaling put back (once, when the ring completes)."""
 
-    def __init__(self, ring: QuantizedRing, after: Callable[[], None]) -> None:
+    def __init__(self, ring: Ring, after: Callable[[], None]) -> None:
         self.ring, self._after, self._finished = ring, after, False
 
     def poll(self) -> bool:
@@ -82,7 +88,7 @@ class NodeQuantizer:
     ``err`` its residual slice, ``root`` the preconditioner's divisor (or ``None``)."""
 
     def __init__(self, groups: NodeGroups, block: int, watchdog: Any = None) -> None:
-        self.groups, self.block = groups, block
+        self.groups, self.block, self.watchdog = groups, block, watchdog
         # From 3 nodes a ring posts its second round as the first arrives: one ring at a time keeps the
         # posting order the same on every rank (as the flat recipe from 3 ranks).
         self.pipeline = TwoLevelPipeline(groups, self._start_ring, serial=groups.topology.nodes > 2, watchdog=watchdog)
@@ -143,7 +149,20 @@ class NodeQuantizer:
             root.divide(item.shard[:m], e[:m], lo=a)
             item.shard[m:].add_(e[m:])
             carry = False
-        ring = QuantizedRing(item.shard, e, self.groups.inter, carry=carry, **item.ring_args)
+        args = item.ring_args
+        ring = start_ring(
+            item.shard,
+            e,
+            self.groups.inter,
+            bits=int(args["bits"]),
+            block=int(args["block"]),
+            watchdog=self.watchdog,
+            what=item.what,
+            levels=str(args["levels"]),
+            clip=float(args["clip"]),
+            carry=carry,
+            named=False,  # the pipeline's steps are guarded as a whole (TWO_LEVEL)
+        )
 
         def after() -> None:
             if root is not None:  # before done()'s EMA moves q: r is recomputed from it
@@ -161,3 +180,29 @@ class NodeQuantizer:
         self.pipeline.drain()
         if self.scratch is not None:
             self.scratch.reset()
+
+
+def start_two_level(
+    nodes: NodeQuantizer,
+    x: torch.Tensor,
+    err: torch.Tensor,
+    root: Root | None,
+    ring_args: dict[str, Any],
+    stats: StepStats,
+    what: str,
+    on_result: Callable[[torch.Tensor], None],
+) -> None:
+    """``x`` (this rank's fp32 contribution) into the two-level pipeline, the ring between nodes carrying its
+    error in ``err`` (this rank's shard); ``on_result(average)`` once the node's all-gather delivered it.
+    ``payload_bytes`` is the quantised shard this rank hands to the exchange between nodes; the stats'
+    ``inter_node_bytes`` what the ring sent, ``intra_node_bytes`` the stages inside the node.  One owner for the
+    ``3bit`` family's buckets and ``topk-3bit``'s rows, so the bytes are counted the same whichever sends."""
+
+    def done(result: torch.Tensor, sent: int) -> None:
+        stats.record_done(time.perf_counter())
+        stats.extra["inter_node_bytes"] = stats.extra.get("inter_node_bytes", 0) + sent
+        on_result(result)
+
+    intra, payload = nodes.start(x, err, root, ring_args, done, what)
+    stats.record_collective(payload)
+    stats.extra["intra_node_bytes"] = stats.extra.get("intra_node_bytes", 0) + intra

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..engine.pool import Bucket, GradPool
+from ..exchange.selection import chunk_scores, score_scratch
 from . import csc_native
-from .selection import chunk_scores, score_scratch
 
 
 class ChunkScorer:

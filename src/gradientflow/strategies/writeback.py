@@ -15,8 +15,8 @@ from ..diagnostics.stats import StepStats
 from ..diagnostics.trace import phase_end, phase_start
 from ..diagnostics.watchdog import Watchdog
 from ..engine.pool import GradPool, Layout
+from ..exchange.error_feedback import Residuals
 from . import csc_native
-from .error_feedback import Residuals
 from .slices import Slice
 
 

@@ -1,11 +1,14 @@
-"""Error feedback's state, one home for every recipe with a residual: what was not sent is kept and sent later.
+"""Error feedback's state, one home for every door and recipe with a residual: what was not sent is kept and
+sent later.  Every residual is allocated here (:func:`zeros`), whichever door holds it:
 
 - the top-k recipes (``"topk-fp16"``, ``"topk-3bit"``): the residual v (and the momentum u) of the chunks not
   selected; ``"topk-3bit"``'s sent rows leave their quantisation error there too;
 - the quantised family (``"3bit"`` and the others) on a flat layout: each rank's quantisation error, laid out like
   the pool (:class:`Residuals`);
 - the quantised family on nodes of several ranks: the error on this rank's shard of each bucket only
-  (:class:`ShardResiduals`, 1/G of a flat rank's memory).
+  (:class:`ShardResiduals`, 1/G of a flat rank's memory);
+- the same exchanges behind the other doors: an FSDP module's shard (``gradientflow.fsdp``), the outer loop's
+  fragments (``gradientflow.outer``), each a flat tensor from :func:`zeros`.
 
 One :class:`Residuals` owns, per pool buffer, a flat v (and u with momentum correction) padded
 to whole chunks, so every buffer is an exact ``[n_chunks, chunk_size]`` view; the pad stays 0.
@@ -32,6 +35,18 @@ import torch
 from ..comm.topology import two_level_plan
 from ..comm.two_level import NodeGroups
 from ..engine.pool import Bucket, Layout, transfer
+
+
+def zeros(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new residual (or a preconditioner's ``q``, or an exchange's error buffer) of ``numel`` elements, all zero:
+    the one place error feedback's state is allocated, whichever door holds it (the DDP pool's buffers, an FSDP
+    module's shard, an outer fragment)."""
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """A new residual the shape, dtype and device of ``t`` (:func:`zeros`)."""
+    return torch.zeros_like(t)
 
 
 def residual_dtype(pool_dtype: torch.dtype) -> torch.dtype:
@@ -64,7 +79,7 @@ class Residuals:
 
     def _zeros(self) -> list[torch.Tensor]:
         return [
-            torch.zeros(n * self.chunk_size, dtype=residual_dtype(dtype), device=device)
+            zeros(n * self.chunk_size, device, residual_dtype(dtype))
             for n, (dtype, device) in zip(self.n_chunks, self.layout.keys)
         ]
 
