@@ -154,7 +154,7 @@ def test_preconditioner_kernel_matches_torch_ops_bit_for_bit(
     """The preconditioner's fused passes (``Root``: r recomputed where it is used) against ``precondition_root``
     and the torch ops, on a whole bucket (``lo`` 0) and on a two-level shard of it starting at ``lo``: divide
     before the ring, then multiply back and update q's EMA after it."""
-    from gradientflow.strategies import precondition
+    from gradientflow.exchange import precondition
     from gradientflow.exchange.precondition import Root
 
     q = _history(n + lo, kind)

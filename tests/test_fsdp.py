@@ -213,15 +213,16 @@ def _conservation(rank: int, world: int) -> dict:
     from gradientflow.fsdp.topk import TopkShard
 
     errors, fp16_errors, chosen = [], [], []
+    watchdog = Watchdog(dist.group.WORLD, timedelta(seconds=30))
     for recipe in ("3bit", "3bit-precond", "2bit-precond"):
         quantizer = GradientFlowConfig(compression=recipe).quantizer()
         g = torch.Generator().manual_seed(rank)
-        state = QuantizedShard(300, torch.device("cpu"), quantizer.precondition)
+        state = QuantizedShard(300, torch.device("cpu"), quantizer.precondition, dist.group.WORLD, watchdog)
         for step in range(3):  # step 0 fills e (and q); the checks run on steps with a residual to carry
             t = torch.randn(300, generator=g) * (1 + step)
             before = t / world + state.err
             dist.all_reduce(before)
-            state.reduce(t, dist.group.WORLD, quantizer, None)
+            state.reduce(t, quantizer)
             after = t + 0  # the result, the same on every rank
             residuals = state.err.clone()
             dist.all_reduce(residuals)
@@ -231,13 +232,12 @@ def _conservation(rank: int, world: int) -> dict:
         config = GradientFlowConfig(compression=recipe, warmup_steps=0, chunk_size=16)
         g = torch.Generator().manual_seed(rank)
         topk = TopkShard(300, torch.device("cpu"), config, [(290, False), (10, True)])
-        watchdog = Watchdog(dist.group.WORLD, timedelta(seconds=30))
         for step in range(3):
             t = torch.randn(300, generator=g) * (1 + step)
             before = topk.err.clone()
             before[:300] += t / world
             dist.all_reduce(before)
-            topk.reduce(t, dist.group.WORLD, watchdog, None)
+            topk.reduce(t, dist.group.WORLD, watchdog)
             after = torch.zeros(304)
             after[:300] = t
             residuals = topk.err.clone()

@@ -18,6 +18,7 @@ from .outer_options import OUTER_OPTIONS, settle_outer
 from .recipes import (
     ALIASES,
     NAMES,
+    PER_STEP_NAMES,
     QUANT_BITS,
     QUANT_DEFAULTS,
     QUANT_OPTIONS,
@@ -314,6 +315,12 @@ class GradientFlowConfig:
         config gives the same config (:meth:`with_recipe` switches recipe)."""
         found = lookup(self.compression)
         name = found.name
+        if "per step" not in found.recipe.scopes:
+            raise ValueError(
+                f"compression={self.compression!r} is an outer exchange (its scope is 'outer', docs/recipes.md): it "
+                f"runs every sync_every steps as outer_compression={name!r} with sync_every=H (docs/fewer-syncs.md). "
+                f"compression= takes a per-step recipe: {', '.join(map(repr, PER_STEP_NAMES))}."
+            )
         passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
         if self.comm_dtype != "fp32":
             passed["comm_dtype"] = self.comm_dtype

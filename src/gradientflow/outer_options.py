@@ -10,14 +10,14 @@ that runs them is :mod:`gradientflow.outer`.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from .mechanisms import check_door, options_of
 from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
-from .recipes import NAMES, UnknownRecipe, resolve
+from .recipes import OUTER_ALIASES, OUTER_NAMES, UnknownRecipe, resolve
 
 OUTER_OPTIONS = (
     "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",
@@ -39,9 +39,6 @@ AdamW transformer, 2 replicas, 4,000 steps, H = 100, averaging ended 0.975x DDP'
 optimizer (arXiv 2311.08105: Nesterov, lr 0.7, momentum 0.9) ended 1.020x, and the 3-bit exchange matched fp32 on a
 tenth of its bytes (docs/results/fewer-syncs.md).  DiLoCo's values stay one option away."""
 
-TOPK = re.compile(r"topk-(\d+)bit")
-"""The top-k outer exchanges' names, ``"topk-<bits>bit"``: the top chunks of the pseudo-gradient in ``bits``-bit
-blocks (:mod:`gradientflow.outer.sparse`), the words of the recipe table's ``"topk-3bit"``."""
 TOPK_DENSITY = 0.1
 """The share of the chunks a top-k outer exchange sends where ``outer_density`` is not given."""
 TOPK_CHUNK = 128
@@ -53,46 +50,52 @@ class OuterExchange(NamedTuple):
 
     name: str
     """The recipe's canonical name."""
+    mechanism: str
+    """Its mechanism (:mod:`gradientflow.mechanisms`), whose ``"outer"`` form runs it."""
     wire_dtype: torch.dtype | None
-    """A dense exchange's wire dtype (None: fp32); None for the quantised one."""
+    """The wire dtype of a row that sets ``comm_dtype`` (None: fp32, or no such option)."""
     quantizer: Quantizer | None
-    """The quantised family's quantiser (error feedback across outer syncs), or the top-k exchange's; None for a
-    dense exchange."""
+    """The quantiser of a row that quantises (error feedback across outer syncs; the top-k exchange's blocks), or
+    None."""
     density: float | None = None
-    """The top-k exchange's share of chunks sent (:data:`TOPK_CHUNK` elements each); None: every coordinate."""
+    """The share of chunks sent (:data:`TOPK_CHUNK` elements each) by a mechanism that reads ``density``; None:
+    every coordinate."""
+
+
+def _ok() -> str:
+    names = ", ".join(repr(n) for n in OUTER_NAMES)
+    return f"a recipe whose scope is 'outer': {names}, or another width of the quantised family ('4bit', '2bit', ...)"
 
 
 def outer_exchange_of(value: object, density: float | None = None) -> OuterExchange:
-    """The outer exchange an ``outer_compression`` value names: a dense row ("none", "fp16", "bf16"), a width of
-    the quantised family without preconditioning, or a top-k exchange ("topk-2bit", "topk-3bit", ...: at
-    ``density``, :data:`TOPK_DENSITY` where None); ``ValueError`` saying what to pass otherwise."""
-    topk = TOPK.fullmatch(value.strip().lower()) if isinstance(value, str) else None
-    if topk is not None and int(topk[1]) in (2, 3):
-        bits = int(topk[1])
-        # 2 bits: four levels with no zero (every code used: the chunks sent are the largest, few of their
-        # coordinates are near 0); 3 bits: the fitted levels of the quantised family
-        q = Quantizer(bits, TOPK_CHUNK, "zeroless" if bits == 2 else "fitted", False, 0, 0.0)
-        return OuterExchange(f"topk-{bits}bit", None, q, TOPK_DENSITY if density is None else float(density))
+    """The outer exchange an ``outer_compression`` value names: a row of the recipe table whose scope is
+    ``"outer"`` (an earlier outer name too), or a width of the quantised family without preconditioning; the top-k
+    exchange at ``density`` (:data:`TOPK_DENSITY` where None); ``ValueError`` saying what to pass otherwise (in the
+    words of :mod:`gradientflow.mechanisms` where the mechanism has no outer form)."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    key = OUTER_ALIASES.get(key, key) if isinstance(key, str) else key
     try:
-        found = resolve(value)
+        found = resolve(key)
     except UnknownRecipe:
-        found = None
-    ok = (
-        "'none' (fp32), 'fp16', 'bf16', a width of the quantised family ('3bit', '4bit', '2bit', ...) or the top "
-        "chunks in 2 or 3 bits ('topk-2bit', 'topk-3bit')"
-    )
-    if found is None or topk is not None:
-        raise ValueError(f"outer_compression must be {ok}, got {value!r}{did_you_mean(value, NAMES)}")
+        raise ValueError(
+            f"outer_compression must be {_ok()}, got {value!r}{did_you_mean(value, [*OUTER_NAMES, *OUTER_ALIASES])}"
+        ) from None
     recipe, settings = found.recipe, {**found.recipe.settings(), **found.stated}
-    if recipe.mechanism == "dense":
-        return OuterExchange(found.name, COMM_DTYPES[settings.get("comm_dtype", "fp32")], None)
-    if recipe.mechanism == "quantized" and not settings["quant_precondition"]:
-        q = Quantizer(int(settings["quant_bits"]), int(settings["quant_block"]), "fitted", False, 0, 0.0)
-        return OuterExchange(found.name, None, q)
-    raise ValueError(
-        f"outer_compression={value!r} is not built for the outer exchange (top-k in 16 bits, preconditioning and "
-        f"'auto' are per-step mechanisms): pass {ok}."
-    )
+    what = f"outer_compression={value!r}"
+    check_door(recipe.mechanism, "outer", what)
+    if "outer" not in recipe.scopes or settings.get("quant_precondition"):
+        raise ValueError(
+            f"{what} is a per-step recipe (preconditioning and 'auto' read the gradient of every step): pass {_ok()}."
+        )
+    quantizer = None
+    if "quant_bits" in settings:
+        bits = int(settings["quant_bits"])
+        levels = str(settings.get("quant_levels", "fitted"))
+        quantizer = Quantizer(bits, int(settings.get("quant_block", TOPK_CHUNK)), levels, False, 0, 0.0)
+    wire = COMM_DTYPES[settings["comm_dtype"]] if "comm_dtype" in settings else None
+    reads_density = "density" in options_of(recipe.mechanism)
+    share = (TOPK_DENSITY if density is None else float(density)) if reads_density else None
+    return OuterExchange(found.name, recipe.mechanism, wire, quantizer, share)
 
 
 def settle_outer(
@@ -154,7 +157,8 @@ def settle_outer(
     if spec.density is None and density is not None:
         raise ValueError(
             f"outer_density applies only to a top-k outer exchange, but outer_compression={spec.name!r} sends every "
-            f"coordinate. Pass outer_compression='topk-2bit' (or 'topk-3bit') with it, or drop outer_density."
+            f"coordinate. Pass outer_compression='indexed-topk-2bit' (or 'indexed-topk-3bit') with it, or drop "
+            "outer_density."
         )
     if spec.density is not None:
         d = TOPK_DENSITY if density is None else density
@@ -174,9 +178,14 @@ def settle_outer(
             "for the exchange every sync_every steps, and drop compression / comm_dtype."
         )
     if mechanism != "dense" and per_step:
+        try:  # the advice must itself construct: the same name as the outer exchange only where it is one
+            outer_exchange_of(compression)
+            instead = f"outer_compression={compression!r}"
+        except ValueError:
+            instead = f"outer_compression= ({_ok()})"
         raise ValueError(
             f"sync_every={h}: gradients are averaged densely inside a node every step and only the outer "
-            f"exchange crosses nodes, so compression={compression!r} cannot apply. Pass "
-            f"outer_compression={compression!r} for the exchange between nodes, and drop compression."
+            f"exchange crosses nodes, so compression={compression!r} cannot apply. Pass {instead} for the exchange "
+            "between nodes, and drop compression."
         )
     return {k: None if k == "outer_state_device" and v == "same" else v for k, v in settled.items()}

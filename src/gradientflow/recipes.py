@@ -30,18 +30,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Mechanism = Literal["dense", "topk", "quantized", "topk-quantized", "auto"]
-"""What a recipe's strategy does with a bucket (``gradientflow.strategies``):
+from .mechanisms import MECHANISMS, QUANT_OPTIONS, options_of
 
-- ``"dense"``: every gradient, averaged, in ``comm_dtype`` (:mod:`gradientflow.strategies.dense`);
-- ``"topk"``: the top ``density`` of the chunks by score, the rest kept in the residual (the paper's CSC,
-  :mod:`gradientflow.strategies.csc`);
-- ``"quantized"``: every gradient every step in ``quant_bits``-bit blocks with error feedback
-  (:mod:`gradientflow.strategies.quantized`);
-- ``"topk-quantized"``: the top chunks, quantised in blocks with error feedback (:mod:`gradientflow.strategies.csc`
-  with :mod:`gradientflow.strategies.csc_quantized`);
-- ``"auto"``: dense fp32 until the first optimizer step, then a row picked for the optimizer
-  (:mod:`gradientflow.policy.auto_choice`)."""
+Mechanism = str
+"""What a recipe's exchange does with a tensor: a name declared in :mod:`gradientflow.mechanisms`, which says what
+each one does, the options it reads and the doors it has a form for (``"dense"``, ``"topk"``, ``"quantized"``,
+``"topk-quantized"``, ``"indexed-topk"``, ``"auto"``)."""
+
+Scope = Literal["per step", "outer"]
+"""Where a recipe runs: ``"per step"``, the exchange of every synchronised step (``compression=``: the DDP wrapper,
+``gradientflow.fsdp.fully_shard``); ``"outer"``, the exchange of fewer syncs' outer loop every ``sync_every``
+steps (``outer_compression=``)."""
 
 QUANT_BITS = (2, 3, 4, 5, 6, 7, 8, 32)
 """The quantiser's widths: 2 = ternary {-s, 0, s} (or four levels with ``quant_levels="zeroless"``), 3 = 7
@@ -58,19 +57,15 @@ QUANT_DEFAULTS: Mapping[str, Any] = {
 """The quantiser of ``"3bit"`` (3 bits in 128-element blocks, each with a bf16 scale: 0.0977 of fp32's bytes),
 and of every width of the family without a row of its own."""
 
-QUANT_OPTIONS = tuple(QUANT_DEFAULTS)
-"""The quantiser's keyword options (README's options table; :class:`gradientflow.config.GradientFlowConfig`)."""
+assert tuple(QUANT_DEFAULTS) == QUANT_OPTIONS, "the quantiser's options, declared in gradientflow.mechanisms"
 
-MECHANISM_OPTIONS: Mapping[str, tuple[str, ...]] = {
-    "dense": ("comm_dtype",),
-    "topk": ("comm_dtype", "density"),
-    "quantized": QUANT_OPTIONS,
-    "topk-quantized": ("density", "quant_bits", "quant_block", "quant_levels"),
-    "auto": (),
-}
-"""The recipe options each mechanism reads (rule 3: passing another beside a recipe is an error).  ``"dense"``
-and ``"topk"`` also read the CSC options (``chunk_size``, ``warmup_steps``, ...) and every mechanism the
-engine's (θ, ``topology``, ...): those are not a recipe's and are never refused."""
+
+def mechanism_options(mechanism: str) -> tuple[str, ...]:
+    """The recipe options ``mechanism`` reads (rule 3: passing another beside a recipe is an error), as
+    :mod:`gradientflow.mechanisms` declares them.  ``"dense"`` and ``"topk"`` also read the CSC options
+    (``chunk_size``, ``warmup_steps``, ...) and every mechanism the engine's (θ, ``topology``, ...): those are not a
+    recipe's and are never refused."""
+    return options_of(mechanism)
 
 
 @dataclass(frozen=True)
@@ -92,13 +87,18 @@ class Recipe:
     """Where it is explained and measured."""
     aliases: tuple[str, ...] = ()
     """Earlier names, still accepted: each means exactly this row."""
+    scopes: tuple[Scope, ...] = ("per step",)
+    """Where it runs (:data:`Scope`): ``compression=`` takes the rows with ``"per step"``, ``outer_compression=``
+    those with ``"outer"``."""
+    outer_aliases: tuple[str, ...] = ()
+    """Earlier names ``outer_compression=`` still accepts for this row (never a name of another row)."""
     measured: str = ""
     """The headline figure, with the page that dates it (empty: a baseline)."""
 
     def settings(self) -> dict[str, Any]:
         """Every option the recipe's mechanism reads, at this recipe's values (the quantiser's defaults filled
         in for the quantised mechanisms)."""
-        quant = {k: v for k, v in QUANT_DEFAULTS.items() if k in MECHANISM_OPTIONS[self.mechanism]}
+        quant = {k: v for k, v in QUANT_DEFAULTS.items() if k in options_of(self.mechanism)}
         return {**quant, **self.options}
 
 
@@ -110,6 +110,7 @@ RECIPES: tuple[Recipe, ...] = (
         when="a fast network, or the final loss must be DDP's to the digit",
         options={},
         doc="docs/recipes.md#none",
+        scopes=("per step", "outer"),
     ),
     Recipe(
         name="fp16",
@@ -120,6 +121,7 @@ RECIPES: tuple[Recipe, ...] = (
         named=("comm_dtype",),
         doc="docs/recipes.md#fp16-and-bf16",
         measured="AdamW: DDP's final loss on half its bytes (docs/results/quality.md)",
+        scopes=("per step", "outer"),
     ),
     Recipe(
         name="bf16",
@@ -129,6 +131,7 @@ RECIPES: tuple[Recipe, ...] = (
         options={"comm_dtype": "bf16"},
         named=("comm_dtype",),
         doc="docs/recipes.md#fp16-and-bf16",
+        scopes=("per step", "outer"),
     ),
     Recipe(
         name="topk-fp16",
@@ -162,6 +165,7 @@ RECIPES: tuple[Recipe, ...] = (
         doc="docs/recipes.md#3bit",
         aliases=("quantized", "quantised"),
         measured="AdamW: 1.006-1.013x DDP's final loss on 0.0999 of its bytes, 2 ranks (docs/results/adamw.md)",
+        scopes=("per step", "outer"),
     ),
     Recipe(
         name="3bit-precond",
@@ -186,6 +190,29 @@ RECIPES: tuple[Recipe, ...] = (
         measured="AdamW: 1.007-1.020x DDP's final loss on 0.068 of its bytes, 2 ranks (docs/results/adamw.md)",
     ),
     Recipe(
+        name="indexed-topk-2bit",
+        mechanism="indexed-topk",
+        summary="each replica's own top 10% of the pseudo-gradient's 128-element chunks with their indices, in four "
+        "zeroless 2-bit levels; what it did not send stays in its parameters",
+        when="fewer syncs on the slowest links, where even 0.001 of DDP's bytes is too much",
+        options={"quant_bits": 2, "quant_levels": "zeroless"},
+        named=("quant_bits",),
+        doc="docs/recipes.md#indexed-topk-2bit-and-indexed-topk-3bit",
+        scopes=("outer",),
+        outer_aliases=("topk-2bit",),
+    ),
+    Recipe(
+        name="indexed-topk-3bit",
+        mechanism="indexed-topk",
+        summary="indexed-topk-2bit in the quantised family's fitted 3-bit levels",
+        when="fewer syncs on the slowest links, a finer wire than indexed-topk-2bit",
+        options={"quant_bits": 3},
+        named=("quant_bits",),
+        doc="docs/recipes.md#indexed-topk-2bit-and-indexed-topk-3bit",
+        scopes=("outer",),
+        outer_aliases=("topk-3bit",),
+    ),
+    Recipe(
         name="auto",
         mechanism="auto",
         summary="dense fp32 until the first optimizer step, then by its class: SGD topk-3bit, Adam-type 3bit family",
@@ -196,10 +223,43 @@ RECIPES: tuple[Recipe, ...] = (
 )
 """Every recipe, in the order the docs list them."""
 
-BY_NAME: Mapping[str, Recipe] = {r.name: r for r in RECIPES}
-ALIASES: Mapping[str, str] = {a: r.name for r in RECIPES for a in r.aliases}
+BY_NAME: dict[str, Recipe] = {r.name: r for r in RECIPES}
+ALIASES: dict[str, str] = {a: r.name for r in RECIPES for a in r.aliases}
 """Earlier names -> the recipe they mean (besides the experiments' quantiser shorthand, :func:`parse_shorthand`)."""
 NAMES: tuple[str, ...] = tuple(BY_NAME)
+PER_STEP_NAMES: tuple[str, ...] = tuple(r.name for r in RECIPES if "per step" in r.scopes)
+"""The rows ``compression=`` takes."""
+OUTER_NAMES: tuple[str, ...] = tuple(r.name for r in RECIPES if "outer" in r.scopes)
+"""The rows ``outer_compression=`` takes (besides the quantised family's other widths)."""
+OUTER_ALIASES: dict[str, str] = {a: r.name for r in RECIPES for a in r.outer_aliases}
+"""Earlier names of the outer rows -> the row (``outer_compression=`` only)."""
+
+
+def add_row(recipe: Recipe) -> Recipe:
+    """A row added to the table in this process (a new recipe of a declared mechanism, :func:`gradientflow.mechanisms
+    .declare`: in a test, an experiment, or before the row is shipped): from then on ``compression=`` /
+    ``outer_compression=`` resolve its name by the same rules as the shipped rows, and what is read from the table
+    after this call (:data:`RECIPES`, the name tuples, the bench's and the cost model's modes, :func:`markdown_table`)
+    has it.  A name already taken is a ``ValueError``."""
+    global RECIPES, NAMES, PER_STEP_NAMES, OUTER_NAMES
+    if recipe.mechanism not in MECHANISMS:
+        raise ValueError(
+            f"recipe {recipe.name!r}: declare its mechanism {recipe.mechanism!r} first (mechanisms.declare)"
+        )
+    taken = {*BY_NAME, *ALIASES, *OUTER_ALIASES} & {recipe.name, *recipe.aliases, *recipe.outer_aliases}
+    if taken:
+        raise ValueError(f"recipe {recipe.name!r}: the names {sorted(taken)} are taken")
+    BY_NAME[recipe.name] = recipe
+    ALIASES.update({a: recipe.name for a in recipe.aliases})
+    OUTER_ALIASES.update({a: recipe.name for a in recipe.outer_aliases})
+    RECIPES = (*RECIPES, recipe)
+    NAMES = (*NAMES, recipe.name)
+    if "per step" in recipe.scopes:
+        PER_STEP_NAMES = (*PER_STEP_NAMES, recipe.name)
+    if "outer" in recipe.scopes:
+        OUTER_NAMES = (*OUTER_NAMES, recipe.name)
+    return recipe
+
 
 FAMILY = re.compile(r"(\d+)bit(-precond)?")
 """The quantised family's names: ``"<bits>bit"`` / ``"<bits>bit-precond"``."""
@@ -279,7 +339,7 @@ def fold(found: Resolved, passed: Mapping[str, Any]) -> dict[str, Any]:
     recipe, name = found.recipe, found.name
     base = {**recipe.settings(), **found.stated}
     named = set(recipe.named) | set(found.stated)  # a family name or the shorthand states its width itself
-    reads = set(MECHANISM_OPTIONS[recipe.mechanism]) | ({"density"} if name == "none" else set())
+    reads = set(options_of(recipe.mechanism)) | ({"density"} if name == "none" else set())
     for k, v in passed.items():
         if k not in reads:
             raise ValueError(_unread_message(name, recipe.mechanism, k, v))
@@ -325,13 +385,18 @@ def _named_hint(name: str, option: str, value: object) -> str:
 
 
 def markdown_table() -> str:
-    """The table as docs/recipes.md shows it (the docs test compares the page with this).  "sets": the row's own
+    """The table as docs/recipes.md shows it (the docs test compares the page with this).  "scope": ``per step``
+    rows are what ``compression=`` takes, ``outer`` rows what ``outer_compression=`` takes; "sets": the row's own
     options; the quantised recipes also run :data:`QUANT_DEFAULTS` where their row says nothing."""
-    lines = ["| `compression=` | what goes on the wire | use it for | sets | earlier names |", "|---|---|---|---|---|"]
+    lines = [
+        "| name | scope | what goes on the wire | use it for | sets | earlier names |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in RECIPES:
         sets = ", ".join(f"`{k}={_shown(v)}`" for k, v in r.options.items()) or "—"
-        aliases = ", ".join(f'`"{a}"`' for a in r.aliases) or "—"
-        lines.append(f'| `"{r.name}"` | {r.summary} | {r.when} | {sets} | {aliases} |')
+        aliases = [f'`"{a}"`' for a in r.aliases] + [f'`"{a}"` (outer)' for a in r.outer_aliases]
+        scope = ", ".join(r.scopes)
+        lines.append(f'| `"{r.name}"` | {scope} | {r.summary} | {r.when} | {sets} | {", ".join(aliases) or "—"} |')
     return "\n".join(lines)
 
 

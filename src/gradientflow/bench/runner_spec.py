@@ -15,9 +15,9 @@ from torch import nn
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.bench.sharded import SHARDED_MODES, is_sharded
 from gradientflow.config import check_topology_value
-from gradientflow.recipes import BY_NAME, RECIPES
+from gradientflow.recipes import BY_NAME, PER_STEP_NAMES
 
-RECIPE_MODES = tuple(f"gf-{r.name}" for r in RECIPES)
+RECIPE_MODES = tuple(f"gf-{name}" for name in PER_STEP_NAMES)
 """``gf-<recipe>``: ``compression="<recipe>"``, one mode per row of the recipe table (docs/recipes.md), run when
 named (``--modes``); ``gf-auto`` runs the recipe of the bench's optimizer (SGD: ``"topk-3bit"``; ``--optimizer
 adamw``: the ``"3bit"`` family)."""

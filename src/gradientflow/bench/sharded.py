@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from gradientflow.config import lookup
-from gradientflow.recipes import RECIPES
+from gradientflow.recipes import PER_STEP_NAMES
 
 HSDP_MODES = ("hsdp", "hsdp-bf16")
 """torch's HSDP: fp32 reduce (its default), bf16 reduce."""
 FSDP_PREFIX = "fsdp-"
-FSDP_MODES = tuple(f"{FSDP_PREFIX}{r.name}" for r in RECIPES)
+FSDP_MODES = tuple(f"{FSDP_PREFIX}{name}" for name in PER_STEP_NAMES)
 """``fsdp-<recipe>``: ``gradientflow.fsdp.fully_shard(..., compression="<recipe>")``."""
 SHARDED_MODES = (*HSDP_MODES, *FSDP_MODES)
 _MESH: list[Any] = []  # one mesh per process: every sharded mode of a launch on the same groups

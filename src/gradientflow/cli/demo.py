@@ -9,7 +9,7 @@ from . import types
 
 def add_arguments(d: argparse.ArgumentParser) -> None:
     from gradientflow.options_base import COMM_DTYPES
-    from gradientflow.recipes import NAMES
+    from gradientflow.recipes import PER_STEP_NAMES
 
     d.add_argument("--nproc", type=types.positive_int, default=2, help="number of local ranks (default 2)")
     d.add_argument("--steps", type=types.positive_int, default=400, help="training steps (default 400)")
@@ -19,7 +19,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
         type=types.compression,
         default="auto",
         metavar="RECIPE",
-        help=f"the recipe, as the library's compression= ({', '.join(NAMES)}; docs/recipes.md) (default auto)",
+        help=f"the recipe, as the library's compression= ({', '.join(PER_STEP_NAMES)}; docs/recipes.md) (default auto)",
     )
     d.add_argument(
         "--density",

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .. import mechanisms
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog, group_timeout
 from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
@@ -30,6 +32,11 @@ from .stats import Counts, ExchangeCounters
 from .topk import TopkShard
 
 logger = logging.getLogger(__name__)
+
+ShardState = QuantizedShard | TopkShard
+"""The error-feedback state a module's exchange keeps between steps (saved by :mod:`.checkpoint`)."""
+ShardExchange = Callable[[torch.Tensor], Sent]
+"""A module's exchange between nodes: the shard in, reduced in place; its bytes out."""
 
 
 def shard_numel(param_group: Any) -> int:
@@ -58,6 +65,7 @@ class ModuleComm:
         index: int,
         module: nn.Module,
     ) -> None:
+        mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
         self.module = weakref.ref(module)  # weak: the module holds this object (module._gf_fsdp)
         self.config = config
         self.mesh = mesh
@@ -73,7 +81,8 @@ class ModuleComm:
             timedelta(seconds=config.timeout) if isinstance(config.timeout, (int, float)) else config.timeout
         )
         self.watchdog = Watchdog(mesh.replicate, self.timeout or group_timeout(mesh.replicate))
-        self.feedback: QuantizedShard | TopkShard | None = None  # the error-feedback state of a compressing recipe
+        self.feedback: ShardState | None = None  # the error-feedback state of a compressing recipe
+        self.exchange: ShardExchange
         self.partial: torch.Tensor | None = None  # micro-steps' shards held for the next exchange
         self.counters = ExchangeCounters()
         self.auto_reason = "no optimizer step seen yet: dense fp32" if config.compression == "auto" else ""
@@ -84,25 +93,12 @@ class ModuleComm:
         return self.config.compression
 
     def _make_state(self) -> None:
-        """The residual (and ``q``) of a compressing recipe, allocated with the module so that a checkpoint can be
-        loaded before the first step (one fp32 shard per rank: ``1/G`` of the module; top-k's padded to whole
-        chunks).  ``"auto"`` allocates what its likely pick needs (an Adam-type's: ``q`` beyond two nodes), so that
-        its checkpoint's keys are the same before and after its switch."""
-        if self.config.mechanism in ("topk", "topk-quantized"):
-            if not isinstance(self.feedback, TopkShard) and self.param_group is not None:
-                resolved = self.config.resolved(self.numel, self.device)  # chunk_size="auto": ~2000 chunks a shard
-                self.feedback = TopkShard(self.numel, self.device, resolved, shard_layout(self.param_group))
-            return
-        if self.config.quantized:
-            precondition = self.config.quantizer().precondition
-        elif self.requested == "auto":
-            precondition = self.mesh.nodes > 2
-        else:
-            return
-        if self.feedback is None:
-            self.feedback = QuantizedShard(self.numel, self.device, precondition, self.mesh.replicate, self.watchdog)
-        elif precondition:
-            self.feedback.ensure_sq()
+        """The recipe's exchange (its mechanism's FSDP form, :mod:`gradientflow.mechanisms`) and its error-feedback
+        state, allocated with the module so that a checkpoint can be loaded before the first step (one fp32 shard
+        per rank: ``1/G`` of the module; top-k's padded to whole chunks).  A form may keep the state it is handed
+        (a switch of recipe, ``"auto"``'s: the same keys in a checkpoint before and after)."""
+        build = mechanisms.builder(self.config.mechanism, "fsdp")
+        self.exchange, self.feedback = build(self, self.feedback)
 
     def switch(self, config: GradientFlowConfig, reason: str) -> None:
         """Run ``config``'s recipe from the next exchange on (``"auto"``'s choice, or a resumed checkpoint's)."""
@@ -128,17 +124,7 @@ class ModuleComm:
             t.add_(self.partial)
             self.partial = None
         t0 = time.perf_counter()
-        mech = self.config.mechanism
-        if mech == "quantized":
-            assert isinstance(self.feedback, QuantizedShard)  # made with the recipe
-            sent = self.feedback.reduce(t, self.config.quantizer())
-        elif mech in ("topk", "topk-quantized"):
-            assert isinstance(self.feedback, TopkShard)
-            sent = self.feedback.reduce(t, self.mesh.replicate, self.watchdog)
-        elif mech in ("dense", "auto"):  # "auto" before its switch: torch HSDP's exact reduction
-            sent = dense_exchange(t, self.mesh.replicate, self.config.wire_dtype, self.watchdog)
-        else:  # refused by fully_shard's validation
-            raise AssertionError(f"gradientflow.fsdp: no exchange for mechanism {mech!r}")
+        sent = self.exchange(t)
         self._count(t, sent, time.perf_counter() - t0)
 
     def _count(self, t: torch.Tensor, sent: Sent, seconds: float) -> None:
@@ -163,3 +149,52 @@ class ModuleComm:
         first = not self.mixing_checked
         self.mixing_checked = True
         return first
+
+
+# ---- each mechanism's FSDP form: ``build(comm, kept) -> (exchange, state)``: ``kept`` the state the module held ----
+
+
+@mechanisms.form("dense", "fsdp")
+def _dense_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
+    group, wire, watchdog = comm.mesh.replicate, comm.config.wire_dtype, comm.watchdog
+    return (lambda t: dense_exchange(t, group, wire, watchdog)), None
+
+
+@mechanisms.form("auto", "fsdp")
+def _auto_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
+    """Torch HSDP's exact reduction until the first optimizer step; the state its likely pick needs already (an
+    Adam-type's ``q`` beyond two nodes), so that its checkpoint's keys are the same before and after its switch."""
+    exchange, _ = _dense_form(comm, None)
+    return exchange, _quantized_state(comm, kept, comm.mesh.nodes > 2)
+
+
+def _quantized_state(comm: ModuleComm, kept: ShardState | None, precondition: bool) -> QuantizedShard:
+    if isinstance(kept, QuantizedShard):
+        if precondition:
+            kept.ensure_sq()
+        return kept
+    return QuantizedShard(comm.numel, comm.device, precondition, comm.mesh.replicate, comm.watchdog)
+
+
+@mechanisms.form("quantized", "fsdp")
+def _quantized_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
+    config = comm.config
+    state = _quantized_state(comm, kept, config.quantizer().precondition)
+    return (lambda t: state.reduce(t, config.quantizer())), state
+
+
+@mechanisms.form("topk", "fsdp")
+@mechanisms.form("topk-quantized", "fsdp")
+def _topk_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
+    if isinstance(kept, TopkShard) or comm.param_group is None:
+        state = kept
+    else:
+        resolved = comm.config.resolved(comm.numel, comm.device)  # chunk_size="auto": ~2000 chunks a shard
+        state = TopkShard(comm.numel, comm.device, resolved, shard_layout(comm.param_group))
+    group, watchdog = comm.mesh.replicate, comm.watchdog
+
+    def exchange(t: torch.Tensor) -> Sent:
+        assert isinstance(state, TopkShard)  # a module torch calls the hook for holds parameters
+        return state.reduce(t, group, watchdog)
+
+    return exchange, state

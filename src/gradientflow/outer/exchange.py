@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import mechanisms
 from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
 from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
@@ -69,6 +70,7 @@ class Average:
         self.residuals: list[torch.Tensor | None] = [None] * fragments  # the quantised exchange's, per fragment
         # the quantised exchange (its quantiser; no warm-up, no preconditioner: the outer rows have neither)
         self.quantized = QuantizedExchange(spec.quantizer, group, watchdog) if spec.quantizer is not None else None
+        self.form: type[Flight] = mechanisms.builder(spec.mechanism, "outer")  # a Flight class: the mechanism's form
 
     def shard(self, n: int) -> int:
         """Elements of this rank's shard of an ``n``-element fragment (whole blocks when quantised)."""
@@ -80,7 +82,7 @@ class Average:
     def keeps_unsent(self) -> bool:
         """The top-k exchange: the second value :meth:`average` returns is what this replica did not deliver, for
         its parameters (:meth:`commit` stores nothing of it)."""
-        return self.spec.density is not None
+        return self.form.keeps_unsent
 
     def average(self, x: torch.Tensor, fragment: int, what: str) -> tuple[Sent, torch.Tensor | None]:
         """``x`` in place: its mean over the replicas (should it raise, ``x`` is left divided or half-exchanged: the
@@ -94,37 +96,25 @@ class Average:
         :class:`Flight` finishes it, and only then is ``x`` the mean (the all-gather inside the node, on nodes of
         several ranks, is posted by :meth:`Flight.finish`, a step every rank of the node reaches in the same order).
         Until then ``x`` is the exchange's working buffer: not to be read or written."""
-        return Flight(self, x, fragment, what)
+        return self.form(self, x, fragment, what)
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
         if residual is not None and not self.keeps_unsent:
             self.residuals[fragment] = residual
 
-    def _dense(self, mine: torch.Tensor, what: str, sent: Sent) -> tuple[torch.Tensor, PendingAllreduce]:
-        dtype = self.spec.wire_dtype
-        # divided in place: ``mine`` is the caller's pseudo-gradient, which finish() overwrites with the mean anyway
-        wire = mine.div_(self.parties) if dtype is None else mine.div_(self.parties).to(dtype)
-        work = start_allreduce(wire, group=self.group, watchdog=self.watchdog, what=what)
-        nbytes = wire.numel() * wire.element_size()
-        sent.payload += nbytes
-        sent.inter += 2 * (self.parties - 1) * nbytes // self.parties  # a ring allreduce's share per rank
-        return wire, work
-
-    def _quantized(
-        self, mine: torch.Tensor, fragment: int, what: str
-    ) -> tuple[torch.Tensor, torch.Tensor, QuantizedFlight]:
-        assert self.quantized is not None
-        old = self.residuals[fragment]
-        err = error_feedback.zeros_like(mine) if old is None else old.clone()  # the old one stays until commit()
-        x = mine.div_(self.parties)  # in place, as in _dense: one copy of the fragment less while a sync runs
-        return x, err, self.quantized.start(x, err, what)
-
 
 class Flight:
-    """One outer exchange posted between the replicas, not finished: :meth:`poll` advances it without blocking
-    (the quantised ring posts its next round once the last arrived), :meth:`finish` waits for it, all-gathers the
-    averaged shards inside the node and writes the mean into ``x``.  Nothing of the exchange's state (the residual)
-    changes before :meth:`Average.commit`."""
+    """One outer exchange posted between the replicas, not finished: :meth:`poll` advances it without blocking,
+    :meth:`finish` waits for it, all-gathers the averaged shards inside the node and writes the mean into ``x``.
+    Nothing of the exchange's state (the residual) changes before :meth:`Average.commit`.
+
+    The base holds what every mechanism shares (this rank's shard of ``x``, padded to whole shards; the bytes; the
+    all-gather inside the node); each mechanism's outer form (:mod:`gradientflow.mechanisms`, door ``"outer"``) is a
+    subclass that posts its exchange of :attr:`mine` in :meth:`post` and completes it in :meth:`complete`."""
+
+    keeps_unsent = False
+    """Whether :meth:`finish`'s second value is what this replica did not deliver (kept in its parameters) rather
+    than a residual to commit."""
 
     def __init__(self, avg: Average, x: torch.Tensor, fragment: int, what: str) -> None:
         self.avg, self.x, self.what = avg, x, what
@@ -136,62 +126,27 @@ class Flight:
             self.full[:n].copy_(x)
         self.mine = self.full[avg.local * s : (avg.local + 1) * s]
         self.sent = Sent()
-        self.ring: QuantizedFlight | None = None
-        self.topk: TopChunks | None = None
-        self.pair: torch.Tensor | None = None  # top-k on a node: [the mean, what stays], this rank's shard of each
         self.err: torch.Tensor | None = None
-        if avg.spec.density is not None:
-            q = avg.spec.quantizer
-            assert q is not None
-            # the scaled shard becomes what stays (encoded in place); on a node it is the second row of the pair
-            # the node's ranks all-gather at the end, the mean the first: one round, no copy to build the pair
-            if avg.node is None:
-                scaled = self.mine.div(avg.parties)
-            else:
-                self.pair = torch.empty(2, s, dtype=x.dtype, device=x.device)
-                scaled = torch.div(self.mine, avg.parties, out=self.pair[1])
-            self.topk = TopChunks(scaled, avg.spec.density, q, avg.group, avg.parties)
-        elif avg.spec.quantizer is None:
-            self.wire, self.work = avg._dense(self.mine, what, self.sent)
-        else:
-            self.wire, self.err, self.ring = avg._quantized(self.mine, fragment, what)
+        self.post(fragment)
+
+    def post(self, fragment: int) -> None:
+        """Post the exchange of :attr:`mine` between the replicas (the mechanism's)."""
+        raise NotImplementedError
 
     def poll(self) -> None:
-        """Advance the quantised ring's rounds that can go (never blocks; the dense allreduce runs by itself)."""
-        if self.ring is not None:
-            self.ring.poll()  # a failure is named by the exchange (gradientflow.exchange.ring)
+        """Advance the exchange's rounds that can go (never blocks; a dense allreduce runs by itself)."""
+
+    def complete(self) -> None:
+        """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer) and
+        leave the mean of this rank's shard in :attr:`mine` (the mechanism's)."""
+        raise NotImplementedError
 
     def finish(self) -> tuple[Sent, torch.Tensor | None]:
-        """Wait for the exchange (bounded by the watchdog's timeout: ``CommunicationError`` naming the peer), then
-        the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and the new residual (top-k:
-        what this replica did not deliver, :meth:`Average.average`)."""
-        avg, sent = self.avg, self.sent
-        n = self.x.numel()
-        if self.topk is not None:
-            self.topk.finish(self.mine if self.pair is None else self.pair[0], avg.watchdog, self.what)
-            sent.payload += self.topk.payload_bytes if avg.parties > 1 else 0
-            sent.inter += (avg.parties - 1) * self.topk.payload_bytes  # its message to each other replica
-            self.topk.kept.mul_(avg.parties)  # what stays, in the parameters' units (on a node: the pair's row 1)
-            if self.pair is None:
-                kept = self.topk.kept
-            else:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
-                pairs = self._gather(self.pair.view(-1), "the mean and what stays", sent).view(avg.per_node, 2, self.s)
-                self.pair = self.topk = None  # this rank's pair is in ``pairs`` now: freed before the copy below
-                self.full.view(avg.per_node, self.s).copy_(pairs[:, 0])
-                kept = pairs[:, 1].reshape(-1)
-            self.err = kept[:n]
-            if self.full is not self.x:
-                self.x.copy_(self.full[:n])
-            return sent, self.err
-        if self.ring is None:
-            self.work.wait()
-        else:
-            self.ring.wait()
-            self.ring.complete()
-            sent.payload += self.ring.payload_bytes if avg.parties > 1 else 0
-            sent.inter += self.ring.sent_bytes
-        self.mine.copy_(self.wire)
-        full = self.full if avg.node is None else self._gather(self.mine, "the mean", sent)
+        """Wait for the exchange, then the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and
+        the new residual (top-k: what this replica did not deliver, :meth:`Average.average`)."""
+        self.complete()
+        n, sent = self.x.numel(), self.sent
+        full = self.full if self.avg.node is None else self._gather(self.mine, "the mean", sent)
         if full is not self.x:
             self.x.copy_(full[:n])
         return sent, self.err
@@ -207,3 +162,88 @@ class Flight:
         avg.watchdog.wait(work, f"{self.what}: all-gather of {name} inside the node", shard.numel() * 4)
         sent.intra += (avg.per_node - 1) * shard.numel() * 4
         return gathered
+
+
+@mechanisms.form("dense", "outer")
+class DenseFlight(Flight):
+    """A SUM allreduce of ``x / M`` in the row's wire dtype."""
+
+    def post(self, fragment: int) -> None:
+        avg, dtype = self.avg, self.avg.spec.wire_dtype
+        # divided in place: ``mine`` is the caller's pseudo-gradient, which finish() overwrites with the mean anyway
+        self.wire = self.mine.div_(avg.parties) if dtype is None else self.mine.div_(avg.parties).to(dtype)
+        self.work: PendingAllreduce = start_allreduce(self.wire, group=avg.group, watchdog=avg.watchdog, what=self.what)
+        nbytes = self.wire.numel() * self.wire.element_size()
+        self.sent.payload += nbytes
+        self.sent.inter += 2 * (avg.parties - 1) * nbytes // avg.parties  # a ring allreduce's share per rank
+
+    def complete(self) -> None:
+        self.work.wait()
+        self.mine.copy_(self.wire)
+
+
+@mechanisms.form("quantized", "outer")
+class QuantizedOuterFlight(Flight):
+    """The quantised exchange (:class:`gradientflow.exchange.quantized.QuantizedExchange`) of ``x / M`` with the
+    fragment's residual carried; the new residual is a copy, installed by :meth:`Average.commit`."""
+
+    def post(self, fragment: int) -> None:
+        avg = self.avg
+        assert avg.quantized is not None
+        old = avg.residuals[fragment]
+        self.err = error_feedback.zeros_like(self.mine) if old is None else old.clone()  # old stays until commit()
+        self.wire = self.mine.div_(avg.parties)  # in place: one copy of the fragment less while a sync runs
+        self.ring: QuantizedFlight = avg.quantized.start(self.wire, self.err, self.what)
+
+    def poll(self) -> None:
+        self.ring.poll()  # a failure is named by the exchange (gradientflow.exchange.ring)
+
+    def complete(self) -> None:
+        avg = self.avg
+        self.ring.wait()
+        self.ring.complete()
+        self.sent.payload += self.ring.payload_bytes if avg.parties > 1 else 0
+        self.sent.inter += self.ring.sent_bytes
+        self.mine.copy_(self.wire)
+
+
+@mechanisms.form("indexed-topk", "outer")
+class TopkFlight(Flight):
+    """Each replica's own top chunks (:class:`.sparse.TopChunks`); what it did not deliver is handed back for its
+    parameters (:attr:`keeps_unsent`)."""
+
+    keeps_unsent = True
+
+    def post(self, fragment: int) -> None:
+        avg = self.avg
+        q, density = avg.spec.quantizer, avg.spec.density
+        assert q is not None and density is not None
+        self.pair: torch.Tensor | None = None  # on a node: [the mean, what stays], this rank's shard of each
+        # the scaled shard becomes what stays (encoded in place); on a node it is the second row of the pair
+        # the node's ranks all-gather at the end, the mean the first: one round, no copy to build the pair
+        if avg.node is None:
+            scaled = self.mine.div(avg.parties)
+        else:
+            self.pair = torch.empty(2, self.s, dtype=self.x.dtype, device=self.x.device)
+            scaled = torch.div(self.mine, avg.parties, out=self.pair[1])
+        self.topk: TopChunks | None = TopChunks(scaled, density, q, avg.group, avg.parties)
+
+    def finish(self) -> tuple[Sent, torch.Tensor | None]:
+        avg, sent, topk = self.avg, self.sent, self.topk
+        assert topk is not None
+        n = self.x.numel()
+        topk.finish(self.mine if self.pair is None else self.pair[0], avg.watchdog, self.what)
+        sent.payload += topk.payload_bytes if avg.parties > 1 else 0
+        sent.inter += (avg.parties - 1) * topk.payload_bytes  # its message to each other replica
+        topk.kept.mul_(avg.parties)  # what stays, in the parameters' units (on a node: the pair's row 1)
+        if self.pair is None:
+            kept = topk.kept
+        else:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]
+            pairs = self._gather(self.pair.view(-1), "the mean and what stays", sent).view(avg.per_node, 2, self.s)
+            self.pair = self.topk = topk = None  # this rank's pair is in ``pairs`` now: freed before the copy below
+            self.full.view(avg.per_node, self.s).copy_(pairs[:, 0])
+            kept = pairs[:, 1].reshape(-1)
+        self.err = kept[:n]
+        if self.full is not self.x:
+            self.x.copy_(self.full[:n])
+        return sent, self.err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gradientflow import mechanisms, recipes
 from gradientflow.config import GradientFlowConfig
 from gradientflow.policy.auto_choice import ADAM_RECIPE, SGD_RECIPE
 from gradientflow.recipes import RECIPES, Recipe
@@ -35,20 +36,39 @@ def quantized_wire_bytes(bits: int, block: int) -> float:
 
 
 def recipe_technique(recipe: Recipe, optimizer: str = "sgd") -> Technique:
-    """The technique the cost model runs for ``recipe`` (``"auto"``: its pick for ``optimizer``)."""
-    if recipe.mechanism == "auto":
-        return recipe_technique(next(r for r in RECIPES if r.name == AUTO_FOR[optimizer]), optimizer)
+    """The technique the cost model runs for ``recipe`` (``"auto"``: its pick for ``optimizer``): its mechanism's
+    form at the door ``"sim"`` (:mod:`gradientflow.mechanisms`)."""
+    return mechanisms.builder(recipe.mechanism, "sim")(recipe, optimizer)
+
+
+@mechanisms.form("auto", "sim")
+def _auto(recipe: Recipe, optimizer: str) -> Technique:
+    return recipe_technique(next(r for r in RECIPES if r.name == AUTO_FOR[optimizer]), optimizer)
+
+
+@mechanisms.form("dense", "sim")
+def _dense(recipe: Recipe, optimizer: str) -> Technique:
     cfg = GradientFlowConfig(compression=recipe.name)
-    if recipe.mechanism == "dense":
-        return DDP if cfg.comm_dtype == "fp32" else TECHNIQUES["lazy"]
-    if recipe.mechanism == "topk":
-        return dataclasses.replace(
-            TECHNIQUES["csc"], wire_bytes=2 if cfg.comm_dtype != "fp32" else 4, density=cfg.density
-        )
+    return DDP if cfg.comm_dtype == "fp32" else TECHNIQUES["lazy"]
+
+
+@mechanisms.form("topk", "sim")
+def _topk(recipe: Recipe, optimizer: str) -> Technique:
+    cfg = GradientFlowConfig(compression=recipe.name)
+    return dataclasses.replace(TECHNIQUES["csc"], wire_bytes=2 if cfg.comm_dtype != "fp32" else 4, density=cfg.density)
+
+
+@mechanisms.form("quantized", "sim")
+def _quantized(recipe: Recipe, optimizer: str) -> Technique:
+    q = GradientFlowConfig(compression=recipe.name).quantizer()
+    return dataclasses.replace(QUANTIZED, wire_bytes=quantized_wire_bytes(q.bits, q.block), block=q.block)
+
+
+@mechanisms.form("topk-quantized", "sim")
+def _topk_quantized(recipe: Recipe, optimizer: str) -> Technique:
+    cfg = GradientFlowConfig(compression=recipe.name)
     q = cfg.quantizer()
     wire = quantized_wire_bytes(q.bits, q.block)
-    if recipe.mechanism == "quantized":
-        return dataclasses.replace(QUANTIZED, wire_bytes=wire, block=q.block)
     return dataclasses.replace(CSCQ, wire_bytes=wire, block=q.block, density=cfg.density)
 
 
@@ -63,8 +83,15 @@ def recipe_rows(profile: ModelProfile, cfg: SimConfig, gpus_list: list[int], opt
     return [
         simulate(profile, cfg, n, recipe.name, recipe_technique(recipe, optimizer))
         for n in gpus_list
-        for recipe in RECIPES
+        for recipe in per_step_rows()
     ]
+
+
+def per_step_rows() -> list[Recipe]:
+    """The rows the cost model runs: those of every step (the outer rows run every ``sync_every`` steps, which the
+    cost model's one iteration does not model), the table's and any added since (:func:`gradientflow.recipes.
+    add_row`)."""
+    return [r for r in recipes.BY_NAME.values() if "per step" in r.scopes]
 
 
 def recipes_markdown(rows: list[Iteration], optimizer: str) -> str:

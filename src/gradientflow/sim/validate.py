@@ -37,12 +37,11 @@ from gradientflow.bench.models import WORKLOADS, build_model
 from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
 from gradientflow.policy.auto_choice import SGD_RECIPE, recipe_options
-from gradientflow.recipes import RECIPES
 
 from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile
 from .planner import DDP, DDP_FP16
-from .recipes import recipe_technique
+from .recipes import per_step_rows, recipe_technique
 from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
 
 MODE_TECHNIQUE: dict[str, Technique] = {
@@ -58,7 +57,7 @@ MODE_TECHNIQUE: dict[str, Technique] = {
     "gf-fp16-csc-slice": TECHNIQUES["csc"],
     "gf-cscq": CSCQ,
     # every recipe of the table as the bench's gf-<recipe> mode (bench.runner_spec.RECIPE_MODES)
-    **{f"gf-{r.name}": recipe_technique(r) for r in RECIPES if r.mechanism != "auto"},
+    **{f"gf-{r.name}": recipe_technique(r) for r in per_step_rows() if r.mechanism != "auto"},
 }
 AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
 """``gf-auto`` (``compression="auto"``): ``"topk-3bit"`` with SGD (at density 0.5 beyond a pair of ranks, as the engine:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .. import mechanisms
 from ..comm.collectives import broadcast_coalesced
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog, resolve_timeout
@@ -186,6 +187,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             **{k: a[k] for k in compat.GF_OPTIONS},
         )
         self.config = compat.recipe_theta(config, settings.theta_given)  # the quantised recipe's own θ
+        mechanisms.check_door(self.config.mechanism, "ddp", f"compression={self.config.compression!r}")
         nested.check_wrap(module, self.config)  # a DDP inside: refused where two DDPs' results would differ
         # torch DDP's public attributes, same names and meaning.
         self.module = module
