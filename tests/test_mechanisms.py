@@ -10,7 +10,6 @@ fp32 rounding (the same sum in a possibly different order of the backend's reduc
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
