@@ -19,8 +19,9 @@ class CommunicationError(RuntimeError):
         step: synchronised step (0-based) in which it happened.
         collective: what was being exchanged ("bucket 3", "scores", "chunks", "layout broadcast", ...).
         nbytes: bytes this rank handed to that collective.
-        missing_ranks: ranks of the group that had not reached a failing wait when this rank gave up
-            (found through the rendezvous store); empty when every rank checked in.
+        missing_ranks: the global ranks (``torch.distributed.get_rank()``'s numbering, whatever group the
+            exchange ran on) that had not reached a failing wait when this rank gave up (found through the
+            rendezvous store); empty when every rank checked in.
     """
 
     def __init__(

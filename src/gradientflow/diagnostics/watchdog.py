@@ -98,6 +98,9 @@ class Watchdog:
         self.grace_s = grace_s
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # Errors name global ranks (what torchrun, the logs and the user see): a subgroup's (an FSDP mesh's replicate
+        # group, a node's group) own numbering would name another process.
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.step = 0
         self.trace: TraceRecorder | None = None
         self.failed: CommunicationError | None = None
@@ -136,10 +139,13 @@ class Watchdog:
         cause = f"did not complete within the timeout of {timeout_s:g} s" if timed_out else f"failed: {exc}"
         where = f"{self.step}|{what}"
         missing, elsewhere = self._check_in(where)
-        parts = [
-            f"gradientflow: step {self.step}: {what} ({format_bytes(nbytes)}) {cause} on rank {self.rank} "
-            f"of {self.world_size}."
-        ]
+        if missing is not None:
+            missing = [self.global_ranks[r] for r in missing]
+        elsewhere = {self.global_ranks[r]: w for r, w in elsewhere.items()}
+        me = self.global_ranks[self.rank]
+        everyone = self.world_size == dist.get_world_size()
+        among = f"of {self.world_size}" if everyone else f"(with ranks {self.global_ranks} in this exchange)"
+        parts = [f"gradientflow: step {self.step}: {what} ({format_bytes(nbytes)}) {cause} on rank {me} {among}."]
         if missing is None:
             parts.append(
                 "Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
