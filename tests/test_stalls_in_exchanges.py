@@ -1,0 +1,314 @@
+"""A peer stalled in an exchange between nodes is a named error on every other rank: the FSDP door's exchange
+(``gradientflow.fsdp.fully_shard`` on a 2x2 HSDP mesh) and the outer sync of fewer syncs (``sync_every=H``).
+
+The promise (docs/diagnostics.md): a lost or hung peer is a ``gradientflow.CommunicationError`` naming it, raised
+on every rank within the ``timeout=`` option (plus the few seconds in which the ranks that gave up check in with
+the rendezvous store), never a raw backend error or a silent wait.  Here, stated for the exchanges outside the DDP
+wrapper's gradient buckets:
+
+- one rank (the last) stops (SIGSTOP: alive, silent; a deadlock or a stuck data loader look the same) after a few
+  good steps, in the middle of an exchange between nodes;
+- every other rank raises an exception that is a ``CommunicationError``, whose ``missing_ranks`` is ``[victim]``
+  and whose message names the victim, by its global rank (the rank ``torchrun`` printed, not its index in a
+  subgroup: rank 3 of a 2x2 mesh is index 1 of its replicate group);
+- each raises it at most ``timeout + MARGIN_S`` seconds after the victim stopped; none hangs, none raises before.
+
+On the FSDP mesh the contract is stated twice, on one run per recipe: for the rank that waits on the victim in the
+exchange between nodes (its replicate peer), and for the ranks that do not (its node peer, waiting in torch's own
+collectives inside the node, and the rank that shares neither).
+
+The harness is tests/test_faults.py's :func:`run_faulty` (a stopped peer's group cannot be torn down, so each rank
+reports through a file and leaves with ``os._exit``).  A rank that raised waits for the other survivors to raise
+too (or for the deadline) before it leaves: its exit, which closes its connections, must not be a second fault
+under a survivor still waiting.  A survivor still in a wait at the harness's deadline is reported with where it
+waits (a ``faulthandler`` dump).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_faults import Net, _error_report, _step, run_faulty
+from test_fsdp import _loss, _shard
+from test_fsdp import _net as _mlp
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import gradientflow as gf
+
+TIMEOUT_S = 3.0
+"""The ``timeout=`` option: how long any wait of gradientflow may last."""
+MARGIN_S = 8.0
+"""Beyond the timeout, within which every survivor must have raised: the 3 s check-in and a loaded machine's slack."""
+SETUP_S = 15.0
+"""Starting the ranks, building the mesh or the wrapper and the good steps before the stall (2 busy cores)."""
+HARNESS_S = SETUP_S + TIMEOUT_S + MARGIN_S
+"""How long the harness waits for every survivor's outcome; a survivor not done by then is a hang."""
+
+FSDP_FAULT_STEP = 2
+"""The FSDP victim stops in this step's first exchange between nodes (steps 0 and 1 exchange normally)."""
+OUTER_H = 2
+"""``sync_every`` of the outer cases; the victim stops before the step of the second outer sync (step 2H - 1)."""
+
+Outcomes = dict[int, dict[str, Any] | None]
+"""Each survivor's outcome by rank (:func:`_outcome`)."""
+
+
+# ---- the stall, and a survivor's outcome -------------------------------------------------------------------------
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _stop(stall_dir: str) -> None:
+    """The victim: write when it stopped (CLOCK_MONOTONIC, one clock for every process on the machine), then stop.
+    It never resumes: the harness kills it."""
+    _write(os.path.join(stall_dir, "stopped"), repr(time.monotonic()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _stopped_at(stall_dir: str) -> float | None:
+    path = os.path.join(stall_dir, "stopped")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return float(f.read())
+
+
+def _outcome(rank: int, survivors: list[int], stall_dir: str, train: Callable[[], None]) -> dict[str, Any] | None:
+    """A survivor runs ``train``: ``None`` if it returned, else what it raised (:func:`_error_report`: its type,
+    message, ``missing_ranks``; ``after_stall``: the seconds since the victim stopped, ``None`` if it had not yet;
+    ``communication_error``: whether it is a ``gradientflow.CommunicationError``).  Then it waits until every
+    survivor has an outcome, or the deadline, and returns."""
+    with open(os.path.join(stall_dir, f"rank{rank}.stack"), "w") as stack:
+        faulthandler.dump_traceback_later(HARNESS_S - 4, file=stack)  # where it waits, if it is still waiting then
+        report: dict[str, Any] | None = None
+        try:
+            train()
+        except Exception as exc:  # noqa: BLE001 — any exception is the outcome; the test says which was due
+            now, stopped = time.monotonic(), _stopped_at(stall_dir)
+            report = {k: v for k, v in _error_report(exc, 0.0).items() if k != "elapsed"}  # timed from the stall
+            report["type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
+            report["communication_error"] = isinstance(exc, gf.CommunicationError)
+            report["after_stall"] = None if stopped is None else now - stopped
+            frames = traceback.extract_tb(exc.__traceback__)[-3:]  # where it raised, innermost last
+            report["where"] = " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    _write(os.path.join(stall_dir, f"rank{rank}.out"), json.dumps(report))  # read if another survivor hangs
+    stopped = _stopped_at(stall_dir)
+    deadline = (stopped if stopped is not None else time.monotonic()) + TIMEOUT_S + MARGIN_S
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(stall_dir, f"rank{r}.out")) for r in survivors
+    ):
+        time.sleep(0.05)
+    return report
+
+
+def _run(fn: Callable[..., Any], world: int, *args: Any, stall_dir: str) -> Outcomes:
+    """``run_faulty`` for the survivors (every rank but the last): each survivor's outcome (:func:`_outcome`); one
+    still waiting at the harness's deadline gets ``{"hung": where it waits}``."""
+    survivors = list(range(world - 1))
+    try:
+        return run_faulty(fn, world, *args, survivors, stall_dir, wait_for=survivors, timeout=HARNESS_S)
+    except TimeoutError:
+        results: Outcomes = {}
+        for r in survivors:
+            out = os.path.join(stall_dir, f"rank{r}.out")
+            if os.path.exists(out):
+                with open(out) as f:
+                    results[r] = json.load(f)
+                continue
+            with open(os.path.join(stall_dir, f"rank{r}.stack")) as f:
+                dump = f.read()
+            main = dump[dump.rfind("Thread ") :] if "Thread " in dump else dump  # the main thread is listed last
+            results[r] = {"hung": "\n".join(main.strip().splitlines()[:8]) or "(no stack dumped)"}  # innermost
+        return results
+
+
+def _names(message: str, rank: int) -> bool:
+    """``message`` names ``rank`` as a rank: "rank 3", "Rank(s) [3]", "ranks [1, 3]" (not "rank 0 of 3")."""
+    return re.search(rf"\b[Rr]anks?(?:\(s\))?\s*\[?(?:\d+,\s*)*{rank}\b", message) is not None
+
+
+def _assert_named(results: Outcomes, ranks: list[int], victim: int, stall_dir: str) -> None:
+    """The contract on each of ``ranks``: a ``CommunicationError`` naming ``victim`` (``missing_ranks == [victim]``
+    and in the message) within ``TIMEOUT_S + MARGIN_S`` after it stopped.  Every deviation of every rank is listed."""
+    assert _stopped_at(stall_dir) is not None, "the victim never reached its stall point: nothing was tested"
+    wrong = []
+    for rank in ranks:
+        rep = results[rank]
+        if rep is None:
+            wrong.append(f"rank {rank}: finished its steps without an error")
+            continue
+        if "hung" in rep:
+            wrong.append(
+                f"rank {rank}: no outcome {HARNESS_S:g} s after its start (a hang), waiting in:\n{rep['hung']}"
+            )
+            continue
+        after = "before the stall" if rep["after_stall"] is None else f"{rep['after_stall']:.1f} s after the stall"
+        said = f"rank {rank}: {rep['type']} {after}, in {rep['where']}: {rep['message'][:400]}"
+        why = []
+        if not rep["communication_error"]:
+            why.append("not a gradientflow.CommunicationError")
+        if rep["after_stall"] is None:
+            why.append("raised before the victim stopped")
+        elif rep["after_stall"] > TIMEOUT_S + MARGIN_S:
+            why.append(f"later than timeout {TIMEOUT_S:g} s + {MARGIN_S:g} s after the stall")
+        if rep["communication_error"] and rep["missing"] != [victim]:
+            why.append(f"missing_ranks {rep['missing']}, not [{victim}] (the stalled rank's global rank)")
+        if not _names(rep["message"], victim):
+            why.append(f"the message does not name rank {victim}")
+        if why:
+            wrong.append(f"{said}\n  -> " + "; ".join(why))
+    assert not wrong, "\n".join(wrong)
+
+
+# ---- 1. the FSDP door: a rank stalls in the exchange between nodes -----------------------------------------------
+def _stall_in_fsdp_exchange(state: dict[str, Any], point: str, stall_dir: str) -> None:
+    """Make this rank (the victim) stop in the first exchange between nodes of step ``FSDP_FAULT_STEP``.
+
+    The exchange is the hook gradientflow gives torch's ``FSDPModule.set_all_reduce_hook`` (torch calls it with
+    the node's reduce-scattered shard): ``point`` ``"entering"`` stops as torch calls it, before anything is sent;
+    ``"ring"`` stops as the exchange posts its first point-to-point messages (``dist.batch_isend_irecv``, the
+    quantised ring), so after what comes first (the top-k recipe's all-reduce of the chunk scores) completed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    install = FSDPModule.set_all_reduce_hook
+
+    def set_all_reduce_hook(self: Any, hook: Callable[[torch.Tensor], None], **kwargs: Any) -> None:
+        def stalling(t: torch.Tensor) -> None:
+            if state["step"] == FSDP_FAULT_STEP:
+                if point == "entering":
+                    _stop(stall_dir)
+                state["in_exchange"] = True
+            try:
+                hook(t)
+            finally:
+                state["in_exchange"] = False
+
+        install(self, stalling, **kwargs)
+
+    FSDPModule.set_all_reduce_hook = set_all_reduce_hook  # type: ignore[method-assign]  # this process only
+    if point == "ring":
+        post = dist.batch_isend_irecv
+
+        def posting(ops: list[dist.P2POp]) -> list[Any]:
+            if state["in_exchange"]:
+                _stop(stall_dir)
+            return post(ops)
+
+        dist.batch_isend_irecv = posting  # type: ignore[assignment]
+
+
+def _fsdp_worker(
+    rank: int, world: int, recipe: str, point: str, survivors: list[int], stall_dir: str
+) -> dict[str, Any] | None:
+    import gradientflow.fsdp as gff
+
+    state: dict[str, Any] = {"step": 0, "in_exchange": False}
+    if rank == world - 1:
+        _stall_in_fsdp_exchange(state, point, stall_dir)
+    mesh = gff.hsdp_mesh(2, 2)  # nodes {0, 1} and {2, 3}; replicate groups {0, 2} and {1, 3}
+    options: dict[str, Any] = {"warmup_steps": 0, "chunk_size": 8} if recipe.startswith("topk") else {}
+    net = _shard(_mlp(), mesh, "gf", compression=recipe, timeout=TIMEOUT_S, **options)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def train() -> None:
+        for step in range(FSDP_FAULT_STEP + 2):
+            state["step"] = step
+            _loss(net, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return _outcome(rank, survivors, stall_dir, train)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("none", "entering"), ("3bit", "entering"), ("topk-3bit", "entering"), ("topk-3bit", "ring")],
+    ids=["none", "3bit", "topk-3bit", "topk-3bit-mid-ring"],
+)
+def fsdp_stall(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcomes, str]:
+    """HSDP on 2 nodes x 2 ranks (``gradientflow.fsdp.fully_shard(..., compression=recipe, timeout=3)``; nodes
+    {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}): rank 3 stops in its first exchange between nodes of
+    step 2, as the exchange begins (``"entering"``) or, top-k, once the chunk scores are summed and its quantised
+    ring is to start (``"ring"``).  Run once per recipe; the tests below read each survivor's outcome."""
+    recipe, point = request.param
+    stall_dir = str(tmp_path_factory.mktemp("fsdp-stall"))
+    return _run(_fsdp_worker, 4, recipe, point, stall_dir=stall_dir), stall_dir
+
+
+def test_fsdp_stalled_rank_is_named_by_its_peer_in_the_exchange(fsdp_stall: tuple[Outcomes, str]) -> None:
+    """Rank 1, waiting on rank 3 in the exchange between nodes, raises ``gradientflow.CommunicationError`` naming
+    rank 3 (its global rank: ``missing_ranks == [3]``, not its index 1 in the replicate group) within the timeout
+    plus the margin: never the backend's raw error."""
+    results, stall_dir = fsdp_stall
+    _assert_named(results, [1], 3, stall_dir)
+
+
+def test_fsdp_stalled_rank_is_named_on_every_other_rank(fsdp_stall: tuple[Outcomes, str]) -> None:
+    """Ranks 0 and 2, which do not wait on rank 3 in an exchange between nodes (rank 2 shares its node: torch's
+    next reduce-scatter or all-gather inside the node waits on it; rank 0 shares neither its node nor its replicate
+    group, and waits on rank 1 or 2), raise ``gradientflow.CommunicationError`` naming rank 3 all the same, within
+    the timeout plus the margin: not a wait until the process group's own timeout (60 s here), nor the backend's
+    "Connection closed" once a rank that gave up has left."""
+    results, stall_dir = fsdp_stall
+    _assert_named(results, [0, 2], 3, stall_dir)
+
+
+# ---- 2. fewer syncs: a rank stalls at an outer sync --------------------------------------------------------------
+def _outer_worker(
+    rank: int, world: int, layout: str, compression: str, survivors: list[int], stall_dir: str
+) -> dict[str, Any] | None:
+    state = {"step": 0}
+    if rank == world - 1:
+
+        def stop(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if state["step"] == 2 * OUTER_H - 1:  # the step after which the second outer sync is due
+                _stop(stall_dir)
+
+        register_optimizer_step_pre_hook(stop)
+    torch.manual_seed(0)
+    topology = {"topology": "2x2"} if layout == "2x2" else {}
+    model = gf.DistributedDataParallel(
+        Net(), sync_every=OUTER_H, outer_compression=compression, timeout=TIMEOUT_S, **topology
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+
+    def train() -> None:
+        for step in range(3 * OUTER_H):
+            state["step"] = step
+            _step(model, gen)
+            opt.step()
+
+    return _outcome(rank, survivors, stall_dir, train)
+
+
+@pytest.mark.parametrize("compression", ["3bit", "topk-2bit"])
+@pytest.mark.parametrize("layout,world", [("flat", 3), ("2x2", 4)], ids=["flat-3", "2x2"])
+def test_outer_sync_peer_stalled_is_named_on_every_rank(
+    layout: str, world: int, compression: str, tmp_path: Path
+) -> None:
+    """``DistributedDataParallel(..., sync_every=2, outer_compression=compression, timeout=3)``, flat on 3 ranks
+    or on 2 nodes x 2 ranks (``topology="2x2"``): the last rank stops before the optimizer step of the second outer
+    sync (after one good sync).  Every other rank raises ``gradientflow.CommunicationError`` naming the stopped
+    rank (``missing_ranks == [world - 1]``, its global rank) within the timeout plus the margin after the stall:
+    on 2x2 rank 1 waits on it between nodes, rank 2 (its node) in the all-gather inside the node, rank 0 on rank
+    1; none hangs."""
+    stall_dir = str(tmp_path)
+    results = _run(_outer_worker, world, layout, compression, stall_dir=stall_dir)
+    _assert_named(results, list(range(world - 1)), world - 1, stall_dir)
