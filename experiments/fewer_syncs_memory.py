@@ -34,7 +34,7 @@ KINDS: dict[str, dict[str, Any]] = {
     "defaults": {},  # averaged through 3 bits
     "fp32": {"outer_compression": "none"},
     "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9},  # the outer momentum: 4 bytes a parameter more
-    "topk-2bit": {"outer_compression": "topk-2bit"},
+    "indexed-topk-2bit": {"outer_compression": "indexed-topk-2bit"},
     "streaming": {"sync_fragments": 4, "sync_delay": 2},  # a quarter of the model in flight at a time
 }
 """torch DDP, then ``gradientflow.DistributedDataParallel(sync_every=--every, **options)``."""

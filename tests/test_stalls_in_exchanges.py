@@ -259,6 +259,12 @@ def test_fsdp_stalled_rank_is_named_by_its_peer_in_the_exchange(fsdp_stall: tupl
     _assert_named(results, [1], 3, stall_dir)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="not built (docs/diagnostics.md): ranks 0 and 2 wait in torch FSDP's own reduce-scatter inside the node, "
+    "bounded by the process group's timeout and raising torch's error; only the exchange between nodes is "
+    "gradientflow's. Strict: passing once it is built fails here, to be turned into a plain test.",
+)
 def test_fsdp_stalled_rank_is_named_on_every_other_rank(fsdp_stall: tuple[Outcomes, str]) -> None:
     """Ranks 0 and 2, which do not wait on rank 3 in an exchange between nodes (rank 2 shares its node: torch's
     next reduce-scatter or all-gather inside the node waits on it; rank 0 shares neither its node nor its replicate
@@ -298,7 +304,7 @@ def _outer_worker(
     return _outcome(rank, survivors, stall_dir, train)
 
 
-@pytest.mark.parametrize("compression", ["3bit", "topk-2bit"])
+@pytest.mark.parametrize("compression", ["3bit", "indexed-topk-2bit"])
 @pytest.mark.parametrize("layout,world", [("flat", 3), ("2x2", 4)], ids=["flat-3", "2x2"])
 def test_outer_sync_peer_stalled_is_named_on_every_rank(
     layout: str, world: int, compression: str, tmp_path: Path

@@ -112,9 +112,9 @@ def _replicas_worker(rank: int, world: int, options: dict) -> object:
         {"sync_every": 4, "sync_delay": 2, "outer_compression": "none"},
         {"sync_every": 4, "sync_delay": 1},  # the default outer exchange: 3 bits
         {"sync_every": 4, "sync_fragments": 2, "sync_delay": 2, "outer_compression": "none"},
-        {"sync_every": 4, "sync_delay": 2, "outer_compression": "topk-2bit"},
+        {"sync_every": 4, "sync_delay": 2, "outer_compression": "indexed-topk-2bit"},
     ],
-    ids=["fp32-delay-2", "3bit-delay-1", "2-fragments-delay-2", "topk-2bit-delay-2"],
+    ids=["fp32-delay-2", "3bit-delay-1", "2-fragments-delay-2", "indexed-topk-2bit-delay-2"],
 )
 def test_anchors_agree_after_every_merge_and_the_flight_changes_nothing(options: dict) -> None:
     """After step k (k + 1 steps done) fragment f is merged iff its sync step was k + 1 - delay: then both replicas
@@ -151,7 +151,7 @@ def test_anchors_agree_after_every_merge_and_the_flight_changes_nothing(options:
     if exchange == "none":
         per_fragment = [4 * sum(sizes[i] for i in run) for run in runs]
         assert stats["outer_payload_bytes"] == sum(per_fragment[f] for f in merges)
-    elif exchange == "topk-2bit":  # 1 of the 2 blocks: its index, 2-bit codes, scale, pad
+    elif exchange == "indexed-topk-2bit":  # 1 of the 2 blocks: its index, 2-bit codes, scale, pad
         assert stats["outer_payload_bytes"] == len(merges) * (4 + 2 * 128 // 8 + 2 + 2)
     else:
         blocks = -(-sum(sizes) // 128)  # 3 bits an element and a bf16 scale per 128-element block

@@ -1,4 +1,4 @@
-"""The top-k outer exchange (``outer_compression="topk-2bit"`` / ``"topk-3bit"``): each replica sends its own top
+"""The top-k outer exchange (``outer_compression="indexed-topk-2bit"`` / ``"indexed-topk-3bit"``): each replica sends its own top
 chunks of the pseudo-gradient, with their indices, in few-bit blocks; every replica decodes every message; what a
 replica did not send stays in its own parameters.
 
