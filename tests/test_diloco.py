@@ -152,8 +152,8 @@ def _topk_worker(rank: int, world: int) -> object:
 
 
 def test_topk_outer_exchange_keeps_what_a_replica_did_not_send() -> None:
-    """``outer_compression="indexed-topk-2bit"`` at density 0.5: the toy net's 161 parameters are 2 blocks of 128 (padded),
-    each rank sends its larger one.  After every sync (every 4th step) both ranks hold the same anchor, and each
+    """``outer_compression="indexed-topk-2bit"`` at density 0.5: the toy net's 161 parameters are 2 blocks of 128
+    (padded), each rank sends its larger one.  After every sync (every 4th step) both ranks hold the same anchor, and each
     replica's parameters are that anchor minus what it did not send: they differ between the replicas, and with
     the defaults (averaging: outer lr 1, no momentum) their mean is the mean the inner step left, exactly up to fp32
     rounding.  Between syncs the parameters are the inner step's."""
@@ -366,7 +366,10 @@ def _resume_worker(rank: int, world: int, options: dict, cut_at: int) -> object:
     [
         ({"sync_every": 4, "outer_compression": "3bit"}, 6),  # 2 steps into the second interval, a residual kept
         ({"sync_every": 4, "sync_fragments": 2}, 3),  # between fragment 0's sync (step 2) and fragment 1's (step 4)
-        ({"sync_every": 4, "outer_compression": "indexed-topk-2bit"}, 6),  # the replicas differ by what they did not send
+        (
+            {"sync_every": 4, "outer_compression": "indexed-topk-2bit"},
+            6,
+        ),  # the replicas differ by what they did not send
     ],
     ids=["3bit-mid-interval", "mid-fragment", "indexed-topk-2bit"],
 )
@@ -642,3 +645,17 @@ def test_fragments_cut_whole_tensors_about_evenly() -> None:
     # H = 10, F = 2: fragment 0 at steps 5, 15, ..., fragment 1 at 10, 20, ... (each every H steps, staggered)
     assert [s for s in range(1, 21) if due(s, 0, 2, 10)] == [5, 15]
     assert [s for s in range(1, 21) if due(s, 1, 2, 10)] == [10, 20]
+
+
+@pytest.mark.parametrize(("earlier", "row"), [("topk-2bit", "indexed-topk-2bit"), ("TopK-3bit ", "indexed-topk-3bit")])
+def test_the_outer_top_k_rows_earlier_names_construct_as_outer_exchanges_only(earlier: str, row: str) -> None:
+    """The indexed top-k outer exchanges were named "topk-2bit" / "topk-3bit" before; as ``outer_compression`` those
+    names still mean the row (the same config, so the same bits), and the rows are refused per step, where
+    "topk-3bit" is the agreed-chunks recipe: no name means two algorithms in one scope."""
+    assert GradientFlowConfig(sync_every=4, outer_compression=earlier) == GradientFlowConfig(
+        sync_every=4, outer_compression=row
+    )
+    assert GradientFlowConfig(sync_every=4, outer_compression=row).outer_compression == row
+    with pytest.raises(ValueError, match="is an outer exchange"):
+        GradientFlowConfig(compression=row)
+    assert GradientFlowConfig(compression="topk-3bit").mechanism == "topk-quantized"

@@ -8,6 +8,7 @@ docs/architecture.md states is the one the code's imports follow.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import itertools
 import re
@@ -78,62 +79,266 @@ def test_readme_reaches_every_user_page_and_the_record_reaches_every_result() ->
     assert results <= in_index, f"docs/results/ pages its README does not link: {sorted(results - in_index)}"
 
 
-def _decision_table() -> list[list[str]]:
-    """The README's decision table: its rows' cells (the table under "## Which recipe")."""
-    text = README.read_text()
+def _decision_table(text: str | None = None) -> list[dict[str, str]]:
+    """The README's decision table (the table under "## Which recipe"): one dict per row, by the header's names
+    (``text``: another copy of the README, for the checker's own tests)."""
+    text = README.read_text() if text is None else text
     start = text.index("## Which recipe")
     lines = text[start:].splitlines()[1:]
     first = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
     table = [ln for ln in itertools.takewhile(lambda ln: ln.startswith("|"), lines[first:])]
     rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in table]
-    return rows[2:]  # after the header and its rule
+    header = [h.split(" (")[0] for h in rows[0]]  # "measured (2 ranks unless said)" -> "measured"
+    return [dict(zip(header, r, strict=True)) for r in rows[2:]]  # after the header and its rule
 
 
-def test_readme_decision_table_is_one_short_line_per_situation() -> None:
-    """A newcomer decides in 30 seconds: each situation (optimizer x network x layout) one row, no cell over 25
-    words, and every recipe it names is a row of the recipe table."""
-    from gradientflow.recipes import NAMES
+# ---- the decision table's situation columns: a controlled vocabulary, every cell parsed ----------------------------
+# A newcomer's situation is (optimizer, link between machines, machines, parallelism, run length); each of those five
+# columns of the README's table says, in the phrases below only, which situations its row is for. A phrase outside
+# them is an error (UnknownPhrase), never a silent non-match.
 
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+MACHINES = ("one machine", "one rank per machine", "nodes of several GPUs")
+SEVERAL_MACHINES = "several machines"
+"""One rank per machine, or nodes of several GPUs."""
+PARALLELISMS = ("DDP", "FSDP2 sharded inside each node (HSDP)")
+ANY = "any"
+SITUATION_COLUMNS = ("optimizer", "link between machines", "machines", "parallelism", "run")
+
+
+class UnknownPhrase(ValueError):
+    """A cell of the decision table's situation columns outside the vocabulary."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Situation:
+    optimizer: str
+    link_mbit: float | None
+    """The slowest link between machines, Mbit/s; None on one machine."""
+    machines: str
+    parallelism: str
+    steps: int
+
+
+def _names(cell: str, known: tuple[str, ...], column: str, union: dict[str, tuple[str, ...]] | None = None) -> set:
+    """``"any"``, or a comma-separated list of known names (and named unions of them)."""
+    if cell == ANY:
+        return set(known)
+    out: set[str] = set()
+    for name in cell.split(", "):
+        if name in known:
+            out.add(name)
+        elif union and name in union:
+            out |= set(union[name])
+        else:
+            raise UnknownPhrase(
+                f"{column}: {name!r} (known: {ANY!r}, {', '.join(map(repr, [*known, *(union or {})]))})"
+            )
+    return out
+
+
+def _mbit(speed: str) -> float:
+    """``"100 Mbit/s"`` -> 100, ``"10 Gbit/s"`` -> 10000."""
+    match = re.fullmatch(r"([\d,.]+) ([MG])bit/s", speed)
+    if match is None:
+        raise UnknownPhrase(f"link between machines: {speed!r} is no speed (e.g. '100 Mbit/s', '10 Gbit/s')")
+    return float(match[1].replace(",", "")) * (1000 if match[2] == "G" else 1)
+
+
+def _link(cell: str) -> Any:
+    """``"none"`` (one machine), ``"up to X"``, ``"over X, up to Y"``: a predicate on the link's Mbit/s."""
+    if cell == "none":
+        return lambda mbit: mbit is None
+    match = re.fullmatch(r"(?:over (.+), )?up to (.+)", cell)
+    if match is None:
+        raise UnknownPhrase(f"link between machines: {cell!r} (known: 'none', 'up to X', 'over X, up to Y')")
+    low, high = _mbit(match[1]) if match[1] else 0.0, _mbit(match[2])
+    return lambda mbit: mbit is not None and low < mbit <= high
+
+
+def _run(cell: str) -> Any:
+    """``"any"``, ``"up to N steps"``, ``"over N steps"``: a predicate on the run's optimizer steps."""
+    if cell == ANY:
+        return lambda steps: True
+    match = re.fullmatch(r"(up to|over) ([\d,]+) steps", cell)
+    if match is None:
+        raise UnknownPhrase(f"run: {cell!r} (known: 'any', 'up to N steps', 'over N steps')")
+    n = int(match[2].replace(",", ""))
+    return (lambda steps: steps <= n) if match[1] == "up to" else (lambda steps: steps > n)
+
+
+def _row_holds(row: dict[str, str]) -> Any:
+    """The predicate on situations of one row, every situation cell parsed (UnknownPhrase otherwise)."""
+    optimizers = _names(row["optimizer"], OPTIMIZERS, "optimizer")
+    link = _link(row["link between machines"])
+    several = {SEVERAL_MACHINES: MACHINES[1:]}
+    machines = _names(row["machines"], MACHINES, "machines", several)
+    parallelisms = _names(row["parallelism"], PARALLELISMS, "parallelism")
+    run = _run(row["run"])
+    return lambda s: (
+        s.optimizer in optimizers
+        and link(s.link_mbit)
+        and s.machines in machines
+        and s.parallelism in parallelisms
+        and run(s.steps)
+    )
+
+
+def _situations() -> list[Situation]:
+    """The grid of newcomers' situations: every optimizer x link x machines x parallelism x run length. FSDP2 here
+    is HSDP, sharded inside a node: with one rank per machine there is nothing to shard inside it (FSDP2 across
+    machines is a 1-D mesh, which ``gradientflow.fsdp`` refuses: nothing between replicas to compress)."""
+    links = (10, 50, 100, 101, 200, 1000, 2500, 10_000)  # Mbit/s: a slow link, the 100 Mbit/s edge, Ethernet
+    layouts = [("one machine", None, p) for p in PARALLELISMS]
+    layouts += [("one rank per machine", mbit, "DDP") for mbit in links]
+    layouts += [("nodes of several GPUs", mbit, p) for mbit in links for p in PARALLELISMS]
+    return [
+        Situation(optimizer, mbit, machines, parallelism, steps)
+        for optimizer in OPTIMIZERS
+        for machines, mbit, parallelism in layouts
+        for steps in (200, 1000, 1001, 4000, 100_000)
+    ]
+
+
+def _decision_problems(rows: list[dict[str, str]]) -> list[str]:
+    """What is wrong with a decision table: a cell outside the vocabulary, a situation of the grid that no row or
+    two rows take, a row that no situation takes. Empty: every situation maps to exactly one row."""
+    problems, holds = [], []
+    for i, row in enumerate(rows):
+        try:
+            holds.append((i, _row_holds(row)))
+        except UnknownPhrase as e:
+            problems.append(f"row {i + 1}: unknown phrase, {e}")
+        except KeyError as e:
+            problems.append(f"row {i + 1}: no column {e} (the situation columns: {', '.join(SITUATION_COLUMNS)})")
+    if problems:
+        return problems
+    hit: set[int] = set()
+    for s in _situations():
+        rows_of = [i for i, h in holds if h(s)]
+        hit |= set(rows_of)
+        if len(rows_of) != 1:
+            which = "no row" if not rows_of else "rows " + ", ".join(str(i + 1) for i in rows_of)
+            problems.append(f"{which} for {s}")
+    problems += [f"row {i + 1}: no situation of the grid maps to it" for i, _ in holds if i not in hit]
+    return problems
+
+
+def test_every_newcomers_situation_maps_to_exactly_one_row() -> None:
+    """Every situation of the grid (optimizer x link x machines x parallelism x run length) falls in exactly one
+    row of the README's decision table, and every row is some situation's; every situation cell is parsed."""
+    problems = _decision_problems(_decision_table())
+    assert not problems, f"{len(problems)} problems, the first: " + "\n".join(problems[:12])
+
+
+def _pass_of(optimizer: str, link_mbit: float | None, machines: str, parallelism: str, steps: int) -> str:
     rows = _decision_table()
-    assert len(rows) >= 4, rows
-    situations = [tuple(r[:3]) for r in rows]
-    assert len(set(situations)) == len(situations), "two rows for one situation"
-    for row in rows:
-        for cell in row:
-            assert len(cell.split()) <= 25, f"a cell of {len(cell.split())} words: {cell}"
-        named = re.findall(r'compression="([^"]+)"', row[3])
-        assert named and all(n in NAMES for n in named), row
+    (row,) = [r for r in rows if _row_holds(r)(Situation(optimizer, link_mbit, machines, parallelism, steps))]
+    return row["pass"]
+
+
+FSDP, NODES, FLAT = PARALLELISMS[1], MACHINES[2], MACHINES[1]
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "network", "layout", "recipe"),
+    ("situation", "passes"),
     [
-        ("SGD", "1 Gbit/s", "2 machines", "auto"),  # an SGD CNN on two machines
-        ("AdamW", "1 Gbit/s", "2 nodes of 2 GPUs", "auto"),  # an AdamW transformer, 2 nodes of 2 GPUs
-        ("SGD", "100 Mbit/s", "2 machines", "auto"),  # an SGD language model on a slow link
+        (("SGD", 1000, FLAT, "DDP", 400), '"topk-3bit"'),  # an SGD CNN on two machines at 1 Gbit/s
+        (("AdamW", 1000, NODES, "DDP", 400), '"3bit"` between 2 nodes'),  # an AdamW transformer, 2 nodes of 2 GPUs
+        (("AdamW", 1000, FLAT, "DDP", 400), '"2bit-precond"'),
+        (("SGD", 100, FLAT, "DDP", 4000), "sync_every=100"),  # a slow link, a long run
+        (("AdamW", 100, NODES, "DDP", 300), 'compression="auto"'),  # a slow link, a short run: per-step recipes
+        (("AdamW", 1000, NODES, FSDP, 4000), '"3bit"'),
+        (("SGD", 10, NODES, FSDP, 4000), '"4bit"'),  # fully_shard has no sync_every: a slow link changes nothing
+        (("Adam", None, "one machine", "DDP", 400), 'compression="none"'),
     ],
 )
-def test_a_newcomers_situation_maps_to_exactly_one_row(optimizer: str, network: str, layout: str, recipe: str) -> None:
-    """Each situation falls in exactly one row: the optimizer cell names it, the network cell's range holds its
-    speed, the layout cell its layout."""
+def test_a_newcomers_situation_gets_its_rows_pass(situation: tuple, passes: str) -> None:
+    assert passes in _pass_of(*situation)
 
-    def network_holds(cell: str) -> bool:  # the table's two kinds of network
-        mbit = float(network.split()[0]) * (1000 if "Gbit" in network else 1)
-        return mbit <= 10_000 if cell == "up to 10 Gbit/s" else cell == "any"
 
-    def layout_holds(cell: str) -> bool:
-        several = " of " in layout  # "2 nodes of 2 GPUs"
-        if cell == "nodes of several GPUs":
-            return several
-        return not several if cell == "one rank per machine" else cell == "any"
+# Mutations of the README's table, in memory: the checker must report each.
+def _mutated(mutate: Any) -> list[str]:
+    rows = [dict(r) for r in _decision_table()]
+    mutate(rows)
+    return _decision_problems(rows)
 
-    hits = [
-        r
-        for r in _decision_table()
-        if (optimizer in r[0].split(", ") or r[0] == "any") and network_holds(r[1]) and layout_holds(r[2])
-    ]
-    assert len(hits) == 1, hits
-    assert f'compression="{recipe}"' in hits[0][3], hits[0]
+
+@pytest.mark.parametrize("dropped", range(len(_decision_table())))
+def test_the_checker_reports_a_dropped_row(dropped: int) -> None:
+    problems = _mutated(lambda rows: rows.pop(dropped))
+    assert any(p.startswith("no row for") for p in problems), problems[:3]
+
+
+@pytest.mark.parametrize("copied", range(len(_decision_table())))
+def test_the_checker_reports_a_row_duplicated_with_another_recipe(copied: int) -> None:
+    def duplicate(rows: list[dict[str, str]]) -> None:
+        rows.append({**rows[copied], "pass": '`compression="fp16"`'})
+
+    problems = _mutated(duplicate)
+    assert any(re.match(rf"rows {copied + 1}, {len(_decision_table()) + 1} for", p) for p in problems), problems[:3]
+
+
+@pytest.mark.parametrize(
+    ("column", "cell"),
+    [
+        ("optimizer", "Adagrad"),
+        ("optimizer", "SGD and AdamW"),
+        ("link between machines", "a slow link between nodes"),
+        ("link between machines", "up to 10 Gbps"),
+        ("machines", "FSDP2 (HSDP), sharded inside each node"),
+        ("parallelism", "HSDP"),
+        ("run", "runs of thousands of steps"),
+    ],
+)
+def test_the_checker_reports_a_phrase_outside_the_vocabulary(column: str, cell: str) -> None:
+    problems = _mutated(lambda rows: rows[0].update({column: cell}))
+    assert problems and all("unknown phrase" in p for p in problems), problems
+
+
+def test_the_checker_reports_a_widened_row() -> None:
+    """The earlier table's SGD row ("up to 10 Gbit/s") overlapped the slow-link rows: widening the SGD row back to
+    it is reported, naming the rows both take."""
+    problems = _mutated(lambda rows: rows[0].update({"link between machines": "up to 10 Gbit/s"}))
+    assert any(p.startswith("rows 1, 4 for") for p in problems) and any(p.startswith("rows 1, 5 for") for p in problems)
+
+
+def test_the_decision_tables_auto_rows_name_what_the_policy_runs() -> None:
+    """A row that passes ``compression="auto"`` and says what it runs names only what the policy gives its
+    optimizers through its door (:mod:`gradientflow.policy.auto_choice`): SGD under FSDP is not "topk-3bit"."""
+    from gradientflow.policy import auto_choice, width
+
+    adam = {auto_choice.ADAM_RECIPE, auto_choice.MANY_PARTIES_ADAM, width.FEWER_BITS}
+    gives = {
+        ("DDP", "SGD"): {auto_choice.SGD_RECIPE},
+        ("DDP", "Adam"): adam,
+        ("DDP", "AdamW"): adam,
+        (FSDP, "SGD"): {auto_choice.FSDP_SGD_RECIPE},
+        (FSDP, "Adam"): {auto_choice.adam_recipe(n) for n in (2, 3)},
+        (FSDP, "AdamW"): {auto_choice.adam_recipe(n) for n in (2, 3)},
+    }
+    for row in _decision_table():
+        runs = re.search(r"\(runs (.*)\)", row["pass"])
+        if 'compression="auto"' not in row["pass"] or runs is None or "`" not in runs[1]:
+            continue
+        named = set(re.findall(r'`"([^"]+)"`', runs[1]))
+        doors = _names(row["parallelism"], PARALLELISMS, "parallelism")
+        possible = set().union(*(gives[d, o] for d in doors for o in _names(row["optimizer"], OPTIMIZERS, "optimizer")))
+        assert named and named <= possible, (row["pass"], possible)
+
+
+def test_readme_decision_table_is_one_short_line_per_situation() -> None:
+    """A newcomer decides in 30 seconds: no cell over 25 words, and every recipe a row passes is a row of the
+    recipe table."""
+    from gradientflow.recipes import NAMES
+
+    rows = _decision_table()
+    assert 4 <= len(rows) <= 10, rows
+    for row in rows:
+        for cell in row.values():
+            assert len(cell.split()) <= 25, f"a cell of {len(cell.split())} words: {cell}"
+        named = re.findall(r'compression="([^"]+)"', row["pass"]) + re.findall(r'`"([^"]+)"`', row["pass"])
+        assert named and all(n in NAMES for n in named), row
 
 
 def test_no_page_points_outside_the_repository() -> None:

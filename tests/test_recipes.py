@@ -66,6 +66,36 @@ def test_the_quantised_family_by_width() -> None:
             GradientFlowConfig(compression=bad)
 
 
+def test_the_4bit_row_runs_what_the_width_ran_before_it_was_a_row() -> None:
+    """The "4bit" row (what FSDP's "auto" gives SGD) has exactly the settings "4bit" had as a width of the family:
+    4 bits with the "3bit" row's other settings, the same names fixed, the same conflicts refused."""
+    four = GradientFlowConfig(compression="4bit")
+    assert four == GradientFlowConfig(compression="q4")  # the shorthand still reads as a width over "3bit"'s row
+    three = GradientFlowConfig(compression="3bit")
+    for f in dataclasses.fields(four):
+        expected = 4 if f.name == "quant_bits" else "4bit" if f.name == "compression" else getattr(three, f.name)
+        assert getattr(four, f.name) == expected, f.name
+    assert GradientFlowConfig(compression="auto").with_recipe("4bit") == four
+    with pytest.raises(ValueError, match="is quant_bits=4 by its name"):
+        GradientFlowConfig(compression="4bit", quant_bits=3)
+    with pytest.raises(ValueError, match="is quant_precondition=False by its name"):
+        GradientFlowConfig(compression="4bit", quant_precondition=True)
+
+
+def test_every_recipe_the_policy_gives_is_a_row() -> None:
+    import torch
+
+    from gradientflow.policy import auto_choice, width
+
+    gives = {auto_choice.SGD_RECIPE, auto_choice.ADAM_RECIPE, auto_choice.MANY_PARTIES_ADAM, width.FEWER_BITS}
+    model = torch.nn.Linear(2, 2)
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())):
+        gives |= {auto_choice.fsdp_recipe_for_optimizer(optimizer, nodes) for nodes in (2, 3, 8)}
+    assert gives <= set(recipes.NAMES), gives - set(recipes.NAMES)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert auto_choice.fsdp_recipe_for_optimizer(sgd, 2) == auto_choice.FSDP_SGD_RECIPE == "4bit"
+
+
 def test_model_config_and_comm_stats_use_one_name() -> None:
     """The name stored is the table's (the alias is gone), and dataclasses.replace keeps it (a rebuilt config)."""
     cfg = GradientFlowConfig(compression="cscq")

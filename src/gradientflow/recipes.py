@@ -17,8 +17,9 @@ The rule for options passed beside a recipe (stated once, here; tested in tests/
    beside ``"fp16"``, any of them beside ``"auto"``, which picks them) is a ``ValueError``.
 
 Beyond the rows, the quantised family is named by its width: ``"<bits>bit"`` and ``"<bits>bit-precond"`` for
-``bits`` in :data:`QUANT_BITS` (``"4bit"``, ``"32bit"`` = the quantiser off, an fp32 ring); a width without a
-row takes the ``"3bit"`` row's other settings.  The rows are the measured ones.
+``bits`` in :data:`QUANT_BITS` (``"5bit"``, ``"32bit"`` = the quantiser off, an fp32 ring); a width without a
+row takes the ``"3bit"`` row's other settings.  A row is a recipe with a measured use (its section of
+docs/recipes.md); the widths without one were at most an experiment's.
 
 This module imports nothing of gradientflow: it is data, at the bottom of the layers.
 """
@@ -84,7 +85,7 @@ class Recipe:
     named: tuple[str, ...] = ()
     """The options its name states: fixed (rule 2)."""
     doc: str = "docs/recipes.md"
-    """Where it is explained and measured."""
+    """Where it is explained, with what was measured (dated in docs/results/)."""
     aliases: tuple[str, ...] = ()
     """Earlier names, still accepted: each means exactly this row."""
     scopes: tuple[Scope, ...] = ("per step",)
@@ -92,8 +93,6 @@ class Recipe:
     those with ``"outer"``."""
     outer_aliases: tuple[str, ...] = ()
     """Earlier names ``outer_compression=`` still accepts for this row (never a name of another row)."""
-    measured: str = ""
-    """The headline figure, with the page that dates it (empty: a baseline)."""
 
     def settings(self) -> dict[str, Any]:
         """Every option the recipe's mechanism reads, at this recipe's values (the quantiser's defaults filled
@@ -120,7 +119,6 @@ RECIPES: tuple[Recipe, ...] = (
         options={"comm_dtype": "fp16"},
         named=("comm_dtype",),
         doc="docs/recipes.md#fp16-and-bf16",
-        measured="AdamW: DDP's final loss on half its bytes (docs/results/quality.md)",
         scopes=("per step", "outer"),
     ),
     Recipe(
@@ -142,18 +140,16 @@ RECIPES: tuple[Recipe, ...] = (
         named=("comm_dtype",),
         doc="docs/recipes.md#topk-fp16",
         aliases=("csc",),
-        measured="ResNet-50 at 1 Gbit/s: 264 ms a step against DDP's 966 (docs/results/benchmarks.md)",
     ),
     Recipe(
         name="topk-3bit",
         mechanism="topk-quantized",
         summary="the top 30% of the chunks, in 3-bit blocks of 128 with a bf16 scale, error kept",
-        when="SGD with momentum on a slow network (what auto picks for SGD)",
+        when="SGD with momentum on a slow network (what auto picks for SGD under the DDP wrapper)",
         options={"density": 0.3},
         named=("quant_bits",),
         doc="docs/recipes.md#topk-3bit",
         aliases=("cscq",),
-        measured="SGD transformer: 1.015x DDP's final loss on 0.047 of its bytes (docs/results/quality.md)",
     ),
     Recipe(
         name="3bit",
@@ -164,7 +160,6 @@ RECIPES: tuple[Recipe, ...] = (
         named=("quant_bits", "quant_precondition"),
         doc="docs/recipes.md#3bit",
         aliases=("quantized", "quantised"),
-        measured="AdamW: 1.006-1.013x DDP's final loss on 0.0999 of its bytes, 2 ranks (docs/results/adamw.md)",
         scopes=("per step", "outer"),
     ),
     Recipe(
@@ -176,7 +171,6 @@ RECIPES: tuple[Recipe, ...] = (
         named=("quant_bits", "quant_precondition"),
         doc="docs/recipes.md#3bit-precond",
         aliases=("q3p",),
-        measured="AdamW, 4 flat ranks: 1.0098-1.0192x DDP's final loss on 0.0999 of its bytes (docs/results/adamw.md)",
     ),
     Recipe(
         name="2bit-precond",
@@ -187,7 +181,16 @@ RECIPES: tuple[Recipe, ...] = (
         named=("quant_bits", "quant_precondition"),
         doc="docs/recipes.md#2bit-precond",
         aliases=("q2npw20",),
-        measured="AdamW: 1.007-1.020x DDP's final loss on 0.068 of its bytes, 2 ranks (docs/results/adamw.md)",
+    ),
+    Recipe(
+        name="4bit",
+        mechanism="quantized",
+        summary="every gradient every step in 4-bit blocks of 128 with a bf16 scale, error feedback",
+        when="SGD with momentum under gradientflow.fsdp, between nodes (what auto picks there)",
+        options={"quant_bits": 4},
+        named=("quant_bits", "quant_precondition"),
+        doc="docs/recipes.md#4bit",
+        scopes=("per step", "outer"),
     ),
     Recipe(
         name="indexed-topk-2bit",
@@ -215,7 +218,10 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="auto",
         mechanism="auto",
-        summary="dense fp32 until the first optimizer step, then by its class: SGD topk-3bit, Adam-type 3bit family",
+        summary=(
+            "dense fp32 until the first optimizer step, then by its class: SGD topk-3bit (4bit under FSDP), "
+            "Adam-type 3bit family"
+        ),
         when="the default to reach for: the measured choice per optimizer, layout and link",
         options={},
         doc="docs/recipes.md#auto",

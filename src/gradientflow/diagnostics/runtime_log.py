@@ -22,13 +22,6 @@ from dataclasses import dataclass, field
 # perf_counter seconds -> epoch nanoseconds (the engine stamps with perf_counter: monotonic and cheap)
 _EPOCH_OFFSET_NS = time.time_ns() - int(time.perf_counter() * 1e9)
 
-DURATIONS = (
-    "forward_compute_time",
-    "backward_compute_time",
-    "backward_comm_time",
-    "backward_compute_comm_overlap_time",
-)
-
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9) + _EPOCH_OFFSET_NS

@@ -6,12 +6,10 @@ ranks agreed on the pick (:func:`gradientflow.policy.auto_choice.agree_on_recipe
 Step 0's gradients crossed between nodes densely in fp32, as torch's HSDP sends them; the switch applies from the
 next backward on.
 
-The choice: Adam-type optimizers (and others) get the quantised recipe DDP's ``"auto"`` measured for them,
-``"3bit"`` for two nodes and ``"3bit-precond"`` beyond (:func:`gradientflow.policy.auto_choice.adam_recipe`; the
-2-bit width rule of two flat ranks does not apply: it measures a flat exchange).  SGD, which DDP's ``"auto"`` gives
-``"topk-3bit"``, gets ``"4bit"`` here (:data:`SGD_FSDP`).  Measured on 2 nodes x 2, the SGD-momentum transformer,
-200 steps, 3 seeds (docs/results/fsdp.md): every coordinate at 4 bits ended 0.9999-1.0060x torch's HSDP final loss
-on 0.129 of its bytes; at 3 bits 1.0066-1.0213x (0.098), the shard's top-k chunks 1.026-1.049x (0.037).
+The choice is the policy's (:func:`gradientflow.policy.auto_choice.fsdp_recipe_for_optimizer`): Adam-type
+optimizers (and others) get the quantised recipe DDP's ``"auto"`` measured for them, ``"3bit"`` for two nodes and
+``"3bit-precond"`` beyond; SGD, which DDP's ``"auto"`` gives ``"topk-3bit"``, gets ``"4bit"`` here
+(:data:`gradientflow.policy.auto_choice.FSDP_SGD_RECIPE`, with what was measured).
 """
 
 from __future__ import annotations
@@ -25,14 +23,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from ..policy.auto_choice import adam_recipe, agree_on_recipe, recipe_for_optimizer, unmeasured_warning
+from ..policy.auto_choice import agree_on_recipe, fsdp_recipe_for_optimizer, recipe_for_optimizer, unmeasured_warning
 from .module_comm import ModuleComm
 
 logger = logging.getLogger(__name__)
-
-SGD_FSDP = "4bit"
-"""What ``"auto"`` gives SGD under FSDP (DDP: ``"topk-3bit"``; under FSDP the measured best, see the module's
-docstring)."""
 
 
 class _Registry:
@@ -65,8 +59,7 @@ REGISTRY = _Registry()
 
 def choose(optimizer: torch.optim.Optimizer, nodes: int) -> tuple[str, str]:
     """(the optimizer's pick the ranks agree on, the recipe FSDP runs for it on ``nodes`` nodes)."""
-    pick = recipe_for_optimizer(optimizer)
-    return pick, SGD_FSDP if isinstance(optimizer, torch.optim.SGD) else adam_recipe(nodes)
+    return recipe_for_optimizer(optimizer), fsdp_recipe_for_optimizer(optimizer, nodes)
 
 
 def decide(comms: list[ModuleComm], optimizer: torch.optim.Optimizer) -> None:
