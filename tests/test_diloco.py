@@ -153,9 +153,9 @@ def _topk_worker(rank: int, world: int) -> object:
 
 def test_topk_outer_exchange_keeps_what_a_replica_did_not_send() -> None:
     """``outer_compression="indexed-topk-2bit"`` at density 0.5: the toy net's 161 parameters are 2 blocks of 128
-    (padded), each rank sends its larger one.  After every sync (every 4th step) both ranks hold the same anchor, and each
-    replica's parameters are that anchor minus what it did not send: they differ between the replicas, and with
-    the defaults (averaging: outer lr 1, no momentum) their mean is the mean the inner step left, exactly up to fp32
+    (padded), each rank sends its larger one.  After every sync (every 4th step) both ranks hold the same anchor, and
+    each replica's parameters are that anchor minus what it did not send: they differ between the replicas, and with the
+    defaults (averaging: outer lr 1, no momentum) their mean is the mean the inner step left, exactly up to fp32
     rounding.  Between syncs the parameters are the inner step's."""
     (a, stats), (b, _) = _run(_topk_worker, 2)
     for step in range(STEPS):

@@ -255,10 +255,10 @@ class GradientFlowConfig:
     outer_momentum: float | None = None
     """The outer optimizer's Nesterov momentum, in [0, 1) [0.0; DiLoCo's 0.9]."""
     outer_compression: str | None = None
-    """The outer exchange's recipe, a name of the one table: "none" (fp32), "fp16", "bf16", or the quantised
-    family ("3bit", "4bit", "2bit", ...: block-quantised, with error feedback across outer syncs), or the top chunks
-    of the pseudo-gradient in 2 or 3 bits ("indexed-topk-2bit", "indexed-topk-3bit": ``outer_density`` of them, each
-    replica its own; what it does not send stays in its parameters) ["3bit": the same loss as fp32 on a tenth of its bytes,
+    """The outer exchange's recipe, a name of the one table: "none" (fp32), "fp16", "bf16", or the quantised family
+    ("3bit", "4bit", "2bit", ...: block-quantised, with error feedback across outer syncs), or the top chunks of the
+    pseudo-gradient in 2 or 3 bits ("indexed-topk-2bit", "indexed-topk-3bit": ``outer_density`` of them, each replica
+    its own; what it does not send stays in its parameters) ["3bit": the same loss as fp32 on a tenth of its bytes,
     measured]."""
     outer_density: float | None = None
     """A top-k outer exchange's share of the pseudo-gradient's chunks (128 elements each) sent per sync, the rest

@@ -11,10 +11,10 @@ the averaged shards.  Between nodes goes one copy of the pseudo-gradient per nod
   ``carry=True``, its residual kept per fragment (per rank: its shard's) between outer syncs, so what one sync
   did not send is added to the next: summed over replicas, residuals plus ``M`` times the average equal the sum
   of the contributions;
-- top-k (``"indexed-topk-2bit"``, ``"indexed-topk-3bit"``): :class:`.sparse.TopChunks`, each replica's own top
-  chunks with their indices in few-bit blocks, all-gathered; what a replica did not deliver (``kept``, in the parameters' units:
-  ``M`` times the exchange's ``e``, gathered inside the node like the mean) is returned, not stored: the outer loop
-  leaves it in the replica's parameters (:mod:`.sparse` says why), so nothing stays between syncs.
+- top-k (``"indexed-topk-2bit"``, ``"indexed-topk-3bit"``): :class:`.sparse.TopChunks`, each replica's own top chunks
+  with their indices in few-bit blocks, all-gathered; what a replica did not deliver (``kept``, in the parameters'
+  units: ``M`` times the exchange's ``e``, gathered inside the node like the mean) is returned, not stored: the outer
+  loop leaves it in the replica's parameters (:mod:`.sparse` says why), so nothing stays between syncs.
 
 Nothing persistent changes unless the exchange completed: the ring writes a copy of the residual, which
 replaces it only at the end (a rank lost mid-exchange leaves every rank's state as before the sync).

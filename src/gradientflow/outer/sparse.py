@@ -1,6 +1,6 @@
-"""The top-k outer exchange (``outer_compression="indexed-topk-2bit"`` / ``"indexed-topk-3bit"``): each replica
-sends its own top chunks of the pseudo-gradient, with their indices, in few-bit blocks; every replica decodes every message; what a
-replica did not send stays in its own parameters.
+"""The top-k outer exchange (``outer_compression="indexed-topk-2bit"`` / ``"indexed-topk-3bit"``): each replica sends
+its own top chunks of the pseudo-gradient, with their indices, in few-bit blocks; every replica decodes every message;
+what a replica did not send stays in its own parameters.
 
 Per rank, on its shard ``x`` (the pseudo-gradient divided by the replicas ``M``; on nodes of several ranks the
 shard of :class:`.exchange.Average`):
