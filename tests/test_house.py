@@ -14,6 +14,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradientflow"
 
 
@@ -107,19 +109,26 @@ def test_the_check_sees_a_mixin_that_assigns() -> None:
     assert spread_classes(composed) == {}
 
 
-def test_every_config_field_is_documented_under_it() -> None:
-    """Each option of ``GradientFlowConfig`` says what it is where it is declared: a docstring right under the
-    field (not only in a class docstring far from it, and not a comment: a ``# noqa`` is one too)."""
-    path = PACKAGE / "config.py"
+@pytest.mark.parametrize(
+    ("file", "name"), [("config.py", "GradientFlowConfig"), ("recipe_options.py", "RecipeOptions")]
+)
+def test_every_config_field_is_documented_under_it(file: str, name: str) -> None:
+    """Each option of ``GradientFlowConfig`` (its own fields and the recipe options it extends) says what it is where
+    it is declared: a docstring right under the field (not only in a class docstring far from it, and not a
+    comment: a ``# noqa`` is one too)."""
+    path = PACKAGE / file
     text = path.read_text(encoding="utf-8")
-    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "GradientFlowConfig")
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == name)
     undocumented = []
+    fields = 0
     for field, after in zip(cls.body, [*cls.body[1:], None]):
         if not isinstance(field, ast.AnnAssign) or not isinstance(field.target, ast.Name):
             continue
+        fields += 1
         docstring = (
             isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
         )
         if not docstring:
             undocumented.append(field.target.id)
-    assert not undocumented, f"config fields without a docstring under them: {undocumented}"
+    assert fields, f"{file} declares no field of {name}"
+    assert not undocumented, f"{name}'s fields without a docstring under them: {undocumented}"

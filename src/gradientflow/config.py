@@ -15,6 +15,7 @@ import torch
 
 from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
 from .outer_options import OUTER_OPTIONS, settle_outer
+from .recipe_options import QuantLevels, RecipeOptions
 from .recipes import (
     ALIASES,
     NAMES,
@@ -35,7 +36,6 @@ Algorithm = Literal["native", "ring"]
 ChunkScore = Literal["l1", "sampled_l1"]
 CscScope = Literal["slice", "global"]
 Schedule = Literal["fixed", "auto"]
-QuantLevels = Literal["fitted", "uniform", "zeroless"]
 
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 """``algorithm``: the backend's allreduce, or gradientflow's ring (:mod:`gradientflow.comm.ring`)."""
@@ -156,9 +156,11 @@ def half_wire_dtype(device: torch.device) -> str:
 
 
 @dataclass(frozen=True)
-class GradientFlowConfig:
+class GradientFlowConfig(RecipeOptions):
     """Options of :class:`gradientflow.DistributedDataParallel` (see README's options table), each documented
-    under its field; validated at construction (``ValueError`` saying what to do)."""
+    under its field; validated at construction (``ValueError`` saying what to do).  The recipe options
+    (``compression``, ``density``, ``quant_*``, ``timeout``, ...: what ``fully_shard`` takes too) are the fields of
+    :class:`gradientflow.recipe_options.RecipeOptions`, declared and documented there; they come first."""
 
     fusion_threshold_mb: float = 25.0
     """θ of lazy allreduce: a bucket of the gradient pool is launched once θ MB of it are ready.  0 = one
@@ -171,14 +173,6 @@ class GradientFlowConfig:
     dtypes and names (``torch.float16``, ``"float16"``) are accepted and stored as these."""
     algorithm: Algorithm = "native"
     """"native" (the backend's allreduce) or "ring" (gradientflow's ring)."""
-    density: float | None = None
-    """CSC: the fraction of chunks sent each step; ``None`` = dense."""
-    chunk_size: int | str = "auto"
-    """CSC: gradients per chunk: an int, or "auto" (:func:`auto_chunk_size`; :meth:`resolved` replaces it)."""
-    warmup_steps: int = 100
-    """CSC: length of the density ramp: step t < warmup_steps sends ``density ** (t / warmup_steps)`` of the
-    chunks (step 0 dense), later steps ``density``.  A ramp step whose chunks and scores would be no fewer
-    bytes than a dense step is sent dense."""
     momentum: float = 0.0
     """CSC: momentum correction factor (0 = off).  When > 0 the optimizer must not apply momentum again."""
     dense_1d: bool = True
@@ -195,9 +189,6 @@ class GradientFlowConfig:
     schedule: Schedule = "fixed"
     """"fixed" (θ and ``csc_scope`` as given) or "auto": both derived at construction from the group's measured
     per-collective cost and throughput (rank 0's, broadcast; :mod:`gradientflow.engine.schedule`)."""
-    timeout: float | timedelta | None = None
-    """Seconds (or a ``timedelta``) any wait may take before ``gradientflow.CommunicationError`` (naming the
-    step, the collective and the missing ranks); ``None`` = the process group's timeout."""
     check_consistency: bool = False
     """Per synchronised step, one tiny allreduce checks that every rank is synchronising the same step with
     the same buckets (e.g. no rank alone inside ``no_sync()``)."""
@@ -210,36 +201,11 @@ class GradientFlowConfig:
     trace_steps: tuple[int, int] | None = None
     """``(start, stop)``: synchronised steps traced, 0-based, stop excluded [(1, 4) when ``trace_path`` is
     given, which the config then holds; ``None`` without it]."""
-    compression: str = "none"
-    """A recipe's name from the one table (:mod:`gradientflow.recipes`, docs/recipes.md): "none" (DDP's exact
-    behaviour, or what comm_dtype / density say), "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit",
-    "3bit-precond", "2bit-precond" or "auto" (dense until the first optimizer step, then the recipe measured
-    for it: :mod:`gradientflow.policy.auto_choice`); earlier names (``"csc"``, ``"cscq"``, ``"quantized"``,
-    ``"q3p"``, ``"q2npw20"``) are accepted and stored as these.  The recipe sets its row's options; an option
-    passed explicitly overrides them, but for those its name states (an error), and an option its mechanism does
-    not read is an error (the rule: :mod:`gradientflow.recipes`)."""
     topology: str = "auto"
     """The node layout: "auto" (from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK``; else,
     with one node of every rank, or a group not the whole world: flat), "flat" (one exchange over every rank),
     or "MxG" (M nodes of G ranks, node-contiguous: rank = node * G + local).  Several nodes of several ranks
     synchronise two-level (:mod:`gradientflow.comm.two_level`).  Resolved at construction: "flat" or "MxG"."""
-    # The quantiser of the quantised recipes ("3bit" and its family, "topk-3bit"'s chunks).  None = the recipe's;
-    # the config holds the values that run (None beside recipes that do not quantise).
-    quant_bits: int | None = None
-    """Bits per gradient: one of :data:`gradientflow.recipes.QUANT_BITS` (32 = the quantiser off: an fp32 ring
-    with the same error feedback) [the recipe's: 3, or 2 for "2bit-precond"]."""
-    quant_block: int | None = None
-    """Gradients per scale (one bf16 scale each), a multiple of 16 [128]."""
-    quant_levels: QuantLevels | None = None
-    """The quantiser's levels: "fitted" (``comm.levels.CODEBOOKS``: non-uniform, with a zero), "uniform" (steps
-    ``k / L`` of the scale) or "zeroless" (2 bits: four levels, no zero) [fitted; "2bit-precond": zeroless]."""
-    quant_precondition: bool | None = None
-    """Each coordinate quantised in units of its own RMS (:mod:`gradientflow.exchange.precondition`)
-    [False; the "-precond" recipes: True]."""
-    quant_warmup_steps: int | None = None
-    """The first steps sent at 3 bits before the recipe's width [0; "2bit-precond": 20]."""
-    quant_clip: float | None = None
-    """Each block's scale clipped at this many times its RMS; 0 = max-abs (an experiment) [0.0]."""
     # Fewer syncs between nodes (DiLoCo, docs/fewer-syncs.md; :mod:`gradientflow.outer`).  None = the default where
     # sync_every > 1; the config holds the values that run (None at sync_every=1, where none of them applies).
     sync_every: int = 1

@@ -1,10 +1,11 @@
 """``gradientflow.fsdp.fully_shard``: torch's ``fully_shard`` on each node, the reduction between nodes compressed.
 
 Torch 2.13's arguments, positions and defaults, plus the recipe options of the DDP wrapper (``compression`` and the
-``quant_*`` keywords, validated by :class:`gradientflow.config.GradientFlowConfig`, so a name means the same for
-both).  Given the 2-D HSDP mesh (replicate, shard), the module is sharded by torch on the ``shard`` dimension (each
-node's ranks: torch's reduce-scatter does the stage inside the node) and the ``replicate`` dimension's reduction is
-gradientflow's, in the module's all-reduce hook (:mod:`.module_comm`).
+``quant_*`` keywords: :class:`gradientflow.recipe_options.RecipeOptions`, validated by
+:class:`gradientflow.config.GradientFlowConfig`, so a name means the same for both).  Given the 2-D HSDP mesh
+(replicate, shard), the module is sharded by torch on the ``shard`` dimension (each node's ranks: torch's
+reduce-scatter does the stage inside the node) and the ``replicate`` dimension's reduction is gradientflow's, in the
+module's all-reduce hook (:mod:`.module_comm`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, overload
+from typing import Any, Concatenate, ParamSpec, Protocol, cast, overload
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from ..config import GradientFlowConfig, QuantLevels
+from ..config import GradientFlowConfig
+from ..recipe_options import QuantLevels, RecipeOptions
 from . import auto
 from .agreement import check_same
 from .mesh import HSDPMesh, hsdp_mesh, split_mesh
@@ -37,36 +39,6 @@ _ORDER = itertools.count()  # modules in construction order (the same on every r
 _DEFAULT_MESH: list[DeviceMesh] = []  # mesh=None: one mesh from torchrun's layout for every call
 
 
-def recipe_config(
-    compression: str,
-    *,
-    density: float | None = None,
-    chunk_size: int | str = "auto",
-    warmup_steps: int = 100,
-    quant_bits: int | None = None,
-    quant_block: int | None = None,
-    quant_levels: QuantLevels | None = None,
-    quant_precondition: bool | None = None,
-    quant_warmup_steps: int | None = None,
-    quant_clip: float | None = None,
-    timeout: float | timedelta | None = None,
-) -> GradientFlowConfig:
-    """The recipe as the DDP wrapper reads it (the one table's rule), or ``ValueError`` saying what to pass."""
-    return GradientFlowConfig(
-        compression=compression,
-        density=density,
-        chunk_size=chunk_size,
-        warmup_steps=warmup_steps,
-        quant_bits=quant_bits,
-        quant_block=quant_block,
-        quant_levels=quant_levels,
-        quant_precondition=quant_precondition,
-        quant_warmup_steps=quant_warmup_steps,
-        quant_clip=quant_clip,
-        timeout=timeout,
-    )
-
-
 def _mesh(mesh: DeviceMesh | None) -> HSDPMesh:
     if mesh is None:
         if not _DEFAULT_MESH:
@@ -75,56 +47,30 @@ def _mesh(mesh: DeviceMesh | None) -> HSDPMesh:
     return split_mesh(mesh)
 
 
-@overload
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
-    compression: str = ...,
-    density: float | None = ...,
-    chunk_size: int | str = ...,
-    warmup_steps: int = ...,
-    quant_bits: int | None = ...,
-    quant_block: int | None = ...,
-    quant_levels: QuantLevels | None = ...,
-    quant_precondition: bool | None = ...,
-    quant_warmup_steps: int | None = ...,
-    quant_clip: float | None = ...,
-    timeout: float | timedelta | None = ...,
-) -> FSDPModule: ...
+# Torch types fully_shard with two overloads (a module gives an FSDPModule, a list of modules a list), each repeating
+# every keyword.  Here the overloads are stated once, over the module alone: the keywords are the implementation's own
+# signature, carried by a ParamSpec, so they are written once (below), and help() and inspect.signature show that
+# function itself.  Dropping the overloads would type the result as the union (or Any): a user's
+# `fully_shard(model).set_requires_gradient_sync(False)` would no longer check; keywords behind
+# `**kwargs: Unpack[TypedDict]` would hide them from help() and give them no defaults.
+_P = ParamSpec("_P")
 
 
-@overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
-    compression: str = ...,
-    density: float | None = ...,
-    chunk_size: int | str = ...,
-    warmup_steps: int = ...,
-    quant_bits: int | None = ...,
-    quant_block: int | None = ...,
-    quant_levels: QuantLevels | None = ...,
-    quant_precondition: bool | None = ...,
-    quant_warmup_steps: int | None = ...,
-    quant_clip: float | None = ...,
-    timeout: float | timedelta | None = ...,
-) -> list[FSDPModule]: ...
+class _PerModule(Protocol[_P]):
+    """:func:`fully_shard`'s type: torch's two overloads, the keywords ``_P`` (the implementation's)."""
+
+    @overload
+    def __call__(self, module: nn.Module, *args: _P.args, **kwargs: _P.kwargs) -> FSDPModule: ...
+    @overload
+    def __call__(self, module: list[nn.Module], *args: _P.args, **kwargs: _P.kwargs) -> list[FSDPModule]: ...
 
 
+def _per_module(impl: Callable[Concatenate[nn.Module | list[nn.Module], _P], Any]) -> _PerModule[_P]:
+    """``impl`` itself, typed with torch's overloads over the module."""
+    return cast("_PerModule[_P]", impl)
+
+
+@_per_module
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -135,17 +81,18 @@ def fully_shard(
     offload_policy: OffloadPolicy = _OFFLOAD_DEFAULT,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
-    compression: str = "auto",
-    density: float | None = None,
-    chunk_size: int | str = "auto",
-    warmup_steps: int = 100,
-    quant_bits: int | None = None,
-    quant_block: int | None = None,
-    quant_levels: QuantLevels | None = None,
-    quant_precondition: bool | None = None,
-    quant_warmup_steps: int | None = None,
-    quant_clip: float | None = None,
-    timeout: float | timedelta | None = None,
+    # the recipe options (recipe_options.RecipeOptions: their names, types, defaults and meaning; the config's fields)
+    compression: str = "auto",  # fully_shard's own default (the wrapper's is "none"): the recipe for the optimizer
+    density: float | None = RecipeOptions.density,
+    chunk_size: int | str = RecipeOptions.chunk_size,
+    warmup_steps: int = RecipeOptions.warmup_steps,
+    quant_bits: int | None = RecipeOptions.quant_bits,
+    quant_block: int | None = RecipeOptions.quant_block,
+    quant_levels: QuantLevels | None = RecipeOptions.quant_levels,
+    quant_precondition: bool | None = RecipeOptions.quant_precondition,
+    quant_warmup_steps: int | None = RecipeOptions.quant_warmup_steps,
+    quant_clip: float | None = RecipeOptions.quant_clip,
+    timeout: float | timedelta | None = RecipeOptions.timeout,
 ) -> Any:
     """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
     reduction between nodes by a gradientflow recipe.
@@ -157,12 +104,12 @@ def fully_shard(
     (the top ``density`` of the shard's chunks of ``chunk_size``, the density ramped from dense over
     ``warmup_steps`` exchanges, the rest kept in the residual: :mod:`gradientflow.fsdp.topk`), ``"auto"`` (dense
     fp32 until the first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the
-    ``quant_*`` options as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may
-    wait.
+    ``quant_*`` options and the others after ``compression``: :class:`gradientflow.recipe_options.RecipeOptions`, the
+    same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
-    config = recipe_config(
-        compression,
+    config = GradientFlowConfig(  # the recipe as the DDP wrapper reads it: the one table's rule
+        compression=compression,
         density=density,
         chunk_size=chunk_size,
         warmup_steps=warmup_steps,

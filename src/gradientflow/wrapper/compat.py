@@ -29,7 +29,8 @@ class DDPValueError(ValueError, RuntimeError):
 
 @dataclass(frozen=True)
 class DDPSettings:
-    """What the wrapper takes from torch DDP's arguments."""
+    """What the wrapper takes from torch DDP's arguments (``check_reduction``, ``skip_all_reduce_unused_params`` and
+    ``batched_grad_copy`` are accepted and have no effect: none of them is here)."""
 
     device: torch.device | None  # inputs are moved here at forward (device_ids given), else None
     process_group: dist.ProcessGroup
@@ -39,6 +40,14 @@ class DDPSettings:
     init_sync: bool  # compare models and broadcast rank 0's state at construction
     init_sync_buffers: bool  # ... buffers included (the deprecated broadcast_buffers=False excludes them)
     static_graph: bool
+    # torch DDP's public attributes of the same names, as torch DDP sets them
+    device_ids: list[int | torch.device] | None
+    output_device: int | torch.device | None  # device_ids[0] where device_ids is given and output_device is not
+    dim: int
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    device_mesh: Any
+    bucket_cap_mb_list: list[int] | None
 
 
 def recipe_theta(config: GradientFlowConfig, theta_given: bool) -> GradientFlowConfig:
@@ -61,8 +70,9 @@ def _device_index(d: Any) -> torch.device:
 def resolve_ddp_args(
     module: nn.Module,
     *,
-    device_ids: Any,
-    output_device: Any,
+    device_ids: list[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    dim: int,
     broadcast_buffers: bool | None,
     forward_sync_buffers: bool | None,
     init_sync: bool,
@@ -70,7 +80,9 @@ def resolve_ddp_args(
     device_mesh: Any,
     bucket_cap_mb: float | None,
     fusion_threshold_mb: float | None,
-    bucket_cap_mb_list: Any,
+    bucket_cap_mb_list: list[int] | None,
+    find_unused_parameters: bool,
+    gradient_as_bucket_view: bool,
     static_graph: bool,
     delay_all_reduce_named_params: Any,
     param_to_hook_all_reduce: Any,
@@ -167,7 +179,7 @@ def resolve_ddp_args(
             "`broadcast_buffers` is deprecated in torch 2.13 DDP; `forward_sync_buffers` replaces it "
             "(unlike broadcast_buffers=False, forward_sync_buffers=False still syncs buffers at init).",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=2,  # the wrapper's constructor, which calls this
         )
     if forward_sync_buffers is not None:
         forward, at_init = bool(forward_sync_buffers), True
@@ -182,6 +194,13 @@ def resolve_ddp_args(
         init_sync=bool(init_sync),
         init_sync_buffers=bool(at_init),
         static_graph=bool(static_graph),
+        device_ids=list(device_ids) if device_ids else None,
+        output_device=output_device if output_device is not None or not device_ids else device_ids[0],
+        dim=dim,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        device_mesh=device_mesh,
+        bucket_cap_mb_list=bucket_cap_mb_list,
     )
 
 
@@ -209,19 +228,3 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
             obj, **{f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
-
-
-# The constructor's keyword arguments, by whose they are: torch DDP's (translated by resolve_ddp_args)
-# and gradientflow's own (handed to GradientFlowConfig as they are).
-DDP_ARGS = (
-    "device_ids", "output_device", "broadcast_buffers", "forward_sync_buffers", "init_sync", "process_group",
-    "device_mesh", "bucket_cap_mb", "fusion_threshold_mb", "bucket_cap_mb_list", "static_graph",
-    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
-)  # fmt: skip
-GF_OPTIONS = (
-    "comm_dtype", "algorithm", "density", "chunk_size", "warmup_steps", "momentum", "dense_1d", "chunk_score",
-    "csc_scope", "schedule", "timeout", "check_consistency", "check_finite", "trace_steps", "compression",
-    "topology", "quant_bits", "quant_block", "quant_levels", "quant_precondition", "quant_warmup_steps", "quant_clip",
-    "sync_every", "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",
-    "outer_state_device",
-)  # fmt: skip

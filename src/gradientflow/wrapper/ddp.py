@@ -29,6 +29,7 @@ from ..engine.consistency import check_same_setup
 from ..engine.pool import GradPool
 from ..engine.reducer import Reducer
 from ..engine.schedule import resolve as resolve_schedule
+from ..recipe_options import QuantLevels, RecipeOptions
 from ..strategies import build_strategy
 from . import auto, compat, fewer_syncs, nested
 from .checkpoint import Checkpointing, OptimizerWatch
@@ -67,21 +68,23 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
             a multi-dimensional device_mesh: ``ValueError`` with the alternative.  bucket_cap_mb_list:
             recorded (``bucket_bytes_cap_list``); the pool is cut by one threshold.
 
-    gradientflow's own options (keyword-only; see :class:`GradientFlowConfig` and the README):
-        fusion_threshold_mb [25.0; quantised: 8.0], comm_dtype ["fp32"], algorithm ["native"],
-        density [None = dense], chunk_size ["auto"], warmup_steps [100], momentum [0.0], dense_1d [True],
-        chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from the link
-        measured at construction, see :mod:`gradientflow.engine.schedule`], compression ["none"; a recipe of the
-        table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16", "topk-3bit", "3bit", "3bit-precond",
-        "2bit-precond", "auto"; docs/recipes.md], quant_bits, quant_block, quant_levels, quant_precondition,
-        quant_warmup_steps, quant_clip [None: the recipe's], topology ["auto": torchrun's node layout, two-level
-        synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1: DiLoCo, the replicas
-        synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [1.0], outer_momentum [0.0] (the
-        replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit"; "indexed-topk-2bit": the top chunks in 2
-        bits], outer_density [0.1 with a top-k outer_compression], sync_fragments [1], sync_delay [0],
-        outer_state_device [None] (the outer ones: sync_every > 1 only);
-        timeout, check_consistency, check_finite, trace_path, trace_steps: fail loudly, never
-        hang, and a timeline [the process group's, False, False, None, (1, 4)].
+    gradientflow's options (keyword-only; see :class:`GradientFlowConfig` and the README), first the recipe options
+    (:class:`gradientflow.recipe_options.RecipeOptions`, each documented there; ``fully_shard`` takes them too):
+        compression ["none"; a recipe of the table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16",
+        "topk-3bit", "3bit", "3bit-precond", "2bit-precond", "auto"; docs/recipes.md], density [None = dense],
+        chunk_size ["auto"], warmup_steps [100], quant_bits, quant_block, quant_levels, quant_precondition,
+        quant_warmup_steps, quant_clip [None: the recipe's], timeout [the process group's];
+    then the wrapper's own:
+        fusion_threshold_mb [25.0; quantised: 8.0], comm_dtype ["fp32"], algorithm ["native"], momentum [0.0],
+        dense_1d [True], chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from
+        the link measured at construction, see :mod:`gradientflow.engine.schedule`], topology ["auto": torchrun's
+        node layout, two-level synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1:
+        DiLoCo, the replicas synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [1.0],
+        outer_momentum [0.0] (the replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit";
+        "indexed-topk-2bit": the top chunks in 2 bits], outer_density [0.1 with a top-k outer_compression], sync_fragments [1],
+        sync_delay [0], outer_state_device [None] (the outer ones: sync_every > 1 only);
+        timeout (above), check_consistency, check_finite, trace_path, trace_steps: fail loudly, never hang, and a
+        timeline [the process group's, False, False, None, (1, 4)].
     """
 
     # Set by _gf_validate / _gf_attach_group / _gf_collect_tensors (declared for the type checker).
@@ -111,30 +114,32 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
+        # the recipe options (recipe_options.RecipeOptions: their names, types, defaults and meaning; fully_shard's too)
+        compression: str = RecipeOptions.compression,
+        density: float | None = RecipeOptions.density,
+        chunk_size: int | str = RecipeOptions.chunk_size,
+        warmup_steps: int = RecipeOptions.warmup_steps,
+        quant_bits: int | None = RecipeOptions.quant_bits,
+        quant_block: int | None = RecipeOptions.quant_block,
+        quant_levels: QuantLevels | None = RecipeOptions.quant_levels,
+        quant_precondition: bool | None = RecipeOptions.quant_precondition,
+        quant_warmup_steps: int | None = RecipeOptions.quant_warmup_steps,
+        quant_clip: float | None = RecipeOptions.quant_clip,
+        timeout: float | timedelta | None = RecipeOptions.timeout,
+        # the wrapper's own options (config.GradientFlowConfig's other fields)
         fusion_threshold_mb: float | None = None,
         comm_dtype: str | torch.dtype = "fp32",
         algorithm: str = "native",
-        density: float | None = None,
-        chunk_size: int | str = "auto",
-        warmup_steps: int = 100,
         momentum: float = 0.0,
         dense_1d: bool = True,
         chunk_score: str = "l1",
         csc_scope: str = "slice",
         schedule: str = "fixed",
-        timeout: float | timedelta | None = None,
         check_consistency: bool = False,
         check_finite: bool = False,
         trace_path: str | os.PathLike | None = None,
         trace_steps: tuple[int, int] | None = None,
-        compression: str = "none",
         topology: str = "auto",
-        quant_bits: int | None = None,
-        quant_block: int | None = None,
-        quant_levels: str | None = None,
-        quant_precondition: bool | None = None,
-        quant_warmup_steps: int | None = None,
-        quant_clip: float | None = None,
         sync_every: int = 1,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -148,7 +153,63 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         Joinable.__init__(self)
         error: Exception | None = None
         try:  # everything local first: a failure here is raised on every rank (agree_on_construction)
-            self._gf_validate(module, locals())
+            settings = resolve_ddp_args(  # torch DDP's arguments, translated (those without effect: DDPSettings)
+                module,
+                device_ids=device_ids,
+                output_device=output_device,
+                dim=dim,
+                broadcast_buffers=broadcast_buffers,
+                forward_sync_buffers=forward_sync_buffers,
+                init_sync=init_sync,
+                process_group=process_group,
+                device_mesh=device_mesh,
+                bucket_cap_mb=bucket_cap_mb,
+                fusion_threshold_mb=fusion_threshold_mb,
+                bucket_cap_mb_list=bucket_cap_mb_list,
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                static_graph=static_graph,
+                delay_all_reduce_named_params=delay_all_reduce_named_params,
+                param_to_hook_all_reduce=param_to_hook_all_reduce,
+                mixed_precision=mixed_precision,
+            )
+            config = GradientFlowConfig(  # gradientflow's options as given, θ and the buffers' flag as resolved
+                compression=compression,
+                density=density,
+                chunk_size=chunk_size,
+                warmup_steps=warmup_steps,
+                quant_bits=quant_bits,
+                quant_block=quant_block,
+                quant_levels=quant_levels,
+                quant_precondition=quant_precondition,
+                quant_warmup_steps=quant_warmup_steps,
+                quant_clip=quant_clip,
+                timeout=timeout,
+                fusion_threshold_mb=settings.fusion_threshold_mb,
+                broadcast_buffers=settings.forward_sync_buffers,
+                # these five take more than the config's Literal types (torch's dtypes, any case): it normalises them
+                comm_dtype=comm_dtype,  # type: ignore[arg-type]
+                algorithm=algorithm,  # type: ignore[arg-type]
+                chunk_score=chunk_score,  # type: ignore[arg-type]
+                csc_scope=csc_scope,  # type: ignore[arg-type]
+                schedule=schedule,  # type: ignore[arg-type]
+                momentum=momentum,
+                dense_1d=dense_1d,
+                check_consistency=check_consistency,
+                check_finite=check_finite,
+                trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
+                trace_steps=trace_steps,
+                topology=topology,
+                sync_every=sync_every,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                outer_compression=outer_compression,
+                outer_density=outer_density,
+                sync_fragments=sync_fragments,
+                sync_delay=sync_delay,
+                outer_state_device=outer_state_device,
+            )
+            self._gf_validate(module, settings, config)
         except (ValueError, TypeError, RuntimeError) as e:
             error = e
         agree_on_construction(
@@ -174,36 +235,27 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         self._gf_outer = fewer_syncs.build(self)  # sync_every > 1: the outer loop (its groups, its hooks)
         self._gf_build_engine(order=None)
 
-    def _gf_validate(self, module: nn.Module, args: dict[str, Any]) -> None:
-        """Arguments, options and module, checked on this rank alone (no collective)."""
-        a = dict(args)
-        device_ids, output_device = a["device_ids"], a["output_device"]
-        trace_path = a["trace_path"]
-        settings = resolve_ddp_args(module, **{k: a[k] for k in compat.DDP_ARGS})
-        config = GradientFlowConfig(
-            fusion_threshold_mb=settings.fusion_threshold_mb,
-            broadcast_buffers=settings.forward_sync_buffers,
-            trace_path=os.fspath(trace_path) if isinstance(trace_path, os.PathLike) else trace_path,
-            **{k: a[k] for k in compat.GF_OPTIONS},
-        )
+    def _gf_validate(self, module: nn.Module, settings: DDPSettings, config: GradientFlowConfig) -> None:
+        """The module against the arguments and options (``settings``, ``config``: each checked already), on this
+        rank alone (no collective); torch DDP's attributes set."""
         self.config = compat.recipe_theta(config, settings.theta_given)  # the quantised recipe's own θ
         mechanisms.check_door(self.config.mechanism, "ddp", f"compression={self.config.compression!r}")
         nested.check_wrap(module, self.config)  # a DDP inside: refused where two DDPs' results would differ
         # torch DDP's public attributes, same names and meaning.
         self.module = module
-        self.device_ids = list(device_ids) if device_ids else None
-        self.output_device = output_device if output_device is not None or not device_ids else device_ids[0]
-        self.dim = a["dim"]
+        self.device_ids = settings.device_ids
+        self.output_device = settings.output_device
+        self.dim = settings.dim
         self.forward_sync_buffers = settings.forward_sync_buffers
-        self.find_unused_parameters = a["find_unused_parameters"]
-        self.gradient_as_bucket_view = a["gradient_as_bucket_view"]
+        self.find_unused_parameters = settings.find_unused_parameters
+        self.gradient_as_bucket_view = settings.gradient_as_bucket_view
         self.static_graph = settings.static_graph
         self.require_backward_grad_sync = True  # False inside no_sync(), as in DDP
         # True after a synchronised forward (and at first): the next forward, with grad or not, broadcasts
         # the buffers, as torch DDP does (a validation pass after training sees rank 0's BatchNorm stats).
         self.require_forward_param_sync = True
-        self.device_mesh = a["device_mesh"]
-        self.bucket_cap_mb_list = a["bucket_cap_mb_list"]
+        self.device_mesh = settings.device_mesh
+        self.bucket_cap_mb_list = settings.bucket_cap_mb_list
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in self.bucket_cap_mb_list or []]
         self._gf_torch = TorchRegistrations()
         self._gf_device = settings.device
