@@ -61,7 +61,7 @@ def test_the_quantised_family_by_width() -> None:
     assert (four.compression, four.quant_bits, four.quant_block, four.quant_levels) == ("4bit", 4, 128, "fitted")
     assert GradientFlowConfig(compression="2bit-precond").quantizer() == (2, 128, "zeroless", True, 20, 0.0)
     assert GradientFlowConfig(compression="3bit-precond").quantizer() == (3, 128, "fitted", True, 0, 0.0)
-    for bad in ("9bit", "q9", "1bit", "3bits", "indexed-topk-2bit"):
+    for bad in ("9bit", "q9", "1bit", "3bits", "topk-2bit"):
         with pytest.raises(ValueError, match="compression must be a recipe's name"):
             GradientFlowConfig(compression=bad)
 

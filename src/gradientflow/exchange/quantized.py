@@ -7,10 +7,10 @@ result); the wire is :mod:`.ring`'s, so a failure is named through the watchdog.
 are the door's tensors (allocated by :mod:`.error_feedback`, laid out where the door's values live: the DDP
 pool's buckets, an FSDP module's shard, an outer fragment), handed to :meth:`QuantizedExchange.start`.
 
-Per exchange: :meth:`QuantizedExchange.start` posts the ring of ``x`` (the contribution, fp32) with ``e``
-carried (added to it first); the returned :class:`Flight` is advanced (:meth:`Flight.poll`, never blocking) or
-waited for (:meth:`Flight.wait`), then :meth:`Flight.complete` undoes the preconditioner; ``x`` holds the decoded
-sum, ``e`` what this rank's quantisation lost.  :meth:`QuantizedExchange.advance` counts one exchange (a door's
+Per exchange: :meth:`QuantizedExchange.start` posts the ring of ``x`` (the contribution, fp32) with ``e`` carried (added
+to it first); the returned :class:`QuantizedFlight` is advanced (:meth:`QuantizedFlight.poll`, never blocking) or waited
+for (:meth:`QuantizedFlight.wait`), then :meth:`QuantizedFlight.complete` undoes the preconditioner; ``x`` holds the
+decoded sum, ``e`` what this rank's quantisation lost.  :meth:`QuantizedExchange.advance` counts one exchange (a door's
 step: the DDP recipe counts its steps, not its buckets).
 """
 
@@ -57,7 +57,7 @@ def after_ring(
         ema_update(q, x)
 
 
-class Flight:
+class QuantizedFlight:
     """One quantised exchange posted: :meth:`poll` / :meth:`wait` drive its ring (failures named), :meth:`complete`
     (once, after it is done) puts the preconditioner's units back and moves ``q``."""
 
@@ -109,7 +109,7 @@ class QuantizedExchange:
         """Whether this exchange divides by the preconditioner's ``r`` (its recipe preconditions, past the warm-up)."""
         return self.quantizer.precondition and self.step >= self.quantizer.warmup_steps
 
-    def start(self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None) -> Flight:
+    def start(self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None) -> QuantizedFlight:
         """Post the exchange of ``x`` (this rank's fp32 contribution) with the residual ``err`` carried; ``sq``: the
         preconditioner's ``q`` for these coordinates where the recipe preconditions (``None`` otherwise)."""
         q = self.quantizer
@@ -130,7 +130,7 @@ class QuantizedExchange:
             carry=carry,
             fused=fused,
         )
-        return Flight(ring, x, err, root, fused, sq)
+        return QuantizedFlight(ring, x, err, root, fused, sq)
 
     def advance(self) -> None:
         """One exchange (a door's step) done: the warm-up's count."""

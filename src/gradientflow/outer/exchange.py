@@ -31,8 +31,7 @@ from .. import mechanisms
 from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
 from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
-from ..exchange.quantized import Flight as QuantizedFlight
-from ..exchange.quantized import QuantizedExchange
+from ..exchange.quantized import QuantizedExchange, QuantizedFlight
 from ..outer_options import OuterExchange
 from .sparse import TopChunks
 

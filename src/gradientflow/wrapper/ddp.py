@@ -81,8 +81,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         node layout, two-level synchronisation with nodes of several ranks; "flat"; "MxG"]; sync_every [1; H > 1:
         DiLoCo, the replicas synchronised every H optimizer steps, docs/fewer-syncs.md], outer_lr [1.0],
         outer_momentum [0.0] (the replicas averaged; DiLoCo's: 0.7, 0.9), outer_compression ["3bit";
-        "indexed-topk-2bit": the top chunks in 2 bits], outer_density [0.1 with a top-k outer_compression], sync_fragments [1],
-        sync_delay [0], outer_state_device [None] (the outer ones: sync_every > 1 only);
+        "indexed-topk-2bit": the top chunks in 2 bits], outer_density [0.1 with a top-k outer_compression],
+        sync_fragments [1], sync_delay [0], outer_state_device [None] (the outer ones: sync_every > 1 only);
         timeout (above), check_consistency, check_finite, trace_path, trace_steps: fail loudly, never hang, and a
         timeline [the process group's, False, False, None, (1, 4)].
     """
