@@ -4,8 +4,8 @@ A recipe is a named bundle of the wrapper's options (``compression="3bit"`` sets
 ``quant_block=128``, ...).  Every place that names recipes reads this table: the options' validation
 (:mod:`gradientflow.config`), ``compression="auto"``'s policy (:mod:`gradientflow.policy`), the bench's modes,
 ``gradientflow simulate`` and the docs' table (docs/recipes.md, checked against :func:`markdown_table`).
-Adding a recipe of an existing mechanism is one row here; a new mechanism is one strategy module and one
-branch of :func:`gradientflow.strategies.build_strategy`.
+Adding a recipe of an existing mechanism is one row here; a new mechanism is declared in
+:mod:`gradientflow.mechanisms`, with a form for each door it serves.
 
 The rule for options passed beside a recipe (stated once, here; tested in tests/test_recipes.py):
 

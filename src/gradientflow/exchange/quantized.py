@@ -57,9 +57,9 @@ def after_ring(
         ema_update(q, x)
 
 
-class QuantizedFlight:
-    """One quantised exchange posted: :meth:`poll` / :meth:`wait` drive its ring (failures named), :meth:`complete`
-    (once, after it is done) puts the preconditioner's units back and moves ``q``."""
+class QuantizedFlight(Ring):
+    """One quantised exchange posted: its :class:`~.ring.Ring` (:meth:`poll` / :meth:`wait`, failures named), and
+    :meth:`complete` (once, after it is done), which puts the preconditioner's units back and moves ``q``."""
 
     def __init__(
         self,
@@ -70,21 +70,8 @@ class QuantizedFlight:
         fused: codec_native.Fused | None,
         sq: torch.Tensor | None,
     ) -> None:
-        self.ring, self.x, self.err, self.root, self.fused, self.sq = ring, x, err, root, fused, sq
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.ring.payload_bytes
-
-    @property
-    def sent_bytes(self) -> int:
-        return self.ring.sent_bytes
-
-    def poll(self) -> bool:
-        return self.ring.poll()
-
-    def wait(self) -> None:
-        self.ring.wait()
+        super().__init__(ring.ring, ring.watchdog, ring.what, ring.started, ring.named)
+        self.x, self.err, self.root, self.fused, self.sq = x, err, root, fused, sq
 
     def complete(self) -> None:
         after_ring(self.x, self.err, self.root, self.fused, self.sq)

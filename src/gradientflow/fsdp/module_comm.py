@@ -126,6 +126,7 @@ class ModuleComm:
         t0 = time.perf_counter()
         sent = self.exchange(t)
         self._count(t, sent, time.perf_counter() - t0)
+        self.watchdog.step += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
 
     def _count(self, t: torch.Tensor, sent: Sent, seconds: float) -> None:
         dense = t.numel() * 4
