@@ -8,8 +8,8 @@ are the door's tensors (allocated by :mod:`.error_feedback`, laid out where the 
 pool's buckets, an FSDP module's shard, an outer fragment), handed to :meth:`QuantizedExchange.start`.
 
 Per exchange: :meth:`QuantizedExchange.start` posts the ring of ``x`` (the contribution, fp32) with ``e`` carried (added
-to it first); the returned :class:`QuantizedFlight` is advanced (:meth:`QuantizedFlight.poll`, never blocking) or waited
-for (:meth:`QuantizedFlight.wait`), then :meth:`QuantizedFlight.complete` undoes the preconditioner; ``x`` holds the
+to it first); the returned :class:`~.ring.Ring` is advanced (:meth:`~.ring.Ring.poll`, never blocking) or waited
+for (:meth:`~.ring.Ring.wait`), then :meth:`~.ring.Ring.complete` undoes the preconditioner; ``x`` holds the
 decoded sum, ``e`` what this rank's quantisation lost.  :meth:`QuantizedExchange.advance` counts one exchange (a door's
 step: the DDP recipe counts its steps, not its buckets).
 """
@@ -57,26 +57,6 @@ def after_ring(
         ema_update(q, x)
 
 
-class QuantizedFlight(Ring):
-    """One quantised exchange posted: its :class:`~.ring.Ring` (:meth:`poll` / :meth:`wait`, failures named), and
-    :meth:`complete` (once, after it is done), which puts the preconditioner's units back and moves ``q``."""
-
-    def __init__(
-        self,
-        ring: Ring,
-        x: torch.Tensor,
-        err: torch.Tensor,
-        root: Root | None,
-        fused: codec_native.Fused | None,
-        sq: torch.Tensor | None,
-    ) -> None:
-        super().__init__(ring.ring, ring.watchdog, ring.what, ring.started, ring.named)
-        self.x, self.err, self.root, self.fused, self.sq = x, err, root, fused, sq
-
-    def complete(self) -> None:
-        after_ring(self.x, self.err, self.root, self.fused, self.sq)
-
-
 class QuantizedExchange:
     """The quantised exchange over ``group`` (its ranks are the parties: DDP's ranks, FSDP's or the outer loop's
     nodes): the quantiser, the exchanges counted for the warm-up, failures named by ``watchdog``."""
@@ -96,7 +76,7 @@ class QuantizedExchange:
         """Whether this exchange divides by the preconditioner's ``r`` (its recipe preconditions, past the warm-up)."""
         return self.quantizer.precondition and self.step >= self.quantizer.warmup_steps
 
-    def start(self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None) -> QuantizedFlight:
+    def start(self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None) -> Ring:
         """Post the exchange of ``x`` (this rank's fp32 contribution) with the residual ``err`` carried; ``sq``: the
         preconditioner's ``q`` for these coordinates where the recipe preconditions (``None`` otherwise)."""
         q = self.quantizer
@@ -117,7 +97,8 @@ class QuantizedExchange:
             carry=carry,
             fused=fused,
         )
-        return QuantizedFlight(ring, x, err, root, fused, sq)
+        ring.then = lambda: after_ring(x, err, root, fused, sq)
+        return ring
 
     def advance(self) -> None:
         """One exchange (a door's step) done: the warm-up's count."""

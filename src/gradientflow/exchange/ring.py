@@ -43,6 +43,14 @@ class Ring:
 
     def __init__(self, ring: QuantizedRing, watchdog: Watchdog | None, what: str, started: float, named: bool) -> None:
         self.ring, self.watchdog, self.what, self.started, self.named = ring, watchdog, what, started, named
+        self.then: Callable[[], None] | None = None  # what completes the exchange once the sum is in (complete())
+
+    def complete(self) -> None:
+        """Once the ring is done: what its exchange does after it (the quantised exchange's preconditioner units
+        put back and ``q`` moved, :mod:`.quantized`), once."""
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
     @property
     def payload_bytes(self) -> int:

@@ -31,7 +31,8 @@ from .. import mechanisms
 from ..comm.collectives import PendingAllreduce, all_gather_single, start_allreduce
 from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
-from ..exchange.quantized import QuantizedExchange, QuantizedFlight
+from ..exchange.quantized import QuantizedExchange
+from ..exchange.ring import Ring
 from ..outer_options import OuterExchange
 from .sparse import TopChunks
 
@@ -192,7 +193,7 @@ class QuantizedOuterFlight(Flight):
         old = avg.residuals[fragment]
         self.err = error_feedback.zeros_like(self.mine) if old is None else old.clone()  # old stays until commit()
         self.wire = self.mine.div_(avg.parties)  # in place: one copy of the fragment less while a sync runs
-        self.ring: QuantizedFlight = avg.quantized.start(self.wire, self.err, self.what)
+        self.ring: Ring = avg.quantized.start(self.wire, self.err, self.what)
 
     def poll(self) -> None:
         self.ring.poll()  # a failure is named by the exchange (gradientflow.exchange.ring)

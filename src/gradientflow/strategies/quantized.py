@@ -56,8 +56,8 @@ from ..engine.pool import Bucket, GradPool, Layout
 from ..engine.protocol import SyncStrategy
 from ..exchange.error_feedback import Residuals, ShardResiduals, residual_state, validate_residual_state
 from ..exchange.precondition import Root, ema_update
-from ..exchange.quantized import QuantizedExchange, QuantizedFlight
-from ..exchange.ring import guarded
+from ..exchange.quantized import QuantizedExchange
+from ..exchange.ring import Ring, guarded
 from ..options_base import Quantizer
 from .quantized_nodes import TWO_LEVEL, NodeQuantizer, start_two_level
 
@@ -68,7 +68,7 @@ class _Pending:
     def __init__(self, bucket: Bucket, flat: torch.Tensor, err: torch.Tensor, divided: bool) -> None:
         self.bucket, self.flat, self.err, self.divided = bucket, flat, err, divided
         self.x: torch.Tensor | None = None
-        self.flight: QuantizedFlight | None = None
+        self.flight: Ring | None = None
 
 
 class QuantizedSync(SyncStrategy):
