@@ -1,4 +1,4 @@
-"""``compression="cscq"``: CSC whose selected chunks travel as 3-bit blocks, the error left in the residual.
+"""``compression="topk-3bit"``: the top-k chunks travel as 3-bit blocks, the error left in the residual.
 
 Specified as a user sees it: the options the name sets, ranks that agree after every step, the bytes of every
 step derived by hand, nothing lost (what a step did not deliver is in v), and an exact resume.
@@ -27,8 +27,8 @@ from _dist import run_distributed
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def test_cscq_is_density_0_3_on_fp32_rows_unless_a_density_is_passed_and_refuses_a_conflicting_wire() -> None:
-    cfg = GradientFlowConfig(compression="cscq")
+def test_topk_3bit_is_density_0_3_on_fp32_rows_unless_a_density_is_passed_and_refuses_a_conflicting_wire() -> None:
+    cfg = GradientFlowConfig(compression="topk-3bit")
     assert (cfg.compression, cfg.density, cfg.comm_dtype, cfg.quant_bits, cfg.quant_block) == (
         "topk-3bit",
         0.3,
@@ -36,21 +36,23 @@ def test_cscq_is_density_0_3_on_fp32_rows_unless_a_density_is_passed_and_refuses
         3,
         128,
     )
-    assert cfg.sparse and not cfg.quantized  # CSC's strategy, its chunks quantised
+    assert cfg.sparse and not cfg.quantized  # the top-k strategy, its chunks quantised
+    assert GradientFlowConfig(compression="cscq") == cfg  # its earlier name, still accepted
     with pytest.raises(ValueError, match="compression='topk-3bit' puts its own codes on the wire"):
-        GradientFlowConfig(compression="cscq", comm_dtype="fp16")
+        GradientFlowConfig(compression="topk-3bit", comm_dtype="fp16")
     # a density passed beside it overrides the recipe's (docs/recipes.md, the rule)
-    denser = GradientFlowConfig(compression="cscq", density=0.5)
+    denser = GradientFlowConfig(compression="topk-3bit", density=0.5)
     assert (denser.compression, denser.density, denser.comm_dtype, denser.quant_bits) == ("topk-3bit", 0.5, "fp32", 3)
     assert dataclasses.replace(denser) == denser  # resolving again keeps it (a resumed or rebuilt config)
     with pytest.raises(ValueError, match="density must be None"):
-        GradientFlowConfig(compression="cscq", density=1.5)
+        GradientFlowConfig(compression="topk-3bit", density=1.5)
 
 
-def test_auto_gives_cscq_half_the_chunks_beyond_a_pair_of_ranks() -> None:
+def test_auto_gives_topk_3bit_half_the_chunks_beyond_a_pair_of_ranks() -> None:
     """More than two parties quantise the chunks twice (a ring's reduce-scatter and its sum, or the node sums); a pair
     once: "auto" sends 0.5 of the chunks there (measured 1.015x / 1.019x DDP's loss at 4 ranks where 0.3 ended 1.021x
-    / 1.027x), 0.3 on two ranks.  Nothing for the other recipes, nor for "cscq" passed by name (the wrapper only)."""
+    / 1.027x), 0.3 on two ranks.  Nothing for the other recipes, nor for "topk-3bit" passed by name (the wrapper
+    only)."""
     from gradientflow.policy.auto_choice import recipe_options
 
     assert recipe_options("topk-3bit", 2) == {}
@@ -63,18 +65,18 @@ def test_auto_gives_cscq_half_the_chunks_beyond_a_pair_of_ranks() -> None:
     assert recipe_options("3bit", 4) == recipe_options("topk-fp16", 4) == {}
 
 
-def test_cscq_and_auto_chunks_hold_whole_quantiser_blocks() -> None:
+def test_topk_3bit_and_auto_chunks_hold_whole_quantiser_blocks() -> None:
     """chunk_size="auto" gives the quality bench's digits CNN (188,234 gradients) 2 ** floor(log2(188234 // 2000)) = 64
-    under CSC; "cscq" (and "auto", which may pick it) floor it at the 128-gradient block: the rows are encoded
-    straight, and the fp32 scores cost 4 / (128 x 4) of DDP's bytes instead of 4 / (64 x 4).  Large models keep the
-    paper's 32768; a chunk the user passes is kept."""
+    under "topk-fp16"; "topk-3bit" (and "auto", which may pick it) floor it at the 128-gradient block: the rows are
+    encoded straight, and the fp32 scores cost 4 / (128 x 4) of DDP's bytes instead of 4 / (64 x 4).  Large models
+    keep the paper's 32768; a chunk the user passes is kept."""
     cpu = torch.device("cpu")
-    assert GradientFlowConfig(compression="csc").resolved(188_234, cpu).chunk_size == 64
-    assert GradientFlowConfig(compression="cscq").resolved(188_234, cpu).chunk_size == 128
+    assert GradientFlowConfig(compression="topk-fp16").resolved(188_234, cpu).chunk_size == 64
+    assert GradientFlowConfig(compression="topk-3bit").resolved(188_234, cpu).chunk_size == 128
     assert GradientFlowConfig(compression="auto").resolved(188_234, cpu).chunk_size == 128
-    assert GradientFlowConfig(compression="cscq").resolved(431_463, cpu).chunk_size == 128  # the LM: 128 already
-    assert GradientFlowConfig(compression="cscq").resolved(25_557_032, cpu).chunk_size == 32768
-    assert GradientFlowConfig(compression="cscq", chunk_size=64).resolved(188_234, cpu).chunk_size == 64
+    assert GradientFlowConfig(compression="topk-3bit").resolved(431_463, cpu).chunk_size == 128  # the LM: 128 already
+    assert GradientFlowConfig(compression="topk-3bit").resolved(25_557_032, cpu).chunk_size == 32768
+    assert GradientFlowConfig(compression="topk-3bit", chunk_size=64).resolved(188_234, cpu).chunk_size == 64
 
 
 def _model(chunk: int = CHUNK, **kw) -> gf.DistributedDataParallel:
@@ -82,7 +84,7 @@ def _model(chunk: int = CHUNK, **kw) -> gf.DistributedDataParallel:
     # one quantised message; no ramp and no 1-D rule unless asked: the selection is density's alone.
     opts = dict(fusion_threshold_mb=0.001, chunk_size=chunk, dense_1d=False, warmup_steps=0, csc_scope="global")
     opts.update(kw)
-    return gf.DistributedDataParallel(_mlp(), compression="cscq", **opts)
+    return gf.DistributedDataParallel(_mlp(), compression="topk-3bit", **opts)
 
 
 def _flat(model: gf.DistributedDataParallel, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -124,7 +126,7 @@ def _steps_worker(rank: int, world_size: int, steps: int, chunk: int) -> list[li
             dist.all_reduce(rhs)
             lhs += world_size * avg.double()
             assert float((lhs - rhs).abs().max()) <= 2 * world_size * EPS32 * float(m), step
-            # the sent rows really were quantised: their error is in v (CSC alone leaves 0 there)
+            # the sent rows really were quantised: their error is in v ("topk-fp16" leaves 0 there)
             sent = sync.last_selected
             rows = v_after.new_zeros(n * chunk)
             rows[: v_after.numel()] = v_after
@@ -159,9 +161,9 @@ def _resume_worker(rank: int, world_size: int) -> None:
     params = [p.detach().clone() for p in first.module.parameters()]
     assert ckpt["comm"]["compression"] == "topk-3bit" and ckpt["comm"]["step"] == 3
 
-    plain_csc = gf.DistributedDataParallel(_mlp(), compression="csc", chunk_size=CHUNK)
+    plain_topk = gf.DistributedDataParallel(_mlp(), compression="topk-fp16", chunk_size=CHUNK)
     with pytest.raises(ValueError, match="saved with compression='topk-3bit'"):
-        plain_csc.load_comm_state_dict(ckpt["comm"])  # the same residual, another wire: refused, not guessed
+        plain_topk.load_comm_state_dict(ckpt["comm"])  # the same residual, another wire: refused, not guessed
 
     second = _model(**kw)
     with torch.no_grad():
@@ -180,7 +182,7 @@ def test_comm_state_dict_resume_is_bit_identical_and_another_recipe_is_refused()
 
 
 def _overflow_worker(rank: int, world_size: int, chunk: int) -> dict:
-    """An inf in one rank's gradient (a loss scale too high): every rank skips that step, as with fp16 CSC."""
+    """An inf in one rank's gradient (a loss scale too high): every rank skips that step, as with "topk-fp16"."""
     gen = torch.Generator().manual_seed(50 + rank)
     x, y = _batch(gen, 64)
     model = _model(chunk, momentum=0.0)
@@ -301,19 +303,19 @@ def _memory_worker(rank: int, world_size: int, compression: str) -> float:
     return top
 
 
-def test_cscq_holds_no_more_memory_than_csc_across_the_first_steps_re_layout() -> None:
-    """The first step re-lays the pool and v in backward order; the rows "cscq" decoded into are views of the old
+def test_topk_3bit_holds_no_more_memory_than_topk_fp16_across_the_first_steps_re_layout() -> None:
+    """The first step re-lays the pool and v in backward order; the rows "topk-3bit" decoded into are views of the old
     ones and must be let go with the step, else the old pool and v stay alive a step longer: 2 x 29 MB more at the
-    peak than CSC's (measured before the fix: ResNet-50's +707 MB against CSC's +500).  Both hold the same buffers
+    peak than "topk-fp16"'s (measured before the fix: ResNet-50's +707 MB against its +500).  Both hold the same buffers
     (pool, v, momentum; the wires' scratch is under 2 MB here), so a margin of one model size (29 MB) separates
     an RSS reading's noise from the two buffers held."""
     from gradientflow.comm import codec_native
 
     if codec_native.library() is None:
         pytest.skip("no C compiler here: the rows are packed, nothing of the pool is held")
-    csc = max(run_distributed(_memory_worker, 2, "csc", timeout=120))
-    cscq = max(run_distributed(_memory_worker, 2, "cscq", timeout=120))
-    assert cscq < csc + 29, (cscq, csc)
+    fp16 = max(run_distributed(_memory_worker, 2, "topk-fp16", timeout=120))
+    three_bit = max(run_distributed(_memory_worker, 2, "topk-3bit", timeout=120))
+    assert three_bit < fp16 + 29, (three_bit, fp16)
 
 
 def _accumulate_worker(rank: int, world_size: int) -> list[list[float]]:
@@ -342,15 +344,15 @@ def test_no_sync_accumulation_trains_identical_ranks() -> None:
     assert r0[0] != r0[-1]  # it trained
 
 
-def test_adamw_under_cscq_is_warned_at_its_first_step() -> None:
-    """A user who passes "cscq" with AdamW hears, at the first step, what it measured and what to pass instead."""
+def test_adamw_under_topk_3bit_is_warned_at_its_first_step() -> None:
+    """A user who passes "topk-3bit" with AdamW hears, at the first step, what it measured and what to pass instead."""
     run_distributed(_adamw_warning_worker, 1, timeout=60)
 
 
 def _adamw_warning_worker(rank: int, world_size: int) -> None:
     import warnings
 
-    model = gf.DistributedDataParallel(_mlp(), compression="cscq", chunk_size=CHUNK)
+    model = gf.DistributedDataParallel(_mlp(), compression="topk-3bit", chunk_size=CHUNK)
     opt = torch.optim.AdamW(model.parameters())
     x, y = _batch(torch.Generator().manual_seed(0))
     nn.functional.cross_entropy(model(x), y).backward()
@@ -377,7 +379,7 @@ class _Deep(nn.Module):
 def _slow_rank_worker(rank: int, world_size: int) -> list[list[float]]:
     torch.manual_seed(0)
     model = gf.DistributedDataParallel(
-        _Deep(), compression="cscq", fusion_threshold_mb=0.001, chunk_size=128, dense_1d=False, warmup_steps=0
+        _Deep(), compression="topk-3bit", fusion_threshold_mb=0.001, chunk_size=128, dense_1d=False, warmup_steps=0
     )
     if rank == 0:  # rank 0 dawdles between two slices of its backward: its earlier exchange's messages all arrive
         model.module.layers[4].register_full_backward_hook(lambda *_: time.sleep(0.05))
