@@ -23,7 +23,7 @@ from gradientflow.recipes import RECIPES, Recipe
 from .config import SimConfig
 from .model_profile import ModelProfile
 from .planner import DDP
-from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+from .schedule import TECHNIQUES, THREE_BIT, TOPK_3BIT, Iteration, Technique, simulate
 
 AUTO_FOR = {"sgd": SGD_RECIPE, "adamw": ADAM_RECIPE}
 """The row ``"auto"`` runs for the bench's and the planner's two optimizers."""
@@ -48,8 +48,8 @@ def recipe_technique(recipe: Recipe, optimizer: str = "sgd") -> Technique:
     q = cfg.quantizer()
     wire = quantized_wire_bytes(q.bits, q.block)
     if recipe.mechanism == "quantized":
-        return dataclasses.replace(QUANTIZED, wire_bytes=wire, block=q.block)
-    return dataclasses.replace(CSCQ, wire_bytes=wire, block=q.block, density=cfg.density)
+        return dataclasses.replace(THREE_BIT, wire_bytes=wire, block=q.block)
+    return dataclasses.replace(TOPK_3BIT, wire_bytes=wire, block=q.block, density=cfg.density)
 
 
 def recipe_label(recipe: Recipe) -> str:
