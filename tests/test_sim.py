@@ -458,16 +458,6 @@ def test_validate_predicts_a_recorded_2x2_results_json_by_hand():
     assert got == pytest.approx(want)
 
 
-def test_sensitivity_break_even_by_hand():
-    from gradientflow.sim.sensitivity import break_even
-
-    # `ring` at 2 GPUs: after backward, one ring per tensor: t = 1 + 2 x 0.01 + 16000 B / B; speedup 2 / t
-    cfg = _cfg(bandwidth=1e5, latency=0.01)
-    b = break_even(HAND, cfg, 2, "ring", 1.0, "bandwidth", 1e3, 1e6)  # speedup 1: t = 2 s
-    assert b == pytest.approx(16000 / 0.98, rel=1e-6)
-    assert break_even(HAND, cfg, 2, "ring", 1.99, "bandwidth", 1e3, 1e6) is None  # not reached in the range
-
-
 def test_cli_validate_a_2x2_bench_end_to_end(capsys, tmp_path):
     """`simulate --validate` on a recorded 2 x 2 results.json: without the intra-node fit it says what to
     measure; with it, one row per mode it models, flat twins included, into --validate-out."""

@@ -1,6 +1,6 @@
 """What one assumption of the paper's preset would have to be for the model to give a stated figure.
 
-    python -m gradientflow.sim.sensitivity --out benchmarks/sim_paper_sensitivity
+    python experiments/paper_sensitivity.py --out benchmarks/sim_paper_sensitivity
 
 For each of the paper's 512-GPU figures (:data:`~gradientflow.sim.presets.PAPER_TARGETS`, ``csc``) and
 each assumption, with every other assumption at the preset (``--preset paper``): the value of that one
@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 from gradientflow.bench.models import resolve_model
-
-from .config import SimConfig
-from .model_profile import ModelProfile, flop_profile
-from .presets import IMAGENET_SHAPE, PAPER_TARGETS, paper_values
-from .schedule import simulate
+from gradientflow.sim.config import SimConfig
+from gradientflow.sim.model_profile import ModelProfile, flop_profile
+from gradientflow.sim.presets import IMAGENET_SHAPE, PAPER_TARGETS, paper_values
+from gradientflow.sim.schedule import simulate
 
 KNOBS: tuple[tuple[str, str, float, float, str], ...] = (
     # field, label, searched from, to (as factors of the preset), unit shown
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
     rows = [r for m in args.models for r in study(m)]
-    md = f"`python -m gradientflow.sim.sensitivity {' '.join(argv)}`\n\n" + markdown(rows)
+    md = f"`python experiments/paper_sensitivity.py {' '.join(argv)}`\n\n" + markdown(rows)
     print(md)
     if args.out:
         Path(args.out + ".md").write_text(md)

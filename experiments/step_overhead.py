@@ -1,6 +1,6 @@
 """The fixed per-step cost on small models: gradientflow's defaults beside torch DDP, on loopback.
 
-    python -m gradientflow.bench.step_overhead --out benchmarks/step_overhead
+    python experiments/step_overhead.py --out benchmarks/step_overhead
 
 1. Two Gloo ranks on 127.0.0.1 (spawned here, one thread each), per model: a torch DDP and a
    gradientflow (defaults) wrapper of two copies of the same MLP, SGD momentum, batch 32.
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_average_after": os.getloadavg(),
-        "command": "python -m gradientflow.bench.step_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python experiments/step_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
