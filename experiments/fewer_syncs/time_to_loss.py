@@ -1,5 +1,5 @@
 """Time to a loss on the emulated link, from the quality bench's time-to-accuracy records (run from the repository
-root: ``python benchmarks/diloco_tta/summarize.py benchmarks/diloco_tta/100mbit 1.0 1.05``).
+root: ``python experiments/fewer_syncs/time_to_loss.py benchmarks/diloco_tta/100mbit 1.0 1.05``).
 
 Per recipe: the final validation loss over torch DDP's, the bytes the kernel counted on node 0's link over the
 whole run (the mean per step: the bench's table gives the median step, which for ``sync_every`` is a step

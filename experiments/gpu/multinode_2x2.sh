@@ -14,7 +14,7 @@ timeout ${T_TESTS:-170} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test
   "tests/test_cli.py::test_bench_on_cuda_two_steps" -rs 2>&1 | tee $OUT/cuda_tests.log | tail -25
 date -u
 # 2. two-level against flat, every recipe, on the emulated 2 x 2 at 1 Gbit/s, ranks on the GPU
-M="gf-fp32 gf-fp32@flat gf-fp16 gf-fp16@flat gf-fp16-csc-slice gf-fp16-csc-slice@flat gf-auto gf-auto@flat ddp ddp-fp16 ddp-powersgd"
+M="gf-none gf-none@flat gf-fp16 gf-fp16@flat gf-topk-fp16 gf-topk-fp16@flat gf-auto gf-auto@flat ddp ddp-fp16 ddp-powersgd"
 for w in ${WORKLOADS:-transformer resnet50}; do
   if [ $w = resnet50 ]; then a="--workload resnet50"; else a="--workload tiny_transformer --optimizer adamw"; fi
   timeout ${T_BENCH:-190} python3 -m gradientflow.cli bench $a --device cuda --nproc 4 --nproc-per-node 2 \

@@ -10,7 +10,7 @@ timeout ${T_TESTS:-60} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_
 date -u
 timeout ${T_BENCH:-100} python3 -m gradientflow.cli bench --workload resnet50 --device cuda --nproc 4 --nproc-per-node 2 \
   --bandwidth 1gbit --steps 8 --warmup 3 --no-alone --netns-prefix gfg --out /tmp/r50f \
-  --modes gf-fp16-csc-slice gf-fp16-csc-slice@flat gf-auto gf-auto@flat gf-fp16 gf-fp16@flat > /tmp/r50f.log 2>&1
+  --modes gf-topk-fp16 gf-topk-fp16@flat gf-auto gf-auto@flat gf-fp16 gf-fp16@flat > /tmp/r50f.log 2>&1
 echo "bench rc=$?"; grep -v -i -E "warn|hostname" /tmp/r50f.log | tail -8 > $OUT/bench.log
 cp /tmp/r50f/table.md $OUT/r50_table.md; cp /tmp/r50f/results.json $OUT/r50_results.json
 grep -A7 "step ratio" /tmp/r50f/table.md; grep "^| gf" /tmp/r50f/table.md | head -6; date -u

@@ -7,7 +7,7 @@ export PATH=/tmp/ipr/bin:/tmp/ipr/sbin:/tmp/ipr/usr/bin:/tmp/ipr/usr/sbin:$PATH
 export LD_LIBRARY_PATH=/tmp/ipr/lib/x86_64-linux-gnu:/tmp/ipr/usr/lib/x86_64-linux-gnu
 uname -r; ip -V; nproc; nvidia-smi -L
 for p in ${PROFILES:-1g-burst 1g-small 1g-small-jumbo 1g-htb 10g}; do
-  timeout 200 python3 -m gradientflow.cli bench --links $p --device cuda --modes gf-fp16-csc-slice ddp \
+  timeout 200 python3 -m gradientflow.cli bench --links $p --device cuda --modes gf-topk-fp16 ddp \
     --steps ${STEPS:-10} --warmup 3 --no-alone --netns-prefix gfg --out /tmp/lg/$p 2>&1 | grep -v -i -E "warn|hostname" | tail -1
   cp /tmp/lg/$p/matrix.md $OUT/$p.md
   date -u

@@ -1,5 +1,5 @@
 """The fewer-syncs table of docs/fewer-syncs.md from the quality bench's raw records (run from the repository root:
-``python benchmarks/diloco_h/summarize.py benchmarks/diloco_h/seed0 benchmarks/diloco_h/seed1``).
+``python experiments/fewer_syncs/summarize.py benchmarks/diloco_h/seed0 benchmarks/diloco_h/seed1``).
 
 Per recipe and seed: the final validation loss over torch DDP's (same seed, same batches, one launch) and the bytes
 handed to the exchange between replicas per step, over DDP's (4 bytes a parameter a step)."""

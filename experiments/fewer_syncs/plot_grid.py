@@ -1,7 +1,7 @@
 """Final validation loss over DDP's against the bytes between replicas, for every ``sync_every`` recipe of the
 4,000-step seed-0 launches (docs/results/fewer-syncs.md, "The grid at 4,000 steps"); run from the repository root:
 
-    python benchmarks/diloco_grid/plot.py benchmarks/diloco_grid/seed0 benchmarks/diloco_topk/kept_seed0 \
+    python experiments/fewer_syncs/plot_grid.py benchmarks/diloco_grid/seed0 benchmarks/diloco_topk/kept_seed0 \
         --old-defaults benchmarks/diloco_long/seed0 --out benchmarks/diloco_grid/loss_vs_bytes.png
 
 Each point's ratio is to the DDP run of its own launch (same seed, same batches); its bytes are the mean per step

@@ -3,8 +3,11 @@
 # run timing the given gradientflow modes beside torch DDP in one launch, the two trees in turn
 # base new base new new base new base, so slow drifts of the machine hit both alike:
 #
-#   bash benchmarks/ab/run.sh BASE_REV NEW_REV OUT MODE [MODE ...]     # from the repository root, as root
-#   python3 benchmarks/ab/summary.py OUT                                 # the table: each mode's step over DDP's
+#   bash experiments/ab/run.sh BASE_REV NEW_REV OUT MODE [MODE ...]     # from the repository root, as root
+#   python3 experiments/ab/summary.py OUT                                 # the table: each mode's step over DDP's
+#
+# MODE is spelled as both trees know it: a tree from before the recipe table's mode names (2026-12) runs
+# gf-fp16-csc-slice, not gf-topk-fp16 (bench.mode_names.OLD_MODES); the table shows the table's names.
 #
 # Each tree's src/ comes from `git archive` (the working tree is not used); the bench is this checkout's
 # environment (.venv).  Every run holds the emulated cluster's lock, as the other netns benches do.
