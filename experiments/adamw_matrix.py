@@ -3,7 +3,7 @@ launch per (model, lr, beta2, seed), then one table of the means.
 
     python experiments/adamw_matrix.py --out benchmarks/adamw_matrix            # run what is missing, tabulate
     python experiments/adamw_matrix.py --out benchmarks/adamw_matrix --table    # tabulate only
-    python experiments/adamw_matrix.py --recipe gf-auto:compression=q2npw20 --out benchmarks/adamw_matrix_q2npw20
+    python experiments/adamw_matrix.py --recipe gf-auto:compression=q2npw20 --out benchmarks/adamw_matrix_2bit_precond
 
 ``--recipe``: the gradientflow recipe (or variant) trained beside ``ddp`` (default ``gf-auto``).
 ``--layout 2x2``: every launch at 4 ranks as 2 nodes x 2 (``--nproc 4 --nproc-per-node 2``; default 2 ranks).

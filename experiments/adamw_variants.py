@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 import gradientflow.strategies.csc as csc_module
-from gradientflow.strategies.csc import SparseSync
 from gradientflow.exchange.selection import select_chunks
+from gradientflow.strategies.csc import SparseSync
 
 VARIANTS: dict[str, str] = {
     "ddp": "torch DDP, dense fp32 (the oracle)",

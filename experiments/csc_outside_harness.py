@@ -19,7 +19,7 @@ phases of a shared machine fall on every mode alike:
 Per step (rank 0): wall time, the training thread's CPU time, minor page faults of the process
 (``getrusage``).  Writes ``results.json`` and ``table.md`` (medians over steps, then over repeats).
 
-    python experiments/csc_outside_harness.py --baseline 7ed3309 --out benchmarks/csc_outside_harness
+    python experiments/csc_outside_harness.py --baseline 7ed3309 --out benchmarks/topk_fp16_outside_harness
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/csc_outside_harness"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/topk_fp16_outside_harness"))
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: both ranks on GPU 0, Gloo through the host")
     args = ap.parse_args()
     if args.worker:

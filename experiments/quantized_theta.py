@@ -5,7 +5,7 @@ The quantised recipe sends 0.1 of the pool's bytes, so a pool that fits one 25 M
 torch DDP, the model without communication and ``compression="quantized"`` at several
 ``fusion_threshold_mb`` side by side, step by step interleaved in one launch (medians):
 
-    python experiments/quantized_theta.py --theta 25 4 2 1 --steps 30 --out benchmarks/quantized_theta
+    python experiments/quantized_theta.py --theta 25 4 2 1 --steps 30 --out benchmarks/theta_3bit
 
 ``--compression quantized q2npw20`` times each named quantiser at each θ (``--warm 25``: medians after the
 2-bit recipe's 20 steps at 3 bits).
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: both ranks on one GPU over Gloo")
     ap.add_argument("--compression", nargs="+", default=["quantized"], help="compression= of each timed recipe")
     ap.add_argument("--warm", type=int, default=3, help="steps left out of the medians")
-    ap.add_argument("--out", default="benchmarks/quantized_theta")
+    ap.add_argument("--out", default="benchmarks/theta_3bit")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank is not None:

@@ -32,7 +32,7 @@ def test_two_bits_pay_where_their_saved_bytes_take_longer_on_the_link_than_their
     assert width.saved_bytes() == 0.125
     # 1 Gbit/s: 0.125 B take 1 ns; a CPU codec 2.5 ns slower (this project's CPU, docs/results/adamw.md) -> 3 bits
     assert not width.fewer_bits_pay(GBIT, 2.5e-9)
-    # 200 Mbit/s: 5 ns > 2.5 ns -> 2 bits (both as measured: benchmarks/tta_adamw_q2)
+    # 200 Mbit/s: 5 ns > 2.5 ns -> 2 bits (both as measured: benchmarks/tta_adamw_2bit_precond)
     assert width.fewer_bits_pay(0.2 * GBIT, 2.5e-9)
     # ... unless the 3-bit step waited less on the link than the codec costs: 1.7 ns exposed < 2.5 ns -> 3 bits
     assert not width.fewer_bits_pay(0.2 * GBIT, 2.5e-9, exposed_s=1.7e-9)

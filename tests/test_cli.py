@@ -79,18 +79,73 @@ def test_bad_option_from_the_shell():
 
 
 def test_plan_variants_dedupes_sweep_and_adds_compute():
-    vs = plan_variants(["gf-fp32", "ddp"], 25.0, [0, 25, 100])
+    vs = plan_variants(["gf-none", "ddp"], 25.0, [0, 25, 100])
     names = [v.name for v in vs]
     assert names[0] == "compute"
-    assert names.count("gf-fp32") == 1 and "gf-fp32 θ=25" not in names and "ddp θ=25" not in names
-    assert {"gf-fp32 θ=0", "ddp θ=0", "gf-fp32 θ=100", "ddp θ=100"} <= set(names)
+    assert names.count("gf-none") == 1 and "gf-none θ=25" not in names and "ddp θ=25" not in names
+    assert {"gf-none θ=0", "ddp θ=0", "gf-none θ=100", "ddp θ=100"} <= set(names)
     # every requested mode again alone (one-rank group), at the mode's own θ; none for the sweep
     twins = [v for v in vs if v.alone]
     assert [(v.name, v.mode, v.theta_mb) for v in twins] == [
-        ("gf-fp32 alone", "gf-fp32", 25.0),
+        ("gf-none alone", "gf-none", 25.0),
         ("ddp alone", "ddp", None),
     ]
-    assert not any(v.alone for v in plan_variants(["gf-fp32", "ddp"], 25.0, [0], alone=False))
+    assert not any(v.alone for v in plan_variants(["gf-none", "ddp"], 25.0, [0], alone=False))
+
+
+def test_a_mode_is_a_recipe_of_the_table_with_options_and_the_old_names_run_as_theirs(capsys, monkeypatch):
+    """``gf-<recipe>[:OPTION=VALUE,...][@TOPOLOGY]``; the names from before the recipe table still run, as the
+    table's (one line on stderr), and a ``results.json`` written under them reads in the table's words."""
+    from gradientflow.bench.mode_names import OLD_MODES, canonical_mode, canonical_summary
+    from gradientflow.bench.runner_spec import EXTRA_MODES, gf_recipe, split_mode
+    from gradientflow.cli import types
+
+    assert gf_recipe("gf-topk-fp16:csc_scope=global,schedule=auto") == (
+        "topk-fp16",
+        {"csc_scope": "global", "schedule": "auto"},
+    )
+    assert gf_recipe("gf-none:comm_dtype=bf16,density=0.1") == ("none", {"comm_dtype": "bf16", "density": 0.1})
+    assert split_mode("gf-topk-fp16:csc_scope=global@flat") == ("gf-topk-fp16:csc_scope=global", "flat")
+    for bad, says in (
+        ("gf-fp16:nope=1", "not a wrapper option"),
+        ("gf-fp16:fusion_threshold_mb=4", "not a wrapper option"),  # θ is --fusion-mb
+        ("gf-topk-fp16:comm_dtype=bf16", "by its name"),  # the recipe's name states its wire
+        ("gf-fp16:csc_scope", "not OPTION=VALUE"),
+        ("ddp:bucket_cap_mb=1", "only gradientflow modes"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            split_mode(bad)
+    # the old names: each the same recipe and options, under the table's name
+    assert {old: split_mode(old)[0] for old in OLD_MODES} == OLD_MODES
+    assert split_mode("gf-cscq@2x2") == ("gf-topk-3bit", "2x2") and canonical_mode("gf-q3p") == "gf-3bit-precond"
+    assert canonical_mode("gf-csc@flat") == "gf-topk-fp16@flat" and canonical_mode("hsdp") == "hsdp"
+    names = [v.name for v in plan_variants(["gf-fp32", "gf-none", "ddp"], 25.0, [4], alone=False)]
+    assert names == ["compute", "gf-none", "ddp", "gf-none θ=4", "ddp θ=4"]
+    assert types.bench_mode("gf-fp16-csc-slice@flat") == "gf-topk-fp16@flat"
+    assert "gf-fp16-csc-slice@flat runs as gf-topk-fp16@flat" in capsys.readouterr().err
+    old = {
+        "command": "gradientflow bench --modes gf-fp32 gf-fp32@flat gf-cscq ddp --theta-sweep 4",
+        "rows": [{"name": n, "mode": n.split()[0]} for n in ("gf-fp32", "gf-fp32@flat alone", "gf-fp32 θ=4")],
+        "sweep": [{"theta_mb": 4, "gf": "gf-fp32 θ=4", "ddp": None}],
+        "options": {"modes": ["gf-fp32", "gf-cscq"]},
+    }
+    new = canonical_summary(old)
+    assert new["command"] == "gradientflow bench --modes gf-none gf-none@flat gf-topk-3bit ddp --theta-sweep 4"
+    assert [(r["name"], r["mode"]) for r in new["rows"]] == [
+        ("gf-none", "gf-none"),
+        ("gf-none@flat alone", "gf-none@flat"),
+        ("gf-none θ=4", "gf-none"),
+    ]
+    assert new["sweep"] == [{"theta_mb": 4, "gf": "gf-none θ=4", "ddp": None}]
+    assert new["options"]["modes"] == ["gf-none", "gf-topk-3bit"] and old["rows"][0]["name"] == "gf-fp32"
+    # --help prints the table's names only
+    monkeypatch.setenv("COLUMNS", "100000")  # argparse wraps at a hyphen otherwise
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    shown = capsys.readouterr().out
+    assert all(m in shown for m in (*MODES, *EXTRA_MODES))
+    for gone in ("gf-fp32", "csc-slice", "gf-cscq", "gf-fp16-csc", "gf-bf16-csc"):
+        assert gone not in shown, gone
 
 
 def test_step_shares_split_by_the_alone_twin():
@@ -197,18 +252,20 @@ def _check_bench_json(out: Path) -> dict:
         # one thread's CPU time cannot exceed the wall time it ran (per step, slowest rank, median)
         assert 0 < r["thread_cpu_s"] <= r["median_s"], (name, r["thread_cpu_s"], r["median_s"])
         assert ("thread_cpu_added_s" in r) == (name != "compute"), name  # against its own launch's compute
-    assert rows["gf-fp32"]["wire_source"] == "measured" and rows["ddp"]["wire_source"] == "computed"
+    assert rows["gf-none"]["wire_source"] == "measured" and rows["ddp"]["wire_source"] == "computed"
     # fp16 halves the measured payload; CSC at density 0.1 sends far less again
-    assert rows["gf-fp16"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"] / 2
-    assert rows["gf-fp16-csc"]["wire_bytes"] < 0.2 * rows["gf-fp16"]["wire_bytes"]
-    assert rows["ddp"]["wire_bytes"] == rows["gf-fp32"]["wire_bytes"]  # both: 4 bytes per gradient
+    assert rows["gf-fp16"]["wire_bytes"] == rows["gf-none"]["wire_bytes"] / 2
+    assert rows["gf-topk-fp16:csc_scope=global"]["wire_bytes"] < 0.2 * rows["gf-fp16"]["wire_bytes"]
+    assert rows["ddp"]["wire_bytes"] == rows["gf-none"]["wire_bytes"]  # both: 4 bytes per gradient
     assert (out / "bench.png").stat().st_size > 0
-    assert "| gf-fp16-csc |" in (out / "table.md").read_text()
+    assert "| gf-topk-fp16:csc_scope=global |" in (out / "table.md").read_text()
     assert "thread CPU ms (vs compute)" in (out / "table.md").read_text()
-    assert "| gf-fp16-csc alone |" not in (out / "table.md").read_text()  # a column of its mode, not a row
+    assert (
+        "| gf-topk-fp16:csc_scope=global alone |" not in (out / "table.md").read_text()
+    )  # a column of its mode, not a row
     # the README's form of the tables, made from the same results (what test_readme_numbers compares)
     assert (out / "readme.md").read_text() == readme_tables(res)
-    assert '| **gradientflow fp16 + CSC 0.1 (default `"slice"`)** |' in (out / "readme.md").read_text()
+    assert '| **gradientflow `"topk-fp16"` (default `"slice"`)** |' in (out / "readme.md").read_text()
     return res
 
 
@@ -219,7 +276,7 @@ def test_bench_flags_a_noisy_compute_reference():
             "name": name,
             "variants": [
                 {"mode": "compute", "step_s": [t / 1e3 for t in compute_ms]},
-                {"mode": "gf-fp32", "step_s": [0.3] * len(compute_ms)},
+                {"mode": "gf-none", "step_s": [0.3] * len(compute_ms)},
             ],
         }
 
@@ -251,8 +308,8 @@ def test_bench_times_the_users_own_model(tmp_path):
         "--bandwidth",
         "none",
         "--modes",
-        "gf-fp32",
-        "gf-fp16-csc-slice",
+        "gf-none",
+        "gf-topk-fp16",
         "ddp",
         "--no-alone",
         "--out",
@@ -263,13 +320,13 @@ def test_bench_times_the_users_own_model(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["n_params"] == 48 * 32 + 32 + 32 * 8 + 8 + 32 * 2 + 2
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"compute", "gf-fp32", "gf-fp16-csc-slice", "ddp"}  # --no-alone: no twins
-    assert "own_cpu_share" not in rows["gf-fp32"]
-    line = next(ln for ln in (tmp_path / "table.md").read_text().splitlines() if ln.startswith("| gf-fp32 |"))
+    assert set(rows) == {"compute", "gf-none", "gf-topk-fp16", "ddp"}  # --no-alone: no twins
+    assert "own_cpu_share" not in rows["gf-none"]
+    line = next(ln for ln in (tmp_path / "table.md").read_text().splitlines() if ln.startswith("| gf-none |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[3] == "—" and " / — / " in cells[8], cells  # no alone step, no own-CPU share: dashes
     assert all(r["status"] == "ok" and r["steps"] == 2 for r in rows.values())
-    assert rows["gf-fp32"]["wire_bytes"] == 4 * res["n_params"]  # every gradient reached the wire
+    assert rows["gf-none"]["wire_bytes"] == 4 * res["n_params"]  # every gradient reached the wire
 
 
 @pytest.mark.parametrize(
@@ -333,7 +390,7 @@ def test_bench_on_cuda_two_steps(tmp_path):
     res = _check_bench_json(tmp_path)
     assert res["options"]["device"] == "cuda"
     rows = {r["name"]: r for r in res["rows"]}
-    assert rows["gf-fp16-csc-slice"]["host_syncs"] <= 1  # CSC's one finite check at most
+    assert rows["gf-topk-fp16"]["host_syncs"] <= 1  # CSC's one finite check at most
 
 
 @pytest.mark.skipif(not CAN, reason=f"cannot emulate a cluster: {WHY}")
@@ -348,7 +405,7 @@ def test_bench_emulated_1gbit_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.skipif(CAN, reason="only meaningful where a cluster cannot be emulated")
 def test_bench_without_root_says_so_in_one_line(tmp_path):
-    proc = _run([*BENCH_ARGS, "--modes", "gf-fp32", "--bandwidth", "1gbit", "--out", str(tmp_path)], 150)
+    proc = _run([*BENCH_ARGS, "--modes", "gf-none", "--bandwidth", "1gbit", "--out", str(tmp_path)], 150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sum("running on loopback" in ln for ln in proc.stderr.splitlines()) == 1
 

@@ -102,7 +102,7 @@ def test_a_mode_carries_its_topology_to_the_wrapper_as_a_keyword(monkeypatch: py
     from gradientflow.bench.runner_worker import _build
 
     assert split_mode("gf-fp16@flat") == ("gf-fp16", "flat") and split_mode("ddp") == ("ddp", None)
-    assert topology_kwargs("gf-fp16-csc-slice@2x4") == {"topology": "2x4"}
+    assert topology_kwargs("gf-topk-fp16@2x4") == {"topology": "2x4"}
     assert topology_kwargs("gf-fp16") == {} and topology_kwargs("gf-auto@auto") == {"topology": "auto"}
     for bad, says in (
         ("ddp@flat", "only gradientflow modes"),
@@ -119,18 +119,31 @@ def test_a_mode_carries_its_topology_to_the_wrapper_as_a_keyword(monkeypatch: py
 
     monkeypatch.setattr(gf, "DistributedDataParallel", fake)
     spec = BenchSpec("small_cnn", 2, 1, 0, [], "unused", optimizer="adamw")
-    for mode in ("gf-fp16@flat", "gf-fp16", "gf-auto@flat", "gf-fp16-csc-auto@2x2", "gf-cscq@2x2"):
+    for mode in (
+        "gf-fp16@flat",
+        "gf-fp16",
+        "gf-auto@flat",
+        "gf-topk-fp16:csc_scope=global,schedule=auto@2x2",
+        "gf-topk-3bit@2x2",
+    ):
         _, opt, _ = _build(Variant(mode, mode, 25.0), spec, 1024, torch.device("cpu"))
         assert isinstance(opt, torch.optim.AdamW)
     assert [kw.get("topology") for kw in seen] == ["flat", None, "flat", "2x2", "2x2"]
-    # every gradientflow mode is a recipe of the table with options (runner_spec.VARIANTS)
+    # every gradientflow mode is a recipe of the table with options (runner_spec.gf_recipe)
     assert seen[0]["compression"] == "fp16" and seen[2]["compression"] == "auto" and "warmup_steps" not in seen[2]
     assert (seen[3]["compression"], seen[3]["schedule"]) == ("topk-fp16", "auto")
-    # gf-cscq = gf-topk-3bit: timed on sparse steps (no ramp) at the bench's chunk size, as the CSC modes
+    # gf-topk-3bit: timed on sparse steps (no ramp) at the bench's chunk size, as the other top-k modes
     assert (seen[4]["compression"], seen[4]["warmup_steps"], seen[4]["chunk_size"]) == ("topk-3bit", 0, 1024)
     # a schedule="auto" mode keeps its own θ with a suffix too; the flat twin is its own row
-    names = [(v.name, v.theta_mb) for v in plan_variants(["gf-fp16-csc-auto@flat", "gf-fp16@flat"], 25.0, [], False)]
-    assert names == [("compute", None), ("gf-fp16-csc-auto@flat", None), ("gf-fp16@flat", 25.0)]
+    names = [
+        (v.name, v.theta_mb)
+        for v in plan_variants(["gf-topk-fp16:csc_scope=global,schedule=auto@flat", "gf-fp16@flat"], 25.0, [], False)
+    ]
+    assert names == [
+        ("compute", None),
+        ("gf-topk-fp16:csc_scope=global,schedule=auto@flat", None),
+        ("gf-fp16@flat", 25.0),
+    ]
 
 
 def test_quality_recipes_take_a_topology() -> None:
@@ -227,9 +240,9 @@ def test_link_counters_and_their_summary(tmp_path: Path, monkeypatch: pytest.Mon
     s = link_summary(nodes)
     assert (s["link_tx_bytes"], s["link_rx_bytes"], s["node_payload_bytes"]) == (60.0, 70.0, 400.0)
     assert s["node_inter_node_bytes"] is None and link_summary(None) == {}
-    row = {"name": "gf-fp32", "mode": "gf-fp32", "status": "ok", **s}
+    row = {"name": "gf-none", "mode": "gf-none", "status": "ok", **s}
     table = "\n".join(link_table({"rows": [row]}))
-    assert "| gf-fp32 | 1 | 2 | 0.00 | 0.00 | 0.00 | — |" in table
+    assert "| gf-none | 1 | 2 | 0.00 | 0.00 | 0.00 | — |" in table
     assert link_table({"rows": [{"name": "ddp", "mode": "ddp", "status": "ok"}]}) == []  # loopback: no table
 
 
@@ -312,7 +325,7 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
     cmd = [
         sys.executable, "-m", "gradientflow.cli", "bench", "--workload", "small_cnn", "--nproc", str(nproc),
         "--nproc-per-node", str(per_node), "--bandwidth", "1gbit", "--steps", "2", "--warmup", "1",
-        "--modes", "gf-fp32", "gf-fp32@flat", "--no-alone", "--netns-prefix", prefix, "--out", str(tmp_path),
+        "--modes", "gf-none", "gf-none@flat", "--no-alone", "--netns-prefix", prefix, "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -327,8 +340,8 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
     # edge between nodes 2(N-1)/N gradients (1.5 at 2 x 2, 1 at 2 x 1).  Headers on top of each.
     # The engine's payload, a node's ranks summed: what they hand to the exchange between nodes, one gradient when
     # two-level (each rank its 1/G shard) and G gradients when flat (each rank the whole of its buffers).
-    payloads = {"gf-fp32": grad, "gf-fp32@flat": per_node * grad}
-    for mode, ring in (("gf-fp32", 2 * (2 - 1) / 2 * grad), ("gf-fp32@flat", 2 * (nproc - 1) / nproc * grad)):
+    payloads = {"gf-none": grad, "gf-none@flat": per_node * grad}
+    for mode, ring in (("gf-none", 2 * (2 - 1) / 2 * grad), ("gf-none@flat", 2 * (nproc - 1) / nproc * grad)):
         assert [n["node"] for n in rows[mode]["link_nodes"]] == [0, 1]
         for node in rows[mode]["link_nodes"]:
             assert 0.95 * ring < node["tx_bytes"] < 1.25 * ring and 0.95 * ring < node["rx_bytes"] < 1.25 * ring, (
@@ -337,7 +350,7 @@ def test_bench_reports_the_bytes_on_each_nodes_link(nproc: int, per_node: int, t
             )
             assert node["payload_bytes"] == pytest.approx(payloads[mode], rel=0.05)  # the engine's, ranks summed
     assert rows["compute"]["link_tx_bytes"] < 64 << 10  # no gradients: the barriers' bytes alone
-    assert f"| gf-fp32 | 1 | {per_node} |" in (tmp_path / "table.md").read_text()
+    assert f"| gf-none | 1 | {per_node} |" in (tmp_path / "table.md").read_text()
 
 
 def test_the_report_sets_each_mode_beside_its_flat_twin() -> None:

@@ -69,11 +69,11 @@ CAN, _ = can_emulate()
 SMALLEST: dict[str, list[str]] = {
     "demo": ["demo", "--nproc", "1", "--steps", "2"],
     "bench": ["bench", "--workload", "small_cnn", "--nproc", "1", "--steps", "1", "--warmup", "0"]
-    + ["--modes", "gf-fp32", "--no-alone", "--bandwidth", "none", "--out", "{out}"],
+    + ["--modes", "gf-none", "--no-alone", "--bandwidth", "none", "--out", "{out}"],
     "bench --quality": ["bench", "--quality", "--workload", "small_cnn", "--recipes", "ddp", "--nproc", "1"]
     + ["--steps", "2", "--bandwidth", "none", "--out", "{out}"],
     "bench --links": ["bench", "--links", "1g-htb", "--workload", "small_cnn", "--nproc", "2", "--steps", "1"]
-    + ["--warmup", "0", "--modes", "gf-fp32", "--no-alone", "--netns-prefix", "gfxt", "--out", "{out}"],
+    + ["--warmup", "0", "--modes", "gf-none", "--no-alone", "--netns-prefix", "gfxt", "--out", "{out}"],
     "simulate": ["simulate", "--model", "alexnet", "--bandwidth", "1gbit", "--gpu-images-per-s", "100"]
     + ["--gpus", "1,2", "--plot", "{out}/simulate.png"],
     "torch-suite": ["torch-suite", "test_ddp_broadcast_buffer", "--out", "{out}"],

@@ -276,7 +276,7 @@ def test_matrix_tables_render(tmp_path):
         {"mode": m, "step_s": 0.2, "p10_s": 0.19, "p90_s": 0.21, "bound_s": 0.18, "bound_by": "compute",
          "efficiency": 0.9, "speedup": 1.8, "own_cpu_s": 0.01, "exposed_s": 0.02, "collectives": 3,
          "messages_s": 0.001}
-        for m in ("compute", "gf-fp16-csc-slice", "ddp")
+        for m in ("compute", "gf-topk-fp16", "ddp")
     ]  # fmt: skip
     ok = {
         "profile": {"name": "1g-burst"},
@@ -293,7 +293,7 @@ def test_matrix_tables_render(tmp_path):
     m = {"command": "gradientflow bench --links all", "started": "s", "finished": "f", "definition": "d",
          "target": 0.85, "profiles": [ok, {"profile": {"name": "10g"}, "error": "boom"}]}  # fmt: skip
     md = links_report.markdown(m)
-    assert "| gf-fp16-csc-slice | **0.90 (1.80x)** | failed |" in md
+    assert "| gf-topk-fp16 | **0.90 (1.80x)** | failed |" in md
     assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | — | 0.10 | — |" in md  # no busy probe in this link.json
     ok["link"]["busy_bulk_Bps"] = 6e7  # the probe's rate while every rank computes: half, in Gbit/s
     assert "| 1g-burst | n | resnet50 b8, 2 | 0.960 | 0.480 | 0.10 | — |" in links_report.markdown(m)

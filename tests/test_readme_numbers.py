@@ -117,10 +117,10 @@ def test_every_option_is_in_the_options_table_with_its_default() -> None:
     ("name", "settings"),
     [
         ("adamw_matrix", 7),  # 5 settings of the 0.43M model, 2 of the 1.4M one
-        ("adamw_matrix_q2npw20", 7),
-        ("adamw_matrix_q2npw20_floor", 7),
-        ("adamw_matrix_q2npw20_2r", 7),  # the same on the fused code (28f688b)
-        ("adamw_matrix_q2npw20_2x2", 7),
+        ("adamw_matrix_2bit_precond", 7),
+        ("adamw_matrix_2bit_precond_floor", 7),
+        ("adamw_matrix_2bit_precond_fused", 7),  # the same on the fused code (28f688b)
+        ("adamw_matrix_2bit_precond_2x2", 7),
         ("adamw_matrix_2x2", 7),
         ("adamw_matrix_auto_200mbit", 7),  # "auto" behind a 200 Mbit/s link: it picked 2 bits
         ("adamw_matrix_4flat", 7),  # "auto" at 4 flat ranks: "q3p"

@@ -21,7 +21,7 @@ from gradientflow.sim.measure import fit_alpha_beta
 from gradientflow.sim.model_profile import flop_profile, measured_profile
 from gradientflow.sim.planner import THETAS_MB, best_theta, plan
 from gradientflow.sim.presets import paper_values
-from gradientflow.sim.schedule import CSCQ, PASSES, n_chunks
+from gradientflow.sim.schedule import PASSES, TOPK_3BIT, n_chunks
 from gradientflow.strategies import csc_native
 
 
@@ -113,13 +113,13 @@ def test_local_passes_are_charged_per_config():
     lazy = simulate(measured, dataclasses.replace(half, density=1.0), 2, "csc")  # every chunk: lazy, no passes of CSC
     assert lazy.iteration_s == simulate(measured, dataclasses.replace(half, density=1.0), 2, "lazy").iteration_s
     assert simulate(measured, cfg, 1, "csc").iteration_s == pytest.approx(1.0)  # one GPU: nothing to sync
-    # "cscq": its own density 0.3 whatever cfg's (ceil(0.3 * 4) = 2 of the 4 chunks), the 2000 gradients at 3 bits
+    # "topk-3bit": its own density 0.3 whatever cfg's (ceil(0.3 * 4) = 2 of the 4 chunks), the 2000 gradients at 3 bits
     # + a bf16 scale per whole or partial 128 (750 + 16 * 2 = 782 bytes on a 2-rank ring: the engine's wire_bytes),
     # and the codec's passes ("quantized") on the selected half only
     codec = dataclasses.replace(measured, local_s={**measured.local_s, "quantized": 0.6})
-    assert simulate(codec, dataclasses.replace(half, density=0.1), 2, "cscq", CSCQ).iteration_s == pytest.approx(
-        1.0 + 0.05 + (0.01 + 16 / 1e4) + (0.01 + 782 / 1e4) + 0.3 + 0.5 * (0.2 + 0.6)
-    )
+    assert simulate(
+        codec, dataclasses.replace(half, density=0.1), 2, "topk-3bit", TOPK_3BIT
+    ).iteration_s == pytest.approx(1.0 + 0.05 + (0.01 + 16 / 1e4) + (0.01 + 782 / 1e4) + 0.3 + 0.5 * (0.2 + 0.6))
 
 
 def test_n_chunks_matches_csc_arithmetic():
@@ -178,9 +178,9 @@ def test_planner_picks_a_theta_and_lists_every_system(resnet):
     assert [r.system for r in rows[:5]] == [
         "DDP (fp32)",
         "DDP + fp16 hook",
-        "gradientflow fp16 (lazy)",
-        "gradientflow CSC density 0.1",
-        "gradientflow CSC density 0.01",
+        'gradientflow "fp16"',
+        'gradientflow "topk-fp16" density 0.1',
+        'gradientflow "topk-fp16" density 0.01',
     ]
     assert rows[3].result.bytes_per_gpu < rows[2].result.bytes_per_gpu
 
@@ -246,7 +246,7 @@ def test_cli_user_model_table_plan_and_plot(capsys, tmp_path):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| csc |" in out and "gradientflow CSC density 0.1" in out
+    assert "| csc |" in out and 'gradientflow "topk-fp16" density 0.1' in out
     assert png.stat().st_size > 0
 
 
@@ -327,16 +327,19 @@ def test_validate_predicts_every_bench_mode_and_scales_to_the_bench_compute():
         "world_size": 2,
         "chunk_size": 1024,
         "threads_per_rank": 1,
-        "rows": [{**row, "name": m, "mode": m, "median_s": 0.2} for m in ("compute", "gf-fp32", "gf-fp16-csc")],
+        "rows": [
+            {**row, "name": m, "mode": m, "median_s": 0.2}
+            for m in ("compute", "gf-none", "gf-topk-fp16:csc_scope=global")
+        ],
     }
     preds, assumptions = predict(bench, {"alpha_s": 1e-3, "bandwidth_Bps": 1e8}, steps=1)
-    assert set(preds) == {"compute", "gf-fp32", "gf-fp16-csc"}
+    assert set(preds) == {"compute", "gf-none", "gf-topk-fp16:csc_scope=global"}
     assert preds["compute"][1].iteration_s == pytest.approx(0.2)  # scaled to the bench's compute mode
-    assert preds["gf-fp32"][1].iteration_s > 0.2 and preds["gf-fp32"][1].collectives == 1
-    assert preds["gf-fp16-csc"][1].collectives == 2  # scores, then the packed chunks
+    assert preds["gf-none"][1].iteration_s > 0.2 and preds["gf-none"][1].collectives == 1
+    assert preds["gf-topk-fp16:csc_scope=global"][1].collectives == 2  # scores, then the packed chunks
     md, rows = table(bench, preds)
     assert len(rows) == 3 and md.count("\n") == 5
-    assert preds["gf-fp32"][2].iteration_s >= preds["gf-fp32"][1].iteration_s  # no overlap: never faster
+    assert preds["gf-none"][2].iteration_s >= preds["gf-none"][1].iteration_s  # no overlap: never faster
 
 
 def test_cli_token_model_gets_token_ids(capsys):
@@ -368,7 +371,7 @@ def test_flop_profile_of_a_transformer_orders_attention_weights_by_layer():
 # ---- nodes of several ranks: the engine's two-level exchange, and the bench's layout --------------
 def test_exchange_by_hand_two_level_flat_and_quantised():
     from gradientflow.sim.cost import exchange_s
-    from gradientflow.sim.schedule import QUANTIZED
+    from gradientflow.sim.schedule import THREE_BIT
 
     cfg = _cfg(bandwidth=1e4, latency=0.01, gpus_per_node=2, intra_bandwidth=1e5, intra_latency=0.001)
     # 2 nodes x 2, 4000 fp32 gradients: shards of 2000; inside the node a reduce-scatter and an
@@ -378,12 +381,12 @@ def test_exchange_by_hand_two_level_flat_and_quantised():
     # flat: one ring over the 4 ranks, its slowest hops on the link: 2 x 3/4 x 16000 B
     assert exchange_s(4000, 4, cfg, 4, flat=True) == pytest.approx(0.01 + 2.4)
     # the quantised recipe's flat direct exchange: each node's 2 ranks send 2/4 of 1563 B twice
-    q = dict(intra_wire=4, block=QUANTIZED.block, direct=True)
-    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, flat=True, **q) == pytest.approx(
+    q = dict(intra_wire=4, block=THREE_BIT.block, direct=True)
+    assert exchange_s(4000, 4, cfg, THREE_BIT.wire_bytes, flat=True, **q) == pytest.approx(
         0.01 + 2 * 2 * 2 / 4 * 1563 / 1e4
     )
     # two-level: 32 blocks of 128 -> shards of 2048 gradients; fp32 inside, 800 quantised bytes between
-    assert exchange_s(4000, 4, cfg, QUANTIZED.wire_bytes, **q) == pytest.approx(
+    assert exchange_s(4000, 4, cfg, THREE_BIT.wire_bytes, **q) == pytest.approx(
         0.002 + 2 * 2048 * 4 / 1e5 + 0.01 + 2 * 800 / 1e4
     )
     assert exchange_s(4000, 2, cfg, 4) == pytest.approx(0.001 + 16000 / 1e5)  # one node: its own ring
@@ -394,7 +397,7 @@ def test_exchange_by_hand_two_level_flat_and_quantised():
 def _results(nodes: int | None, per_node: int | None, world: int = 4, optimizer: str = "adamw") -> dict:
     """A bench's results.json, trimmed to what validate reads (recorded by `gradientflow bench`)."""
     row = dict(sweep=False, alone=False, status="ok", p10_s=1.0, p90_s=4.0, speedup=1.0, median_s=2.0)
-    modes = ("compute", "gf-fp32", "gf-fp32@flat", "gf-fp16", "gf-auto", "gf-auto@flat", "ddp", "ddp-powersgd")
+    modes = ("compute", "gf-none", "gf-none@flat", "gf-fp16", "gf-auto", "gf-auto@flat", "ddp", "ddp-powersgd")
     out = {
         "options": {"workload": "small_cnn", "batch_size": 1, "fusion_mb": 1.0, "optimizer": optimizer},
         "world_size": world,
@@ -408,7 +411,7 @@ def _results(nodes: int | None, per_node: int | None, world: int = 4, optimizer:
 
 def test_bench_layout_and_mode_plan_from_results_json():
     from gradientflow.sim.planner import DDP
-    from gradientflow.sim.schedule import QUANTIZED, TECHNIQUES
+    from gradientflow.sim.schedule import TECHNIQUES, THREE_BIT
     from gradientflow.sim.validate import bench_layout, mode_plan
 
     assert bench_layout(_results(2, 2)) == (2, 2)
@@ -418,13 +421,13 @@ def test_bench_layout_and_mode_plan_from_results_json():
     assert mode_plan("gf-fp16@flat", "sgd", (2, 2)) == (TECHNIQUES["lazy"], True)
     assert mode_plan("gf-fp16", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
     assert mode_plan("gf-fp16@2x2", "sgd", (2, 2)) == (TECHNIQUES["lazy"], False)
-    assert mode_plan("gf-auto", "adamw", (2, 2)) == (QUANTIZED, False)
-    # "auto" with SGD is "cscq" at 0.5 beyond a pair of ranks, as the engine runs it; on 2 ranks the recipe's 0.3
-    denser = dataclasses.replace(CSCQ, density=0.5)
+    assert mode_plan("gf-auto", "adamw", (2, 2)) == (THREE_BIT, False)
+    # "auto" with SGD is "topk-3bit" at 0.5 beyond a pair of ranks, as the engine runs it; on 2 ranks the recipe's 0.3
+    denser = dataclasses.replace(TOPK_3BIT, density=0.5)
     assert mode_plan("gf-auto@flat", "sgd", (2, 2)) == (denser, True)
     assert mode_plan("gf-auto", "sgd", (2, 2)) == (denser, False)
     assert mode_plan("gf-auto", "sgd", (3, 1)) == (denser, False)
-    assert mode_plan("gf-auto", "sgd", (2, 1)) == (CSCQ, False)
+    assert mode_plan("gf-auto", "sgd", (2, 1)) == (TOPK_3BIT, False)
     assert mode_plan("ddp", "sgd", (2, 2)) == (DDP, True)  # torch DDP: a flat ring whatever the layout
     assert mode_plan("ddp-powersgd", "sgd", (2, 2)) is None
     with pytest.raises(ValueError, match="layout 2x2"):
@@ -445,24 +448,14 @@ def test_validate_predicts_a_recorded_2x2_results_json_by_hand():
     got = {k: v[0].iteration_s for k, v in predict_rows(bench, prof, prof, cfg).items()}
     want = {
         "compute": 1.0,
-        "gf-fp32": 1.0 + (0.002 + 0.16) + (0.01 + 1.6),  # two-level, fp32 at both levels
-        "gf-fp32@flat": 1.0 + 0.01 + 2.4,  # one 4-rank ring: 1.5 x 16000 B over the link
+        "gf-none": 1.0 + (0.002 + 0.16) + (0.01 + 1.6),  # two-level, fp32 at both levels
+        "gf-none@flat": 1.0 + 0.01 + 2.4,  # one 4-rank ring: 1.5 x 16000 B over the link
         "gf-fp16": 1.0 + (0.002 + 0.08) + (0.01 + 0.8),  # the same in fp16
         "gf-auto": 1.0 + (0.002 + 0.16384) + (0.01 + 0.16),  # AdamW: quantised, fp32 inside the node
         "gf-auto@flat": 1.0 + 0.01 + 0.3126,  # its direct exchange: 2 x 2 x 2/4 x 1563 B per link
         "ddp": 1.0 + 0.01 + 2.4,  # torch DDP is flat
     }
     assert got == pytest.approx(want)
-
-
-def test_sensitivity_break_even_by_hand():
-    from gradientflow.sim.sensitivity import break_even
-
-    # `ring` at 2 GPUs: after backward, one ring per tensor: t = 1 + 2 x 0.01 + 16000 B / B; speedup 2 / t
-    cfg = _cfg(bandwidth=1e5, latency=0.01)
-    b = break_even(HAND, cfg, 2, "ring", 1.0, "bandwidth", 1e3, 1e6)  # speedup 1: t = 2 s
-    assert b == pytest.approx(16000 / 0.98, rel=1e-6)
-    assert break_even(HAND, cfg, 2, "ring", 1.99, "bandwidth", 1e3, 1e6) is None  # not reached in the range
 
 
 def test_cli_validate_a_2x2_bench_end_to_end(capsys, tmp_path):
@@ -482,8 +475,8 @@ def test_cli_validate_a_2x2_bench_end_to_end(capsys, tmp_path):
     assert out["assumptions"]["layout"] == "2x2" and out["assumptions"]["oversubscribed"]  # 4 ranks, 2 cores
     assert [r["mode"] for r in out["rows"]] == [
         "compute",
-        "gf-fp32",
-        "gf-fp32@flat",
+        "gf-none",
+        "gf-none@flat",
         "gf-fp16",
         "gf-auto",
         "gf-auto@flat",

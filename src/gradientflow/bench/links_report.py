@@ -18,11 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gradientflow.bench.mode_names import canonical_matrix, canonical_name, canonical_summary
 from gradientflow.bench.report_tables import step_table_row
 from gradientflow.diagnostics.extras import can_plot
 
 TARGET = 0.85
-HEADLINE = "gf-fp16-csc-slice"  # the defaults for SGD momentum: comm_dtype="fp16", density=0.1
+HEADLINE = "gf-topk-fp16"  # compression="topk-fp16": comm_dtype="fp16", density=0.1
 BOUND_DEF = (
     "t_bound = max(compute: the model's step with no synchronisation, same launch; wire: wire bytes per step / the "
     "link's measured bulk throughput (one 32 MB fp32 allreduce, median of 5)); efficiency = t_bound / median step. "
@@ -34,9 +35,10 @@ BOUND_DEF = (
 
 def efficiency_rows(summary: dict[str, Any], link: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per timed mode of ``summary`` (not the θ sweep, not the alone twins): bound and efficiency."""
+    summary = canonical_summary(summary)
     out = []
     chosen = {
-        v["name"]: v["schedule"]
+        canonical_name(v["name"]): v["schedule"]
         for launch in summary.get("launches", [])
         for v in launch["variants"]
         if v.get("schedule")
@@ -131,7 +133,9 @@ def _own(r: dict[str, Any]) -> str:
 
 
 def markdown(m: dict[str, Any]) -> str:
-    """The matrix table (efficiency and speedup per mode and profile), then one detail table per profile."""
+    """The matrix table (efficiency and speedup per mode and profile), then one detail table per profile (modes by
+    the recipe table's names, also those of an older ``matrix.json``)."""
+    m = canonical_matrix(m)
     ok = [p for p in m["profiles"] if not p["error"]]
     modes = list(dict.fromkeys(r["mode"] for p in ok for r in p["rows"] if r["mode"] != "compute"))
     lines = [
@@ -208,6 +212,7 @@ def plot(m: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    m = canonical_matrix(m)
     ok = [p for p in m["profiles"] if not p["error"]]
     modes = list(dict.fromkeys(r["mode"] for p in ok for r in p["rows"] if r["mode"] != "compute"))
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(ok) + 2), 4.8))

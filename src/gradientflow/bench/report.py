@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from gradientflow.bench.link_bytes import link_summary
+from gradientflow.bench.mode_names import DENSE_FP32
 from gradientflow.bench.report_tables import markdown, plot, readme_tables, step_table_row
 from gradientflow.diagnostics.stats import PHASES
 
@@ -177,9 +178,9 @@ def summarize(launches: list[dict[str, Any]], opts: Any, emulated: bool) -> dict
     sweep = []
     for theta in opts.theta_sweep:
         pair = {"theta_mb": theta}
-        for kind, base in (("gf", "gf-fp32"), ("ddp", "ddp")):
+        for kind, base in (("gf", DENSE_FP32), ("ddp", "ddp")):
             named = [r for r in rows if r["name"] == f"{base} θ={theta:g}"]
-            if not named and base == "gf-fp32" and theta == opts.fusion_mb:
+            if not named and base == DENSE_FP32 and theta == opts.fusion_mb:
                 named = [r for r in rows if r["name"] == base]
             if not named and base == "ddp" and theta == 25.0:
                 named = [r for r in rows if r["name"] == base]

@@ -12,56 +12,77 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradientflow.bench.mode_names import (
+    DENSE_FP32,
+    GF_PREFIX,
+    OPTIONS_SEP,
+    TOPOLOGY_SEP,
+    canonical_mode,
+    parse_options,
+)
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.bench.sharded import SHARDED_MODES, is_sharded
 from gradientflow.config import check_topology_value
 from gradientflow.recipes import BY_NAME, PER_STEP_NAMES
 
-RECIPE_MODES = tuple(f"gf-{name}" for name in PER_STEP_NAMES)
-"""``gf-<recipe>``: ``compression="<recipe>"``, one mode per row of the recipe table (docs/recipes.md), run when
-named (``--modes``); ``gf-auto`` runs the recipe of the bench's optimizer (SGD: ``"topk-3bit"``; ``--optimizer
-adamw``: the ``"3bit"`` family)."""
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gf-fp32": ("none", {}),
-    "gf-fp16": ("fp16", {}),
-    "gf-bf16": ("bf16", {}),
-    "gf-fp16-csc": ("topk-fp16", {"csc_scope": "global"}),
-    "gf-fp16-csc-slice": ("topk-fp16", {}),
-    "gf-bf16-csc-slice": ("none", {"comm_dtype": "bf16", "density": 0.1}),
-    "gf-fp16-csc-auto": ("topk-fp16", {"schedule": "auto", "csc_scope": "global"}),
-    "gf-cscq": ("topk-3bit", {}),
-}
-"""The bench's default gradientflow modes (named before the recipe table; its committed tables carry these names),
-each a recipe of the table with options beside it: ``gf-fp32`` is ``gf-none``, ``gf-fp16-csc-slice``
-``gf-topk-fp16``, ``gf-cscq`` ``gf-topk-3bit``; the others vary one option of a recipe (``csc_scope``,
-``schedule``, a bf16 wire)."""
+RECIPE_MODES = tuple(f"{GF_PREFIX}{name}" for name in PER_STEP_NAMES)
+"""``gf-<recipe>``: ``compression="<recipe>"``, one mode per row of the recipe table (docs/recipes.md); ``gf-auto``
+runs the recipe of the bench's optimizer (SGD: ``"topk-3bit"``; ``--optimizer adamw``: the ``"3bit"`` family).
+Any of them may pass wrapper options after a colon: ``gf-topk-fp16:csc_scope=global`` (:func:`gf_recipe`)."""
+TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")
+"""torch DDP: plain, with ``fp16_compress_hook``, with the PowerSGD hook."""
 MODES = (
-    "gf-fp32",
+    "gf-none",
     "gf-fp16",
     "gf-bf16",
-    "gf-fp16-csc",
-    "gf-fp16-csc-slice",
-    "gf-bf16-csc-slice",
-    "gf-fp16-csc-auto",
-    "ddp",
-    "ddp-fp16",
-    "ddp-powersgd",
+    "gf-topk-fp16:csc_scope=global",
+    "gf-topk-fp16",
+    "gf-none:comm_dtype=bf16,density=0.1",
+    "gf-topk-fp16:csc_scope=global,schedule=auto",
+    *TORCH_MODES,
     "compute",
 )
-"""What ``gradientflow bench`` runs by default (the tables of docs/results/benchmarks.md)."""
-EXTRA_MODES = (*RECIPE_MODES, "gf-cscq", *SHARDED_MODES)
-"""Modes run only when named (``--modes``): every recipe of the table, ``gf-cscq`` (= ``gf-topk-3bit``), and the
-FSDP2 / HSDP modes (:mod:`gradientflow.bench.sharded`: ``hsdp``, ``hsdp-bf16``, ``fsdp-<recipe>``)."""
+"""What ``gradientflow bench`` runs by default (the tables of docs/results/benchmarks.md): the dense recipes, and
+``"topk-fp16"`` with the defaults, with ``csc_scope="global"``, on a bf16 wire, and with ``schedule="auto"``."""
+EXTRA_MODES = tuple(m for m in (*RECIPE_MODES, *SHARDED_MODES) if m not in MODES)
+"""Modes run only when named (``--modes``): every other recipe of the table, and the FSDP2 / HSDP modes
+(:mod:`gradientflow.bench.sharded`: ``hsdp``, ``hsdp-bf16``, ``fsdp-<recipe>``)."""
+NO_OPTIONS = ("compression", "fusion_threshold_mb", "topology")
+"""Wrapper options a mode does not take after its colon: the recipe is its name, θ is ``--fusion-mb`` (and
+``--theta-sweep``), the layout its ``@``."""
 
 
 def gf_recipe(mode: str) -> tuple[str, dict[str, Any]]:
-    """The recipe and the options a gradientflow mode (``gf-*``, no ``@``) passes to the wrapper."""
-    if mode in VARIANTS:
-        return VARIANTS[mode]
-    return mode.removeprefix("gf-"), {}
+    """The recipe and the options a gradientflow mode (``gf-<recipe>[:OPTION=VALUE,...]``, no ``@``; an old name
+    is read as :func:`~gradientflow.bench.mode_names.canonical_mode` spells it) passes to the wrapper.
+    ``ValueError`` for an option the wrapper has not, or one it refuses beside the recipe (its own message)."""
+    import dataclasses
+
+    from gradientflow.config import GradientFlowConfig
+
+    base = canonical_mode(mode)
+    recipe, _, text = base.removeprefix(GF_PREFIX).partition(OPTIONS_SEP)
+    if not text:
+        return recipe, {}
+    try:
+        options = parse_options(text)
+    except ValueError as exc:
+        raise ValueError(f"mode {mode!r}: {exc} after the colon") from None
+    known = {f.name for f in dataclasses.fields(GradientFlowConfig)} - set(NO_OPTIONS)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"mode {mode!r}: {', '.join(unknown)} is not a wrapper option a mode takes (the recipe is its name, "
+            f"θ --fusion-mb, the layout @TOPOLOGY); one of {', '.join(sorted(known))}"
+        )
+    try:  # the wrapper's validation: an option the recipe's name fixes, or its mechanism does not read
+        GradientFlowConfig(compression=recipe, **options)
+    except ValueError as exc:
+        raise ValueError(f"mode {mode!r}: {exc}") from None
+    return recipe, options
 
 
-TOPOLOGY_SUFFIX = "@"
+TOPOLOGY_SUFFIX = TOPOLOGY_SEP
 """``gf-fp16@flat``: a gradientflow mode with the engine's ``topology`` option (``flat``, ``auto`` or
 ``MxG``), so one table holds a mode forced flat beside the same mode on the node layout torchrun gives."""
 OPTIMIZERS = ("sgd", "adamw")
@@ -84,15 +105,21 @@ MARK = "[gf] "  # workers prefix lines meant for the user's terminal with this
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
-    """``"gf-fp16@flat"`` -> ``("gf-fp16", "flat")``; ``"ddp"`` -> ``("ddp", None)``.  ``ValueError`` saying
-    what to pass for an unknown mode, a topology on a mode that is not gradientflow's, or a bad topology."""
-    base, at, topology = mode.partition(TOPOLOGY_SUFFIX)
-    if base not in (*MODES, *EXTRA_MODES):
-        known = " ".join(dict.fromkeys((*MODES, *EXTRA_MODES)))
-        raise ValueError(f"unknown mode {base!r}: choose from {known}")
+    """``"gf-fp16@flat"`` -> ``("gf-fp16", "flat")``; ``"ddp"`` -> ``("ddp", None)``; an old name as the recipe
+    table spells it (``"gf-fp16-csc-slice@flat"`` -> ``("gf-topk-fp16", "flat")``).  ``ValueError`` saying what
+    to pass for an unknown mode, options or a topology on a mode that is not gradientflow's, or a bad one."""
+    base, at, topology = canonical_mode(mode).partition(TOPOLOGY_SUFFIX)
+    name, colon, _ = base.partition(OPTIONS_SEP)
+    if name not in (*MODES, *EXTRA_MODES):
+        known = " ".join(m for m in dict.fromkeys((*MODES, *EXTRA_MODES)) if OPTIONS_SEP not in m)
+        raise ValueError(f"unknown mode {name!r}: choose from {known} (a gf-* mode may add :OPTION=VALUE,...)")
+    if colon:
+        if not name.startswith(GF_PREFIX):
+            raise ValueError(f"mode {mode!r}: only gradientflow modes (gf-*) take :OPTION=VALUE; {name} is not one")
+        gf_recipe(base)
     if not at:
         return base, None
-    if not base.startswith("gf-"):
+    if not base.startswith(GF_PREFIX):
         raise ValueError(f"mode {mode!r}: only gradientflow modes (gf-*) take @TOPOLOGY; {base} is not one")
     try:
         return base, check_topology(topology)
@@ -196,17 +223,18 @@ def make_batch(spec: BenchSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor |
 def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], alone: bool = True) -> list[Variant]:
     """``compute`` first (the reference), then the modes, then (``alone``) each mode but PowerSGD and the sharded
     ones (whose mesh is the launch's) again on a one-rank group (see :attr:`Variant.alone`), then the θ sweep
-    (gf-fp32 and ddp at each θ).
+    (gf-none and ddp at each θ).  Old mode names run as the recipe table spells them (:func:`canonical_mode`).
 
-    A sweep point identical to a requested mode (gf-fp32 at ``fusion_mb``, ddp at 25 MB) is not
+    A sweep point identical to a requested mode (gf-none at ``fusion_mb``, ddp at 25 MB) is not
     run twice: the report points at the mode.
     """
     out = [Variant("compute", "compute")]
-    for m in modes:
+    for m in dict.fromkeys(canonical_mode(m) for m in modes):  # an old name runs as its recipe's (mode_names)
         if m == "compute":
             continue
         base = split_mode(m)[0]
-        theta = fusion_mb if base.startswith("gf-") and not base.endswith("-csc-auto") else None  # auto: its own θ
+        own_theta = base.startswith(GF_PREFIX) and gf_recipe(base)[1].get("schedule") == "auto"  # picks its own θ
+        theta = fusion_mb if base.startswith(GF_PREFIX) and not own_theta else None
         out.append(Variant(m, m, theta))
     if alone:  # not for torch's PowerSGD hook, kept out of shared launches (ISOLATED), nor a sharded mode (its mesh)
         out += [
@@ -214,10 +242,11 @@ def plan_variants(modes: list[str], fusion_mb: float, theta_sweep: list[float], 
             for v in out[1:]
             if v.mode not in ISOLATED and not is_sharded(v.mode)
         ]
+    named = {canonical_mode(m) for m in modes}
     for theta in theta_sweep:
-        if not ("gf-fp32" in modes and theta == fusion_mb):
-            out.append(Variant(f"gf-fp32 θ={theta:g}", "gf-fp32", theta, sweep=True))
-        if not ("ddp" in modes and theta == DDP_DEFAULT_BUCKET_MB):
+        if not (DENSE_FP32 in named and theta == fusion_mb):
+            out.append(Variant(f"{DENSE_FP32} θ={theta:g}", DENSE_FP32, theta, sweep=True))
+        if not ("ddp" in named and theta == DDP_DEFAULT_BUCKET_MB):
             out.append(Variant(f"ddp θ={theta:g}", "ddp", theta, sweep=True))
     return out
 

@@ -106,8 +106,7 @@ def _build(
             process_group=group,
             fusion_threshold_mb=v.theta_mb,
             compression=recipe,
-            **options,
-            **timing,
+            **{**timing, **options},  # an option the mode names (gf-<recipe>:OPTION=VALUE) over the bench's
             **topology_kwargs(v.mode),  # mode@flat: the engine's layout forced (a TypeError before it has one)
         )  # CSC keeps the optimizer's momentum (the recommended recipe): no momentum correction
     else:

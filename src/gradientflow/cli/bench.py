@@ -64,10 +64,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=list(MODES),
         metavar="MODE",
         help=f"modes to compare (default all of {' '.join(MODES)}); also {' '.join(EXTRA_MODES)} "
-        "(compression=\"auto\": the --optimizer's recipe; hsdp, hsdp-bf16: torch's FSDP2 on the mesh (nodes, "
-        "--nproc-per-node), its reduction between nodes in fp32 / bf16; fsdp-RECIPE: gradientflow.fsdp.fully_shard "
-        "with that recipe there). A gradientflow mode may end in @flat, @auto or "
-        "@MxG: the engine's topology option (e.g. gf-fp16@flat beside gf-fp16); 'compute' is always added",
+        '(gf-RECIPE: compression="RECIPE", a row of docs/recipes.md; gf-auto: the --optimizer\'s recipe; hsdp, '
+        "hsdp-bf16: torch's FSDP2 on the mesh (nodes, --nproc-per-node), its reduction between nodes in fp32 / bf16; "
+        "fsdp-RECIPE: gradientflow.fsdp.fully_shard with that recipe there). A gradientflow mode may pass wrapper "
+        "options after a colon (e.g. gf-topk-fp16:csc_scope=global) and end in @flat, @auto or @MxG: the "
+        "engine's topology option (e.g. gf-fp16@flat beside gf-fp16); 'compute' is always added",
     )
     b.add_argument(
         "--optimizer",
@@ -118,7 +119,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="MB",
-        help="also time gf-fp32 and DDP at each of these θ / bucket_cap_mb (e.g. 0 1 4 25 100)",
+        help="also time gf-none and DDP at each of these θ / bucket_cap_mb (e.g. 0 1 4 25 100)",
     )
     b.add_argument(
         "--algorithm",

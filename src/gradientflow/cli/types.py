@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -142,14 +143,19 @@ def workload(text: str) -> str:
 
 
 def bench_mode(text: str) -> str:
-    """A mode of ``gradientflow bench``, gradientflow's optionally with ``@flat`` / ``@auto`` / ``@MxG``."""
+    """A mode of ``gradientflow bench``, gradientflow's optionally with ``:OPTION=VALUE,...`` and ``@flat`` /
+    ``@auto`` / ``@MxG``; a name from before the recipe table as the table spells it (one line on stderr)."""
+    from gradientflow.bench.mode_names import canonical_mode
     from gradientflow.bench.runner_spec import split_mode
 
     try:
         split_mode(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    mode = canonical_mode(text)
+    if mode != text:
+        print(f"gradientflow bench: mode {text} runs as {mode} (the recipe table's name)", file=sys.stderr)
+    return mode
 
 
 def recipe(text: str) -> str:

@@ -87,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, help="images per GPU per iteration (default 32)")
     p.add_argument("--gpu-images-per-s", type=float, help="one GPU's compute-only throughput, images/s")
     p.add_argument("--theta-mb", type=float, help="θ of lazy allreduce in MiB of fp32 gradient (default 25)")
-    p.add_argument("--density", type=float, help="CSC: fraction of chunks sent (default 0.1)")
-    p.add_argument("--chunk-size", type=int, help="CSC: gradients per chunk (default 32768)")
+    p.add_argument("--density", type=float, help="top-k (the paper's CSC): fraction of chunks sent (default 0.1)")
+    p.add_argument("--chunk-size", type=int, help="top-k (the paper's CSC): gradients per chunk (default 32768)")
     p.add_argument(
         "--pass-gbps",
         type=float,
@@ -127,8 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
         choices=("sgd", "adamw"),
-        help='with --plan: what compression="auto" runs for this optimizer (sgd: CSC; adamw, also Adam and '
-        "other adaptive ones: 3-bit quantised), its step time and bytes against DDP",
+        help='with --plan: what compression="auto" runs for this optimizer (sgd: top-k, modelled as "topk-fp16"; '
+        'adamw, also Adam and other adaptive ones: "3bit"), its step time and bytes against DDP',
     )
     p.add_argument(
         "--validate",

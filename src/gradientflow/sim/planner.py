@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .config import SimConfig
 from .model_profile import ModelProfile
-from .schedule import QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+from .schedule import TECHNIQUES, THREE_BIT, Iteration, Technique, simulate
 
 DDP_BUCKET_MB = 25.0
 DDP = Technique("ring", True, 4, True, False, "fp32")
@@ -42,8 +42,8 @@ def plan(
 ) -> list[PlanRow]:
     """For every GPU count:
     1. DDP and DDP + fp16 at 25 MiB buckets;
-    2. the best θ for gradientflow's dense fp16 lazy allreduce, and that configuration;
-    3. gradientflow with CSC at each density, at that θ.
+    2. the best θ for gradientflow's dense fp16 lazy allreduce (``"fp16"``), and that configuration;
+    3. gradientflow's ``"topk-fp16"`` at each density, and ``"3bit"``, at that θ.
     """
     rows: list[PlanRow] = []
     ddp_cfg = dataclasses.replace(cfg, theta_mb=DDP_BUCKET_MB)
@@ -52,18 +52,28 @@ def plan(
         rows.append(PlanRow(n, "DDP + fp16 hook", DDP_BUCKET_MB, simulate(profile, ddp_cfg, n, "ddp-fp16", DDP_FP16)))
         theta = best_theta(profile, cfg, n)
         gf_cfg = dataclasses.replace(cfg, theta_mb=theta)
-        rows.append(PlanRow(n, "gradientflow fp16 (lazy)", theta, simulate(profile, gf_cfg, n, "lazy")))
+        rows.append(PlanRow(n, FP16_SYSTEM, theta, simulate(profile, gf_cfg, n, "lazy")))
         for d in densities:
             res = simulate(profile, dataclasses.replace(gf_cfg, density=d), n, "csc", TECHNIQUES["csc"])
-            rows.append(PlanRow(n, f"gradientflow CSC density {d:g}", theta, res))
-        rows.append(PlanRow(n, QUANTIZED_SYSTEM, theta, simulate(profile, gf_cfg, n, "quantized", QUANTIZED)))
+            rows.append(PlanRow(n, topk_system(d), theta, res))
+        rows.append(PlanRow(n, THREE_BIT_SYSTEM, theta, simulate(profile, gf_cfg, n, "3bit", THREE_BIT)))
     return rows
 
 
-QUANTIZED_SYSTEM = "gradientflow quantized 3-bit"
-AUTO_PICK = {"sgd": "gradientflow CSC density 0.1", "adamw": QUANTIZED_SYSTEM}
-"""What ``compression="auto"`` runs for an optimizer (:mod:`gradientflow.strategies.recipes`): SGD
-(with or without momentum) -> CSC, fp16 + density 0.1; Adam, AdamW and the rest -> 3-bit quantised."""
+FP16_SYSTEM = 'gradientflow "fp16"'
+THREE_BIT_SYSTEM = 'gradientflow "3bit"'
+"""The planner's names of gradientflow's recipes: ``compression=`` as the recipe table names it."""
+
+
+def topk_system(density: float) -> str:
+    """The planner's name of ``compression="topk-fp16"`` at ``density``."""
+    return f'gradientflow "topk-fp16" density {density:g}'
+
+
+AUTO_PICK = {"sgd": topk_system(0.1), "adamw": THREE_BIT_SYSTEM}
+"""What the planner takes for ``compression="auto"`` with an optimizer: Adam, AdamW and the rest -> ``"3bit"``;
+SGD -> ``"topk-fp16"`` (fp16 + density 0.1), the top-k recipe it models (``"auto"`` itself runs ``"topk-3bit"``
+with SGD, which the plan has no row of: docs/cost-model.md)."""
 OPTIMIZERS = ("sgd", "adamw")
 
 KEEPS_QUALITY: dict[str, dict[str, str]] = {
@@ -72,19 +82,19 @@ KEEPS_QUALITY: dict[str, dict[str, str]] = {
     "adamw": {
         "DDP (fp32)": "the reference",
         "DDP + fp16 hook": "1.000x DDP's loss",
-        "gradientflow fp16 (lazy)": "1.000x DDP's loss",
-        QUANTIZED_SYSTEM: "1.006-1.013x DDP's loss, 3 seeds x 7 settings",
+        FP16_SYSTEM: "1.000x DDP's loss",
+        THREE_BIT_SYSTEM: "1.006-1.013x DDP's loss, 3 seeds x 7 settings",
     },
     "sgd": {
         "DDP (fp32)": "the reference",
         "DDP + fp16 hook": "same loss as DDP",
-        "gradientflow fp16 (lazy)": "same loss as DDP",
-        "gradientflow CSC density 0.1": "digits 97.5% vs DDP's 96.7%; digits_wide DDP's loss 4x sooner",
+        FP16_SYSTEM: "same loss as DDP",
+        topk_system(0.1): "digits 97.5% vs DDP's 96.7%; digits_wide DDP's loss 4x sooner",
     },
 }
 NOT_KEPT = {
-    "adamw": "CSC (any density): 1.07-1.13x DDP's loss at density 0.1 (docs/results/adamw.md)",
-    "sgd": "CSC at densities other than 0.1 and the quantised recipe: not measured with SGD",
+    "adamw": '"topk-fp16" (any density): 1.07-1.13x DDP\'s loss at density 0.1 (docs/results/adamw.md)',
+    "sgd": '"topk-fp16" at densities other than 0.1 and "3bit": not measured with SGD',
 }
 
 
@@ -135,7 +145,7 @@ def plan_markdown(rows: list[PlanRow], optimizer: str | None = None) -> str:
     if optimizer is None:
         lines.append(
             "Speed alone (the model knows no quality): give --optimizer sgd|adamw for what keeps DDP's quality; "
-            "with AdamW, CSC reaches 1.07-1.13x DDP's loss (docs/results/adamw.md)."
+            'with AdamW, "topk-fp16" reaches 1.07-1.13x DDP\'s loss (docs/results/adamw.md).'
         )
     for n in dict.fromkeys(r.gpus for r in rows):
         best = min((r for r in rows if r.gpus == n), key=lambda r: r.result.iteration_s)

@@ -24,7 +24,7 @@ from gradientflow.recipes import RECIPES, Recipe
 from .config import SimConfig
 from .model_profile import ModelProfile
 from .planner import DDP
-from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+from .schedule import TECHNIQUES, THREE_BIT, TOPK_3BIT, Iteration, Technique, simulate
 
 AUTO_FOR = {"sgd": SGD_RECIPE, "adamw": ADAM_RECIPE}
 """The row ``"auto"`` runs for the bench's and the planner's two optimizers."""
@@ -61,7 +61,7 @@ def _topk(recipe: Recipe, optimizer: str) -> Technique:
 @mechanisms.form("quantized", "sim")
 def _quantized(recipe: Recipe, optimizer: str) -> Technique:
     q = GradientFlowConfig(compression=recipe.name).quantizer()
-    return dataclasses.replace(QUANTIZED, wire_bytes=quantized_wire_bytes(q.bits, q.block), block=q.block)
+    return dataclasses.replace(THREE_BIT, wire_bytes=quantized_wire_bytes(q.bits, q.block), block=q.block)
 
 
 @mechanisms.form("topk-quantized", "sim")
@@ -69,7 +69,7 @@ def _topk_quantized(recipe: Recipe, optimizer: str) -> Technique:
     cfg = GradientFlowConfig(compression=recipe.name)
     q = cfg.quantizer()
     wire = quantized_wire_bytes(q.bits, q.block)
-    return dataclasses.replace(CSCQ, wire_bytes=wire, block=q.block, density=cfg.density)
+    return dataclasses.replace(TOPK_3BIT, wire_bytes=wire, block=q.block, density=cfg.density)
 
 
 def recipe_label(recipe: Recipe) -> str:

@@ -40,7 +40,9 @@ class Technique:
     direct: bool = False  # flat exchange from 3 ranks is a direct reduce-scatter + all-gather (quantised)
     shard_passes: bool = False  # two-level: the local passes run on this rank's 1/g shard only
     density: float | None = None  # CSC: the recipe's own density (None: cfg.density)
-    chunk_codec: bool = False  # CSC: the selected chunks go through the quantiser's codec ("quantized" passes on them)
+    chunk_codec: bool = (
+        False  # top-k: the selected chunks go through the quantiser's codec ("quantized" passes on them)
+    )
 
 
 PASSES = {"fp32": 1, "fp16": 3, "csc": 1, "csc_accumulate": 1, "csc_chunks": 4, "quantized": 20}
@@ -53,7 +55,7 @@ only, so scaled by the fraction selected (the engine's write-back touches nothin
 error-feedback add (measured on this project's CPU, one thread, 4M fp32: quantise 60 ms, decode
 33 ms, one ``add_`` 4-5 ms, so about 20 passes; ``--profile`` times it on the user's machine)."""
 
-QUANTIZED = Technique(
+THREE_BIT = Technique(
     "ring",
     True,
     3 / 8 + 2 / 128,
@@ -65,14 +67,14 @@ QUANTIZED = Technique(
     direct=True,
     shard_passes=True,
 )
-"""``compression="quantized"`` (what ``"auto"`` picks for Adam/AdamW): every gradient every step,
+"""``compression="3bit"`` (what ``"auto"`` picks for Adam/AdamW): every gradient every step,
 3 bits plus one bf16 scale per 128 (0.39 bytes per gradient), on a ring overlapped with backward
 (from 3 ranks a direct reduce-scatter + all-gather, ``comm/quantized_ring.py``).  Two-level
 (``strategies/quantized_nodes.py``): fp32 reduce-scatter and all-gather inside the node, the quantised
 ring on this rank's shard of whole 128-blocks between nodes, its codec and error feedback on the
 shard only."""
 
-CSCQ = Technique(
+TOPK_3BIT = Technique(
     "ring",
     True,
     3 / 8 + 2 / 128,
@@ -85,7 +87,7 @@ CSCQ = Technique(
     density=0.3,
     chunk_codec=True,
 )
-"""``compression="cscq"`` (what ``"auto"`` picks for SGD): CSC at density 0.3, the packed chunks on the quantised
+"""``compression="topk-3bit"`` (what ``"auto"`` picks for SGD): top-k at density 0.3, the packed chunks on the quantised
 exchange (3 bits + a bf16 scale per 128; two-level as the quantised recipe's buckets), the codec on them only."""
 
 TECHNIQUES: dict[str, Technique] = {

@@ -15,9 +15,9 @@
    misses that contention.
 3. Each bench mode as the model sees it, on the launch's layout (``results.json``'s ``nodes`` x
    ``nproc_per_node``; with nodes of several ranks the intra-node α and B measured on loopback,
-   ``measure --loopback``): gf-fp32 and ddp are fused fp32 exchanges overlapped with backward at the
-   bench's θ; gf-fp16 is ``lazy``; ddp-fp16 the same with DDP's buckets; gf-fp16-csc is ``csc`` at the
-   bench's density and chunk size; gf-auto is "cscq" with SGD and the quantised recipe with AdamW.  A
+   ``measure --loopback``): gf-none and ddp are fused fp32 exchanges overlapped with backward at the
+   bench's θ; gf-fp16 is ``lazy``; ddp-fp16 the same with DDP's buckets; gf-topk-fp16 is ``csc`` at the
+   bench's density and chunk size; gf-auto is "topk-3bit" with SGD and "3bit" with AdamW.  A
    gradientflow mode is two-level on nodes of several ranks (the engine's plan), ``@flat`` one
    exchange over every rank; torch DDP's modes are flat.
 4. Write ``validation.json`` and ``validation.md``: measured median step vs predicted.
@@ -33,6 +33,7 @@ import os
 import sys
 from pathlib import Path
 
+from gradientflow.bench.mode_names import canonical_mode, canonical_summary
 from gradientflow.bench.models import WORKLOADS, build_model
 from gradientflow.bench.report import step_table_row
 from gradientflow.bench.runner import CSC_DENSITY
@@ -42,26 +43,22 @@ from .config import SimConfig
 from .model_profile import ModelProfile, measured_profile
 from .planner import DDP, DDP_FP16
 from .recipes import per_step_rows, recipe_technique
-from .schedule import CSCQ, QUANTIZED, TECHNIQUES, Iteration, Technique, simulate
+from .schedule import TECHNIQUES, THREE_BIT, TOPK_3BIT, Iteration, Technique, simulate
 
 MODE_TECHNIQUE: dict[str, Technique] = {
     "compute": TECHNIQUES["lazy"],  # evaluated at 1 GPU: no communication
-    "gf-fp32": DDP,
     "ddp": DDP,
-    "gf-fp16": TECHNIQUES["lazy"],
-    "gf-bf16": TECHNIQUES["lazy"],
     "ddp-fp16": DDP_FP16,
-    "gf-fp16-csc": TECHNIQUES["csc"],
-    # the slice scope hides most of its score exchange under backward; the model charges the global
-    # scope's (exposed after backward): conservative for it
-    "gf-fp16-csc-slice": TECHNIQUES["csc"],
-    "gf-cscq": CSCQ,
-    # every recipe of the table as the bench's gf-<recipe> mode (bench.runner_spec.RECIPE_MODES)
+    # every recipe of the table as the bench's gf-<recipe> mode (bench.runner_spec.RECIPE_MODES): gf-none a fused
+    # fp32 exchange as ddp's, gf-fp16 and gf-bf16 "lazy", gf-topk-fp16 "csc" at its density, gf-topk-3bit and the
+    # quantised rows their codes; the slice scope hides most of top-k's score exchange under backward, the model
+    # charges the global scope's (exposed after backward): conservative for it
     **{f"gf-{r.name}": recipe_technique(r) for r in per_step_rows() if r.mechanism != "auto"},
+    "gf-topk-fp16:csc_scope=global": TECHNIQUES["csc"],
 }
-AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": CSCQ, "adamw": QUANTIZED}
+AUTO_TECHNIQUE: dict[str, Technique] = {"sgd": TOPK_3BIT, "adamw": THREE_BIT}
 """``gf-auto`` (``compression="auto"``): ``"topk-3bit"`` with SGD (at density 0.5 beyond a pair of ranks, as the engine:
-:func:`mode_plan`), the quantised recipe with AdamW (the bench's --optimizer)."""
+:func:`mode_plan`), ``"3bit"`` with AdamW (the bench's --optimizer)."""
 
 TORCH_MODES = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: flat rings whatever the layout
 
@@ -85,7 +82,7 @@ def mode_plan(mode: str, optimizer: str, layout: tuple[int, int]) -> tuple[Techn
     for a mode it does not model (PowerSGD).  A gradientflow mode ending in ``@flat`` is the engine's
     ``topology="flat"``; ``@auto``, ``@MxG`` matching the launch's layout, or no suffix: the layout
     torchrun gives (two-level with more than one node of more than one rank); torch DDP is flat."""
-    base, _, topo = mode.partition("@")
+    base, _, topo = canonical_mode(mode).partition("@")
     tech = AUTO_TECHNIQUE.get(optimizer) if base == "gf-auto" else MODE_TECHNIQUE.get(base)
     if tech is None:
         return None
@@ -273,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="benchmarks/sim_validation")
     args = p.parse_args(argv)
-    bench = json.loads(Path(args.bench).read_text())
+    bench = canonical_summary(
+        json.loads(Path(args.bench).read_text())
+    )  # an older bench's modes as the table names them
     fit = json.loads(Path(args.alpha_beta).read_text())["fits"][args.algorithm]
     intra = json.loads(Path(args.loopback_fit).read_text())["fits"][args.algorithm] if args.loopback_fit else None
     copies = args.copies
