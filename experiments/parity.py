@@ -111,11 +111,13 @@ def _cases() -> list[Case]:
         ("fsdp-2x2-topk-3bit-w5", hsdp, "sgd", 40, {"compression": "topk-3bit", **w5}),
         ("fsdp-2x2-topk-3bit", hsdp, "sgd", 130, {"compression": "topk-3bit"}),
         ("ddp-flat-h4-3bit", flat, "adamw", 40, {**h4, "outer_compression": "3bit"}),
-        ("ddp-flat-h4-indexed-topk-2bit", flat, "adamw", 40, {**h4, "outer_compression": "indexed-topk-2bit"}),
+        # The case ids keep the names of the first run (2026-12-06, before the outer top-k rows were named
+        # "indexed-topk-*"): that run passed the earlier name "topk-2bit", which still means this row.
+        ("ddp-flat-h4-topk-2bit", flat, "adamw", 40, {**h4, "outer_compression": "indexed-topk-2bit"}),
         # Streaming: 2 fragments in turn, each merged one inner step late.
         ("ddp-flat-h4-3bit-f2d1", flat, "adamw", 40, {**h4, "sync_fragments": 2, "sync_delay": 1}),
         ("ddp-2x2-h4-3bit", two, "adamw", 40, {**h4, "outer_compression": "3bit", **t2}),
-        ("ddp-2x2-h4-indexed-topk-2bit", two, "adamw", 40, {**h4, "outer_compression": "indexed-topk-2bit", **t2}),
+        ("ddp-2x2-h4-topk-2bit", two, "adamw", 40, {**h4, "outer_compression": "indexed-topk-2bit", **t2}),
     ]
     return [
         Case(name, door, nodes, per_node, optimizer, steps, options)
