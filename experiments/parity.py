@@ -398,6 +398,20 @@ def _table(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _canonical(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with each recipe by its row's name: an earlier name (an alias) means exactly its row, so a run
+    that passed it is the same case as one passing the row's name (the same config, the same bits promised)."""
+    from gradientflow.config import lookup
+    from gradientflow.outer_options import outer_exchange_of
+
+    out = dict(options)
+    if "compression" in out:
+        out["compression"] = lookup(out["compression"]).name
+    if "outer_compression" in out:
+        out["outer_compression"] = outer_exchange_of(out["outer_compression"]).name
+    return out
+
+
 def _compare(runs: dict[str, dict[str, Any]], earlier: dict[str, Any]) -> list[str]:
     """Every difference from an earlier run's JSON, in words (empty: bit for bit the same)."""
     diffs = []
@@ -406,7 +420,7 @@ def _compare(runs: dict[str, dict[str, Any]], earlier: dict[str, Any]) -> list[s
         if e is None:
             diffs.append(f"{name}: not in the earlier run")
             continue
-        if e["options"] != r["options"] or e["steps"] != r["steps"]:
+        if _canonical(e["options"]) != _canonical(r["options"]) or e["steps"] != r["steps"]:
             diffs.append(f"{name}: another case than the earlier run's ({e['call']})")
             continue
         for key in ("final_loss", "params_sha256", "rank_params_sha256", "bytes"):
