@@ -16,19 +16,8 @@ import torch
 from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
 from .outer_options import OUTER_OPTIONS, settle_outer
 from .recipe_options import QuantLevels, RecipeOptions
-from .recipes import (
-    ALIASES,
-    NAMES,
-    PER_STEP_NAMES,
-    QUANT_BITS,
-    QUANT_DEFAULTS,
-    QUANT_OPTIONS,
-    Mechanism,
-    Resolved,
-    UnknownRecipe,
-    fold,
-    resolve,
-)
+from .recipe_rule import Resolved, UnknownRecipe, fold, resolve
+from .recipes import ALIASES, NAMES, PER_STEP_NAMES, QUANT_BITS, QUANT_DEFAULTS, QUANT_OPTIONS, Mechanism
 
 # The closed option sets, as types (mypy checks what code passes) and as the tuples validation names.
 CommDtype = Literal["fp32", "fp16", "bf16", "half"]
@@ -117,7 +106,7 @@ def recipe_error(value: object) -> ValueError:
 
 
 def lookup(value: object) -> Resolved:
-    """The recipe a ``compression`` value names (:func:`gradientflow.recipes.resolve`), or :func:`recipe_error`."""
+    """The recipe a ``compression`` value names (:func:`gradientflow.recipe_rule.resolve`), or :func:`recipe_error`."""
     try:
         return resolve(value)
     except UnknownRecipe:

@@ -47,7 +47,7 @@ class Mechanism:
     """One line: what it does with a tensor."""
     options: tuple[str, ...]
     """The recipe options it reads (passing another beside one of its recipes is a ``ValueError``,
-    :func:`gradientflow.recipes.fold`'s third clause)."""
+    :func:`gradientflow.recipe_rule.fold`'s third clause)."""
     doors: frozenset[str]
     """The doors it has a form for (:data:`DOORS`)."""
 

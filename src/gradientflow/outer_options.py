@@ -17,7 +17,8 @@ import torch
 
 from .mechanisms import check_door, options_of
 from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
-from .recipes import OUTER_ALIASES, OUTER_NAMES, UnknownRecipe, resolve
+from .recipe_rule import UnknownRecipe, resolve
+from .recipes import OUTER_ALIASES, OUTER_NAMES
 
 OUTER_OPTIONS = (
     "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",

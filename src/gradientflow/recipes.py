@@ -7,28 +7,17 @@ A recipe is a named bundle of the wrapper's options (``compression="3bit"`` sets
 Adding a recipe of an existing mechanism is one row here; a new mechanism is declared in
 :mod:`gradientflow.mechanisms`, with a form for each door it serves.
 
-The rule for options passed beside a recipe (stated once, here; tested in tests/test_recipes.py):
+How a value names a row (its aliases, the quantised family's widths, the experiments' shorthand) and the rule for
+options passed beside a recipe are :mod:`gradientflow.recipe_rule`'s.  A row is a recipe with a measured use (its
+section of docs/recipes.md).
 
-1. The recipe sets the options of its row.
-2. An option passed explicitly overrides the row's value, except one the recipe's *name* states
-   (:attr:`Recipe.named`: the wire dtype of ``"fp16"``, the width of ``"3bit"``, the preconditioning of
-   ``"3bit-precond"``): passing another value is a ``ValueError`` naming the recipe that has it.
-3. An option the recipe's mechanism does not read (``density`` beside a quantised recipe, ``quant_bits``
-   beside ``"fp16"``, any of them beside ``"auto"``, which picks them) is a ``ValueError``.
-
-Beyond the rows, the quantised family is named by its width: ``"<bits>bit"`` and ``"<bits>bit-precond"`` for
-``bits`` in :data:`QUANT_BITS` (``"5bit"``, ``"32bit"`` = the quantiser off, an fp32 ring); a width without a
-row takes the ``"3bit"`` row's other settings.  A row is a recipe with a measured use (its section of
-docs/recipes.md); the widths without one were at most an experiment's.
-
-This module imports nothing of gradientflow: it is data, at the bottom of the layers.
+This module imports only :mod:`gradientflow.mechanisms`: it is data, at the bottom of the layers.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from .mechanisms import MECHANISMS, QUANT_OPTIONS, options_of
@@ -59,14 +48,6 @@ QUANT_DEFAULTS: Mapping[str, Any] = {
 and of every width of the family without a row of its own."""
 
 assert tuple(QUANT_DEFAULTS) == QUANT_OPTIONS, "the quantiser's options, declared in gradientflow.mechanisms"
-
-
-def mechanism_options(mechanism: str) -> tuple[str, ...]:
-    """The recipe options ``mechanism`` reads (rule 3: passing another beside a recipe is an error), as
-    :mod:`gradientflow.mechanisms` declares them.  ``"dense"`` and ``"topk"`` also read the CSC options
-    (``chunk_size``, ``warmup_steps``, ...) and every mechanism the engine's (θ, ``topology``, ...): those are not a
-    recipe's and are never refused."""
-    return options_of(mechanism)
 
 
 @dataclass(frozen=True)
@@ -265,129 +246,6 @@ def add_row(recipe: Recipe) -> Recipe:
     if "outer" in recipe.scopes:
         OUTER_NAMES = (*OUTER_NAMES, recipe.name)
     return recipe
-
-
-FAMILY = re.compile(r"(\d+)bit(-precond)?")
-"""The quantised family's names: ``"<bits>bit"`` / ``"<bits>bit-precond"``."""
-
-
-def family_name(bits: int, precondition: bool) -> str:
-    """The quantised family's name for a width and preconditioning: ``(3, True)`` -> ``"3bit-precond"``."""
-    return f"{bits}bit" + ("-precond" if precondition else "")
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A ``compression`` value read against the table: the row whose settings apply, the canonical name, and the
-    options the value itself states (a family width, or the experiments' shorthand)."""
-
-    recipe: Recipe
-    name: str
-    stated: dict[str, Any] = field(default_factory=dict)
-
-
-class UnknownRecipe(ValueError):
-    """A ``compression`` value that names no recipe."""
-
-
-SHORTHAND = re.compile(r"q(\d+)(?:b(\d+))?([un])?(p)?(?:w(\d+))?(?:c(\d+(?:\.\d+)?))?")
-"""The experiments' quantiser shorthand (kept as aliases: docs/recipes.md#aliases): ``q<bits>`` then optional
-``b<block>``, ``u`` (uniform levels) or ``n`` (zeroless), ``p`` (preconditioned), ``w<steps>`` (warm-up steps at
-3 bits), ``c<k>`` (each block's scale clipped at k x its RMS)."""
-
-
-def parse_shorthand(value: str) -> dict[str, Any] | None:
-    """The quantiser options a shorthand string states (``"q2npw20"`` -> 2 bits, zeroless, preconditioned, 20
-    warm-up steps), or ``None`` when ``value`` is not of that form.  Values are checked by the config."""
-    m = SHORTHAND.fullmatch(value)
-    if m is None:
-        return None
-    out: dict[str, Any] = {"quant_bits": int(m[1]), "quant_precondition": m[4] is not None}
-    if m[2]:
-        out["quant_block"] = int(m[2])
-    if m[3]:
-        out["quant_levels"] = "uniform" if m[3] == "u" else "zeroless"
-    if m[5]:
-        out["quant_warmup_steps"] = int(m[5])
-    if m[6]:
-        out["quant_clip"] = float(m[6])
-    return out
-
-
-def resolve(value: object) -> Resolved:
-    """The recipe a ``compression`` value names (case and surrounding spaces ignored): a row's name, an alias,
-    a quantised family name, or the experiments' shorthand; :class:`UnknownRecipe` otherwise."""
-    key = value.strip().lower() if isinstance(value, str) else value
-    if not isinstance(key, str):
-        raise UnknownRecipe(f"compression must be a recipe's name (a str), got {value!r}")
-    key = ALIASES.get(key, key)
-    if key in BY_NAME:
-        return Resolved(BY_NAME[key], key)
-    m = FAMILY.fullmatch(key)
-    stated = None
-    if m is not None:
-        stated = {"quant_bits": int(m[1]), "quant_precondition": m[2] is not None}
-    else:
-        stated = parse_shorthand(key)
-    if stated is None or stated["quant_bits"] not in QUANT_BITS:
-        raise UnknownRecipe(value)
-    name = family_name(int(stated["quant_bits"]), bool(stated["quant_precondition"]))
-    # a family name takes its row's settings where it has one; the shorthand states all it means over 3bit's
-    # ("q2np" is 2 bits with 3bit's levels and no warm-up, not "2bit-precond"'s zeroless levels and 20 steps)
-    row = BY_NAME.get(name, BY_NAME["3bit"]) if m is not None else BY_NAME["3bit"]
-    return Resolved(row, name, stated)
-
-
-def fold(found: Resolved, passed: Mapping[str, Any]) -> dict[str, Any]:
-    """The rule of this module's docstring: the options that run for ``found`` given those ``passed``
-    explicitly; a ``ValueError`` (saying what to pass) for an option the name states passed with another value
-    (clause 2) and for an option the recipe's mechanism does not read (clause 3)."""
-    recipe, name = found.recipe, found.name
-    base = {**recipe.settings(), **found.stated}
-    named = set(recipe.named) | set(found.stated)  # a family name or the shorthand states its width itself
-    reads = set(options_of(recipe.mechanism)) | ({"density"} if name == "none" else set())
-    for k, v in passed.items():
-        if k not in reads:
-            raise ValueError(_unread_message(name, recipe.mechanism, k, v))
-        if k in named and k in base and v != base[k]:
-            raise ValueError(
-                f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={v!r} was passed too. "
-                f"{_named_hint(name, k, v)}"
-            )
-    return {**base, **passed}
-
-
-def _unread_message(name: str, mechanism: str, option: str, value: object) -> str:
-    """Clause 3's message: what the recipe does instead, and what to pass."""
-    if mechanism == "auto":
-        return (
-            f"compression='auto' picks {option} itself (by the optimizer, at its first step), but {option}={value!r} "
-            f"was passed too. Pass compression='auto' alone, or a recipe by name with {option}=... (docs/recipes.md)."
-        )
-    if option == "density":
-        return (
-            f"compression={name!r} sends every coordinate (no top-k), so density={value!r} has no effect there. "
-            "For top-k chunks pass compression='topk-3bit' (quantised) or 'topk-fp16' with density=...; for the "
-            "quantised exchange drop density."
-        )
-    if option == "comm_dtype":
-        return (
-            f"compression={name!r} puts its own codes on the wire, so comm_dtype={value!r} has no effect there. "
-            "Drop comm_dtype, or pass compression='none' with comm_dtype=..."
-        )
-    return (
-        f"compression={name!r} does not quantise, so {option}={value!r} has no effect there. Pass a quantised "
-        "recipe ('3bit', '3bit-precond', '2bit-precond', 'topk-3bit') with it, or drop it."
-    )
-
-
-def _named_hint(name: str, option: str, value: object) -> str:
-    """Clause 2's hint: the recipe whose name states ``value``."""
-    if option == "comm_dtype":
-        return f"Pass compression='none' with comm_dtype={value!r}."
-    if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
-        return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
-    return f"Drop {option}: compression={name!r} sends that by definition."
 
 
 def markdown_table() -> str:
