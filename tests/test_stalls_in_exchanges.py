@@ -259,18 +259,13 @@ def test_fsdp_stalled_rank_is_named_by_its_peer_in_the_exchange(fsdp_stall: tupl
     _assert_named(results, [1], 3, stall_dir)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not built (docs/diagnostics.md): ranks 0 and 2 wait in torch FSDP's own reduce-scatter inside the node, "
-    "bounded by the process group's timeout and raising torch's error; only the exchange between nodes is "
-    "gradientflow's. Strict: passing once it is built fails here, to be turned into a plain test.",
-)
 def test_fsdp_stalled_rank_is_named_on_every_other_rank(fsdp_stall: tuple[Outcomes, str]) -> None:
     """Ranks 0 and 2, which do not wait on rank 3 in an exchange between nodes (rank 2 shares its node: torch's
     next reduce-scatter or all-gather inside the node waits on it; rank 0 shares neither its node nor its replicate
     group, and waits on rank 1 or 2), raise ``gradientflow.CommunicationError`` naming rank 3 all the same, within
     the timeout plus the margin: not a wait until the process group's own timeout (60 s here), nor the backend's
-    "Connection closed" once a rank that gave up has left."""
+    "Connection closed" once a rank that gave up has left (gradientflow/fsdp/bounded.py: torch's collectives inside
+    the node waited for through the mesh's one watchdog)."""
     results, stall_dir = fsdp_stall
     _assert_named(results, [0, 2], 3, stall_dir)
 

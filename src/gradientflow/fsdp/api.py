@@ -26,6 +26,7 @@ from ..config import GradientFlowConfig
 from ..recipe_options import QuantLevels, RecipeOptions
 from . import auto
 from .agreement import check_same
+from .bounded import bound_inside_node
 from .mesh import HSDPMesh, hsdp_mesh, split_mesh
 from .mixing import check_children
 from .module_comm import ModuleComm
@@ -150,6 +151,7 @@ def fully_shard(
         settings += f" density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps}"
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
     if group is not None:
+        bound_inside_node(sharded, hsdp, comm.watchdog)  # Gloo: torch's collectives in the node bounded, named
         sharded.set_all_reduce_hook(comm)
         # every parameter in every reduce-scatter (zeros for one without a gradient): the shard's layout, and so
         # the residual's, is the same at every step

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .. import mechanisms
 from ..config import GradientFlowConfig
-from ..diagnostics.watchdog import Watchdog, group_timeout
+from .bounded import mesh_watchdog
 from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
 from .mesh import HSDPMesh
 from .mixing import check_tree
@@ -80,7 +80,10 @@ class ModuleComm:
         self.timeout: timedelta | None = (
             timedelta(seconds=config.timeout) if isinstance(config.timeout, (int, float)) else config.timeout
         )
-        self.watchdog = Watchdog(mesh.replicate, self.timeout or group_timeout(mesh.replicate))
+        # one per mesh (fsdp/bounded.py): every rank's failure checks in under the same keys, so each names the
+        # rank that stalled, whichever collective (this exchange, torch's inside the node) it waited in
+        self.watchdog = mesh_watchdog(mesh, self.timeout)
+        self.exchanges = 0
         self.feedback: ShardState | None = None  # the error-feedback state of a compressing recipe
         self.exchange: ShardExchange
         self.partial: torch.Tensor | None = None  # micro-steps' shards held for the next exchange
@@ -126,7 +129,8 @@ class ModuleComm:
         t0 = time.perf_counter()
         sent = self.exchange(t)
         self._count(t, sent, time.perf_counter() - t0)
-        self.watchdog.step += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
+        self.exchanges += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
+        self.watchdog.step = max(self.watchdog.step, self.exchanges)
 
     def _count(self, t: torch.Tensor, sent: Sent, seconds: float) -> None:
         dense = t.numel() * 4
