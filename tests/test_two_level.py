@@ -111,9 +111,15 @@ def _residual_memory(ddp) -> tuple[int, int, int, int, bool] | None:
     if not hasattr(sync, "block") or sync.res is None:
         return None
     nodes, per_node = (int(n) for n in ddp.config.topology.split("x")) if "x" in ddp.config.topology else (1, 1)
-    shards = sum(two_level_plan(b.numel, nodes, per_node, sync.block).shard for b in ddp.pool.layout.buckets)
+    shards = sum(two_level_plan(b.numel, nodes, per_node, sync.quantizer.block).shard for b in ddp.pool.layout.buckets)
     held = sum(t.numel() for t in sync.res.v)
-    return held, shards, sum(ddp.pool.layout.sizes), len(ddp.pool.layout.buckets) * sync.block, sync._fold is not None
+    return (
+        held,
+        shards,
+        sum(ddp.pool.layout.sizes),
+        len(ddp.pool.layout.buckets) * sync.quantizer.block,
+        sync._fold is not None,
+    )
 
 
 def _portable(obj):

@@ -169,6 +169,6 @@ AUTO = declare(
         "auto",
         "dense fp32 until the first optimizer step, then a recipe picked for the optimizer",
         (),
-        frozenset({"ddp", "fsdp", "sim"}),
+        PER_STEP,
     )
 )

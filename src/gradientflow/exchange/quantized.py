@@ -76,12 +76,16 @@ class QuantizedExchange:
         """Whether this exchange divides by the preconditioner's ``r`` (its recipe preconditions, past the warm-up)."""
         return self.quantizer.precondition and self.step >= self.quantizer.warmup_steps
 
-    def start(self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None) -> Ring:
-        """Post the exchange of ``x`` (this rank's fp32 contribution) with the residual ``err`` carried; ``sq``: the
-        preconditioner's ``q`` for these coordinates where the recipe preconditions (``None`` otherwise)."""
+    def start(
+        self, x: torch.Tensor, err: torch.Tensor, what: str, sq: torch.Tensor | None = None, carry: bool = True
+    ) -> Ring:
+        """Post the exchange of ``x`` (this rank's fp32 contribution) with the residual ``err`` carried (added to it
+        first); ``sq``: the preconditioner's ``q`` for these coordinates where the recipe preconditions (``None``
+        otherwise).  ``carry=False``: ``err`` only receives this exchange's error (the top-k recipes' rows, whose
+        residual is kept in the chunks' own rows)."""
         q = self.quantizer
         bits, levels = self.widths()
-        root, fused, carry = None, None, True  # x + e: the ring adds e (two parties: inside the quantisation's pass)
+        root, fused = None, None  # carry: x + e, the ring adds e (two parties: inside the quantisation's pass)
         if sq is not None and self.preconditions:
             root, fused, carry = precondition(x, err, sq, self.parties == 2)
         ring = start_ring(

@@ -102,14 +102,13 @@ def start_ring(
     clip: float = 0.0,
     carry: bool = False,
     fused: codec_native.Fused | None = None,
-    started: float | None = None,
     named: bool = True,
 ) -> Ring:
     """The quantised SUM allreduce of ``x`` over ``group``, its error into ``err``, posted now (the arguments are
-    :class:`~gradientflow.comm.quantized_ring.QuantizedRing`'s; its timeout the watchdog's); ``started``: when the
-    exchange began, for the failure's seconds (default: now); ``named=False``: the backend's error passes as it is,
-    for a caller that names the failure of a whole pipeline of rings itself (:func:`guarded`)."""
-    t0 = time.perf_counter() if started is None else started
+    :class:`~gradientflow.comm.quantized_ring.QuantizedRing`'s; its timeout the watchdog's); ``named=False``: the
+    backend's error passes as it is, for a caller that names the failure of a whole pipeline of rings itself
+    (:func:`guarded`)."""
+    t0 = time.perf_counter()
     timeout = watchdog.timeout if watchdog is not None else None
     ring = QuantizedRing(
         x, err, group, bits=bits, block=block, timeout=timeout, clip=clip, levels=levels, carry=carry, fused=fused

@@ -67,18 +67,18 @@ def _wait(watchdog: Watchdog, group: dist.ProcessGroup, work: dist.Work, what: s
         raise watchdog.failure(what, nbytes, exc, time.perf_counter() - t0) from exc
 
 
-def _empty(size: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)  # torch's default allocation (DefaultAllocMixin)
-
-
-class BoundedReduceScatter(ReduceScatter):
-    """Torch FSDP's reduce-scatter inside the node (``dist.reduce_scatter_single``), waited for through ``watchdog``."""
+class _Bounded:
+    """What both bounded collectives share: the watchdog they wait through, and torch's default allocation."""
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
+        return torch.empty(*size, dtype=dtype, device=device)  # torch's default allocation (DefaultAllocMixin)
+
+
+class BoundedReduceScatter(_Bounded, ReduceScatter):
+    """Torch FSDP's reduce-scatter inside the node (``dist.reduce_scatter_single``), waited for through ``watchdog``."""
 
     def __call__(
         self,
@@ -93,15 +93,9 @@ class BoundedReduceScatter(ReduceScatter):
         _wait(self.watchdog, group, work, "FSDP reduce-scatter inside the node", nbytes)
 
 
-class BoundedAllGather(AllGather):
+class BoundedAllGather(_Bounded, AllGather):
     """Torch FSDP's all-gather inside the node (``dist.all_gather_single``), waited for through ``watchdog``; done
     when it returns (torch then waits for nothing more)."""
-
-    def __init__(self, watchdog: Watchdog) -> None:
-        self.watchdog = watchdog
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(
         self,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
-from ..exchange.ring import start_ring
+from ..exchange.quantized import QuantizedExchange
 from ..exchange.selection import chunk_scores, dense_from, density_at, n_selected, select_chunks
 from .exchange import Sent, dense_exchange, on_default_stream, ring_allreduce_bytes
 
@@ -65,6 +65,7 @@ class TopkShard:
         self.err = error_feedback.zeros(self.n_chunks * self.chunk, device)
         self.density, self.warmup_steps = float(config.density), config.warmup_steps
         self.quantizer = config.quantizer() if config.mechanism == "topk-quantized" else None
+        self.exchange: QuantizedExchange | None = None  # "topk-3bit": its rows' exchange, made at the first one
         # a dense step's wire, and the sparse rows' for "topk-fp16"; "topk-3bit"'s dense ramp steps go in fp32
         self.wire = config.wire_dtype if self.quantizer is None else None
         itemsize = (self.wire or torch.float32).itemsize
@@ -112,20 +113,17 @@ class TopkShard:
                 total = wire.float()
                 payload, sent = nbytes, ring_allreduce_bytes(nbytes, nodes)
             else:
-                q = self.quantizer
                 lost = error_feedback.zeros_like(sent_rows)
-                ring = start_ring(
+                if self.exchange is None:  # the quantised exchange's, between the nodes (no warm-up, no carry)
+                    self.exchange = QuantizedExchange(self.quantizer, group, watchdog)
+                ring = self.exchange.start(
                     sent_rows.view(-1),
                     lost.view(-1),
-                    group,
-                    bits=q.bits,
-                    block=q.block,
-                    watchdog=watchdog,
-                    what="FSDP top-k chunks between nodes (quantised exchange)",
-                    clip=q.clip,
-                    levels=q.levels,
+                    "FSDP top-k chunks between nodes (quantised exchange)",
+                    carry=False,
                 )
                 ring.wait()
+                ring.complete()
                 rows.index_copy_(0, picked, lost)  # each sent row's quantisation error stays in v
                 total = sent_rows
                 payload, sent = ring.payload_bytes, ring.sent_bytes

@@ -47,7 +47,9 @@ from ..config import GradientFlowConfig
 from ..diagnostics.stats import StepStats
 from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
-from ..exchange.ring import Pair, Ring, guarded, start_pair, start_ring
+from ..exchange.quantized import QuantizedExchange
+from ..exchange.ring import Pair, Ring, guarded, start_pair
+from ..options_base import Quantizer
 from .dense import DenseSync
 from .quantized_nodes import TWO_LEVEL, NodeQuantizer, start_two_level
 from .slices import Slice, pack
@@ -72,7 +74,6 @@ class _Packed:
     """One slice's packed rows on the quantised ring: the ring once started (from 3 ranks one at a time)."""
 
     sl: Slice
-    started: float
     ring: Ring | None = None
 
 
@@ -92,6 +93,8 @@ class QuantizedChunks:
     ) -> None:
         self.group, self.world_size, self.watchdog = group, world_size, watchdog
         self.bits, self.block, self.levels = bits, block, levels
+        # the quantised exchange of the packed rows (no warm-up, no carry: each row's error goes to its row of v)
+        self.exchange = QuantizedExchange(Quantizer(bits, block, levels, False, 0, 0.0), group, watchdog)
         self._running: list[_Packed] = []  # in slice order
         self._pairs: list[_Straight] = []  # sent straight from v's rows, not yet decoded
         self._delivered: list[_Straight] = []  # decoded into the pool this step (settle() may undo their error)
@@ -134,7 +137,7 @@ class QuantizedChunks:
         if self._nodes is not None:
             self._start_two_level(sl, err.view(-1), stats)
             return
-        self._running.append(_Packed(sl, time.perf_counter()))
+        self._running.append(_Packed(sl))
         # started now if it may be (and earlier rings moved on): after backward, slices are packed one after another
         # with nothing else advancing the rings in between
         self.progress(stats)
@@ -144,17 +147,7 @@ class QuantizedChunks:
         if entry.ring is None:
             sl = entry.sl
             assert sl.packed is not None and sl.err is not None
-            entry.ring = start_ring(
-                sl.packed.view(-1),
-                sl.err.view(-1),
-                self.group,
-                bits=self.bits,
-                block=self.block,
-                watchdog=self.watchdog,
-                what=RINGS,
-                levels=self.levels,
-                started=entry.started,
-            )
+            entry.ring = self.exchange.start(sl.packed.view(-1), sl.err.view(-1), RINGS, carry=False)
             stats.record_collective(entry.ring.payload_bytes)
         return entry.ring
 

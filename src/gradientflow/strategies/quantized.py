@@ -90,10 +90,10 @@ class QuantizedSync(SyncStrategy):
         warmup: int = 0,
         nodes: NodeGroups | None = None,
     ) -> None:
-        self.group, self.world_size, self.bits, self.block, self.clip = group, world_size, bits, block, clip
-        self.levels, self.precondition, self.warmup = levels, precondition, warmup
-        # the flat exchange (its quantiser, the warm-up's count, failures named); two-level sends through NodeQuantizer
-        self.exchange = QuantizedExchange(Quantizer(bits, block, levels, precondition, warmup, clip), group, watchdog)
+        self.group, self.world_size = group, world_size
+        self.quantizer = Quantizer(bits, block, levels, precondition, warmup, clip)
+        # the flat exchange (this quantiser, the warm-up's count, failures named); two-level sends through NodeQuantizer
+        self.exchange = QuantizedExchange(self.quantizer, group, watchdog)
         self.sq: Residuals | None = None  # precondition's EMA of the squared result, in units of the scale²
         self.watchdog = watchdog
         self._shapes = list(shapes)
@@ -150,7 +150,7 @@ class QuantizedSync(SyncStrategy):
         self.res.rescale(scale)
         if self._fold is not None:
             self._fold.rescale(scale)
-        if self.precondition:
+        if self.quantizer.precondition:
             if self.sq is None:
                 self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.rescale(scale * scale)
@@ -209,7 +209,7 @@ class QuantizedSync(SyncStrategy):
             assert self.sq is not None  # allocated by _begin_step
             root = Root(self.sq.v[bucket.pool][bucket.start : bucket.end])
         bits, levels = self._quantizer()
-        args = {"bits": bits, "block": self.block, "clip": self.clip, "levels": levels}
+        args = {"bits": bits, "block": self.quantizer.block, "clip": self.quantizer.clip, "levels": levels}
 
         def delivered(result: torch.Tensor) -> None:
             if self.sq is not None:
@@ -223,6 +223,10 @@ class QuantizedSync(SyncStrategy):
     def _quantizer(self) -> tuple[int, str]:
         """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
         return self.exchange.widths()
+
+    def _width(self) -> list[int]:
+        """The quantiser a checkpoint records: [bits, block]."""
+        return [self.quantizer.bits, self.quantizer.block]
 
     @property
     def step(self) -> int:
@@ -283,7 +287,7 @@ class QuantizedSync(SyncStrategy):
             self._complete(p, stats)
         self._in_step = False
         self._fold = None  # every bucket launched: the folded residual went into this step's contributions
-        stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.block)
+        stats.extra.update(quant_bits=self._quantizer()[0], quant_block=self.quantizer.block)
         self.exchange.advance()
 
     def untouched(self, params: Sequence[int]) -> list[int]:
@@ -299,7 +303,7 @@ class QuantizedSync(SyncStrategy):
         """The residual (unpadded, unscaled, in the current pool layout), the quantiser and the step."""
         sizes = [b.numel() for b in self.pool.buffers]
         sq = self.sq.unscaled("v") if self.sq is not None else None
-        state = {"step": self.step, "quantizer": [self.bits, self.block], "sq": sq, "shard_layout": self.topology}
+        state = {"step": self.step, "quantizer": self._width(), "sq": sq, "shard_layout": self.topology}
         # two-level: flat's format, the shards expanded into the pool's layout (a transient while saving)
         return {**state, **residual_state(self._full_residual() if self.res is not None else None, 1, sizes)}
 
@@ -307,10 +311,10 @@ class QuantizedSync(SyncStrategy):
         missing = {"step", "quantizer"} - set(state)
         if missing:
             raise ValueError(f"gradientflow quantised: the communication state lacks {sorted(missing)} (truncated?)")
-        if list(state["quantizer"]) != [self.bits, self.block]:
+        if list(state["quantizer"]) != self._width():
             raise ValueError(
                 f"gradientflow quantised: the checkpoint was saved with bits, block = {list(state['quantizer'])}, "
-                f"this model has {[self.bits, self.block]}. Resume with the same compression."
+                f"this model has {self._width()}. Resume with the same compression."
             )
         saved = state.get("shard_layout", "flat")  # saved before layouts were recorded: flat
         if saved != self.topology and state.get("v") is not None:
@@ -324,7 +328,7 @@ class QuantizedSync(SyncStrategy):
         validate_residual_state(state, 1, sizes, False)
         sq = state.get("sq")
         if (
-            self.precondition
+            self.quantizer.precondition
             and state["v"] is not None
             and (sq is None or len(sq) != len(sizes) or any(t.numel() != n for t, n in zip(sq, sizes)))
         ):
@@ -346,7 +350,7 @@ class QuantizedSync(SyncStrategy):
                 if self.res.take(full):
                     self._fold = full
         self.sq = None
-        if self.precondition and state["v"] is not None:
+        if self.quantizer.precondition and state["v"] is not None:
             self.sq = Residuals(self.pool.layout, 1, False, self._shapes)
             self.sq.load({"v": state["sq"]})
         self.exchange.step = int(state["step"])
