@@ -108,7 +108,7 @@ def _residual_memory(ddp) -> tuple[int, int, int, int, bool] | None:
     from gradientflow.comm.topology import two_level_plan
 
     sync = ddp._gf_engine.sync
-    if not hasattr(sync, "block") or sync.res is None:
+    if not hasattr(sync, "quantizer") or sync.res is None:  # the quantised recipe's strategy
         return None
     nodes, per_node = (int(n) for n in ddp.config.topology.split("x")) if "x" in ddp.config.topology else (1, 1)
     shards = sum(two_level_plan(b.numel, nodes, per_node, sync.quantizer.block).shard for b in ddp.pool.layout.buckets)
