@@ -224,6 +224,11 @@ class QuantizedSync(SyncStrategy):
         """This step's bits and levels: the default quantiser's for the first ``warmup`` steps."""
         return self.exchange.widths()
 
+    @property
+    def warmup(self) -> int:
+        """The first steps sent at the default 3 bits (``"auto"``'s width decision reads it at their end)."""
+        return self.quantizer.warmup_steps
+
     def _width(self) -> list[int]:
         """The quantiser a checkpoint records: [bits, block]."""
         return [self.quantizer.bits, self.quantizer.block]

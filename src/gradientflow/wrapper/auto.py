@@ -129,7 +129,7 @@ def _watch_width(model: DistributedDataParallel) -> None:
         auto.seen, auto.watched = sync.step, auto.watched + 1
         if auto.watched > width.SETTLE:  # not the first steps here: allocations (and, resumed, a step not run here)
             auto.exposed.append(last_exposed(model))
-    if sync.step >= sync.quantizer.warmup_steps:
+    if sync.step >= sync.warmup:
         _decide_width(model)
 
 
