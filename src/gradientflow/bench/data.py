@@ -138,6 +138,40 @@ def pydoc_topics_corpus(val_fraction: float = 0.1) -> tuple[str, str]:
     return "\n".join(train), "\n".join(val)
 
 
+STDLIB_VAL_EVERY = 20
+"""The standard library corpus: every 20th source file (in path order) is validation, never trained on."""
+
+
+def stdlib_sources(val_every: int = STDLIB_VAL_EVERY) -> tuple[bytes, bytes]:
+    """The Python standard library's own sources as ``(train, validation)`` bytes: every ``*.py`` under
+    ``sysconfig``'s stdlib directory (``site-packages`` left out), in the order of their relative paths, each file's
+    UTF-8 bytes; file ``i`` goes to validation where ``i % val_every == 0``, so validation is whole files the run
+    never sees (31.5 MB in 1,790 files on CPython 3.11.7: a 4,000-step run of 4 ranks x 16 x 64 bytes sees half of
+    it once).  It ships with every Python, so a quality measured on it needs no download; same Python, same bytes.
+    Used where a run must not exhaust its corpus (the help topics, 465 kB, are overfitted within a few thousand
+    steps, so averaging replicas there reads as quality that is only regularisation)."""
+    import sysconfig
+
+    if val_every < 2:
+        raise ValueError(f"val_every must be at least 2 (one file in val_every is validation), got {val_every}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise RuntimeError(f"no Python sources under {root}: this Python ships its standard library compiled only")
+    train, val = [], []
+    for i, path in enumerate(files):
+        (val if i % val_every == 0 else train).append(path.read_bytes())
+    return b"\n".join(train), b"\n".join(val)
+
+
+def byte_ids(data: bytes) -> torch.Tensor:
+    """Bytes as token ids 0..255 (uint8: 1 byte per token held; index with it, then ``.long()`` the batch)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def _stdlib_source(name: str) -> str:
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):

@@ -79,6 +79,7 @@ class QualityOptions:
     adamw_lr: float | None = None  # the quality transformer's AdamW peak LR (None: 6e-3 x 128 / d_model)
     adamw_beta2: float = 0.95  # the transformer's AdamW beta2 (the settings users run: 0.95, 0.999)
     transformer_optimizer: str = "adamw"  # "sgd": the quality transformer trained with SGD momentum by every recipe
+    corpus: str = "help-topics"  # the transformers' text (quality_data.CORPORA): "stdlib" is not exhausted by a run
     digits_optimizer: str = "sgd"  # "adamw": the digits jobs (small_cnn, digits_wide) trained with AdamW
     threads: int = 1
     seed: int = 0
@@ -113,6 +114,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
             n_layers=layers,
             n_heads=max(1, d // 32),
             device=opts.device,
+            corpus=opts.corpus,
         )
 
     def digits(name: str, model: str, steps: int, recipes: list[str]) -> Job:

@@ -17,6 +17,25 @@ from gradientflow.bench.quality_spec import Job
 from gradientflow.bench.runner_spec import rank_device
 
 
+CORPORA = ("help-topics", "stdlib")
+"""The transformer's corpora (``Job.corpus``): Python's help topics (characters, 465 kB: the published tables') and
+the standard library's sources (bytes, 31.5 MB: a corpus the run does not exhaust)."""
+
+
+def corpus_ids(corpus: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train ids, validation ids, vocabulary size) of a corpus; the stdlib's held as bytes (uint8)."""
+    from gradientflow.bench import data
+
+    if corpus == "help-topics":
+        train, val = data.pydoc_topics_corpus()
+        vocab = data.char_vocab(train + val)
+        return data.encode(train, vocab), data.encode(val, vocab), len(vocab)
+    if corpus == "stdlib":
+        train_b, val_b = data.stdlib_sources()
+        return data.byte_ids(train_b), data.byte_ids(val_b), 256
+    raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
+
+
 class WorkloadData:
     """Training batches (per rank, from a generator) and the fixed validation set of a workload."""
 
@@ -24,17 +43,13 @@ class WorkloadData:
         self.job, self.rank, self.world = job, rank, world
         self.device = rank_device(job.device, int(os.environ.get("LOCAL_RANK", "0")))
         if job.workload == "transformer":
-            from gradientflow.bench.data import char_vocab, encode, pydoc_topics_corpus
-
-            train, val = pydoc_topics_corpus()
-            self.vocab = char_vocab(train + val)
-            self.train_ids = encode(train, self.vocab)
-            val_ids = encode(val, self.vocab)
+            self.train_ids, val_ids, self.vocab_size = corpus_ids(job.corpus)
             t = job.seq_len
             n = (len(val_ids) - 1) // t
             starts = torch.linspace(0, n - 1, min(n, job.val_windows)).long() * t  # non-overlapping, spread out
             offs = torch.arange(t)
-            self.val_x, self.val_y = val_ids[starts[:, None] + offs], val_ids[starts[:, None] + offs + 1]
+            self.val_x = val_ids[starts[:, None] + offs].long()
+            self.val_y = val_ids[starts[:, None] + offs + 1].long()
         else:
             from gradientflow.bench.data import load_digits_split, shard
 
@@ -52,7 +67,7 @@ class WorkloadData:
 
             while True:
                 x, y = lm_batch(self.train_ids, b, self.job.seq_len, gen)
-                yield x.to(self.device), y.to(self.device)
+                yield x.long().to(self.device), y.long().to(self.device)
         while True:
             order = torch.randperm(len(self.xs), generator=gen)
             for pos in range(0, len(order) - b + 1, b):
@@ -66,7 +81,7 @@ class WorkloadData:
         if self.job.workload == "transformer":
             return build_model(
                 "tiny_transformer",
-                vocab_size=len(self.vocab),
+                vocab_size=self.vocab_size,
                 d_model=self.job.d_model,
                 n_layers=self.job.n_layers,
                 n_heads=self.job.n_heads,

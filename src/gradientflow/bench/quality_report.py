@@ -259,13 +259,19 @@ def _optimizer(w: dict[str, Any]) -> str:
     return ddp["options"].get("optimizer", "the job's optimizer") if ddp else "the job's optimizer"
 
 
+_CORPUS_WORDS = {
+    "help-topics": "characters of pydoc_data.topics",
+    "stdlib": "bytes of the standard library's sources (every 20th file held out)",
+}
+
+
 def _describe(w: dict[str, Any], world: int, head: str | None = None, layout: str = "") -> str:
     """One line on what was trained, led by ``head`` (default: the job's name in bold)."""
     j = w["job"]
     if j["workload"] == "transformer":
         what = (
             f"TinyTransformer d_model {j['d_model']} x {j['n_layers']} layers ({w['n_params']:,} parameters), "
-            f"characters of pydoc_data.topics, batch {j['batch_size']} x {j['seq_len']} tokens/rank"
+            f"{_CORPUS_WORDS[j.get('corpus', 'help-topics')]}, batch {j['batch_size']} x {j['seq_len']} tokens/rank"
         )
     else:
         what = (

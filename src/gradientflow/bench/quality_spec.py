@@ -34,6 +34,7 @@ class Job:
     beta2: float = 0.95  # AdamW betas = (0.9, beta2), the transformer's and the AdamW digits jobs'
     optimizer: str = "adamw"  # "adamw" (at lr), or "sgd" (momentum 0.9: the transformer's at paper_lr, digits' at lr)
     device: str = "cpu"  # "cuda": every rank on GPU local-rank mod the GPU count (Gloo: ranks may share one)
+    corpus: str = "help-topics"  # the transformer's text: "help-topics" (characters) or "stdlib" (bytes, 31.5 MB)
 
 
 @dataclass

@@ -73,6 +73,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--eval-every", type=types.positive_int, default=None, help="steps between validations (default steps/20)"
     )
+    q.add_argument(
+        "--corpus",
+        choices=("help-topics", "stdlib"),
+        default="help-topics",
+        help="the transformers' text: Python's help topics (characters, 465 kB, overfitted within a few thousand "
+        "steps; the published tables') or the standard library's sources (bytes, 31.5 MB on CPython 3.11, every "
+        "20th file held out for validation: a corpus a run does not exhaust) (default help-topics)",
+    )
     q.add_argument("--seed", type=types.nonneg_int, default=0, help="seed of models and batches (default 0)")
     q.add_argument(
         "--adamw-lr",
@@ -150,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         adamw_lr=args.adamw_lr,
         adamw_beta2=args.adamw_beta2,
         transformer_optimizer=args.transformer_optimizer,
+        corpus=args.corpus,
         digits_optimizer=args.digits_optimizer,
         tta_recipes=args.tta_recipes,
         timeout_s=float(args.timeout),
