@@ -16,7 +16,6 @@ from torch import nn
 from gradientflow.bench.quality_spec import Job
 from gradientflow.bench.runner_spec import rank_device
 
-
 CORPORA = ("help-topics", "stdlib")
 """The transformer's corpora (``Job.corpus``): Python's help topics (characters, 465 kB: the published tables') and
 the standard library's sources (bytes, 31.5 MB: a corpus the run does not exhaust)."""
