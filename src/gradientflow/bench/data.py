@@ -161,7 +161,8 @@ def stdlib_sources(val_every: int = STDLIB_VAL_EVERY) -> tuple[bytes, bytes]:
     )
     if not files:
         raise RuntimeError(f"no Python sources under {root}: this Python ships its standard library compiled only")
-    train, val = [], []
+    train: list[bytes] = []
+    val: list[bytes] = []
     for i, path in enumerate(files):
         (val if i % val_every == 0 else train).append(path.read_bytes())
     return b"\n".join(train), b"\n".join(val)
