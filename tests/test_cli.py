@@ -18,7 +18,7 @@ import gradientflow as gf
 from gradientflow.bench.cluster import can_emulate, leftovers
 from gradientflow.bench.report import readme_tables, reference_warnings, summarize
 from gradientflow.bench.runner import ALONE_SUFFIX, MODES, BenchOptions, plan_variants, powersgd_wire_bytes
-from gradientflow.cli import build_parser, main
+from gradientflow.cli import COMMANDS, build_parser, main
 
 from _dist import run_distributed
 
@@ -608,3 +608,26 @@ def test_torch_suite_only_without_the_other_column_stops_before_running_a_test(t
     assert main(["torch-suite", "--only", "gradientflow", "--out", str(tmp_path), "test_ddp_namedtuple"]) == 1
     assert "run both first" in capsys.readouterr().err
     assert ran == []  # nothing ran
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys):
+    """``gradientflow --version``: the package's version as installed (importlib.metadata), no COMMAND needed."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gradientflow {version('gradientflow')}"
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_every_help_text_renders_without_a_doubled_percent(command, capsys):
+    """argparse %-formats an option's help (so a literal % is written %%) but not a description without
+    %(prog): a %% there is printed as is ("the top 30%% of the gradient's chunks")."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"] if command is None else [command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "%%" not in out and "%(" not in out, out
+    if command == "demo":
+        assert "the top 30% of the gradient's chunks" in " ".join(out.split())

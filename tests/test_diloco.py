@@ -553,12 +553,12 @@ def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
     [
         ({"sync_every": 0}, "sync_every must be an int >= 1"),
         ({"sync_every": 2.5}, "sync_every must be an int >= 1"),
-        ({"outer_lr": 0.5}, "Pass sync_every=H"),
-        ({"sync_fragments": 2}, "Pass sync_every=H"),
+        ({"outer_lr": 0.5}, "Pass sync_every=30, or drop outer_lr."),
+        ({"sync_fragments": 2}, "Pass sync_every=30, or drop sync_fragments."),
         ({"sync_every": 4, "outer_lr": 0}, "outer_lr must be a number > 0"),
         ({"sync_every": 4, "outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1)"),
         ({"sync_every": 4, "sync_fragments": 5}, "sync_fragments must be an int in [1, sync_every]"),
-        ({"sync_delay": 1}, "Pass sync_every=H"),
+        ({"sync_delay": 1}, "Pass sync_every=30, or drop sync_delay."),
         ({"sync_every": 4, "sync_delay": 5}, "sync_delay must be an int in [0, sync_every // sync_fragments] = [0, 4]"),
         ({"sync_every": 4, "sync_fragments": 2, "sync_delay": 3}, "= [0, 2]"),
         ({"sync_every": 4, "sync_delay": -1}, "sync_delay must be an int"),
@@ -570,9 +570,11 @@ def test_stall_during_outer_sync_raises_on_every_rank(options: dict) -> None:
         ({"outer_density": 0.1}, "outer_density applies only with sync_every > 1"),
         ({"sync_every": 4, "outer_compression": "3bt"}, "did you mean '3bit'"),
         ({"sync_every": 4, "outer_state_device": "gpu"}, "outer_state_device must be None"),
-        ({"sync_every": 4, "compression": "3bit", "topology": "flat"}, "Pass outer_compression"),
-        ({"sync_every": 4, "compression": "3bit", "topology": "2x2"}, "Pass outer_compression='3bit'"),
-        ({"sync_every": 4, "compression": "auto"}, "Pass outer_compression= (a recipe whose scope is 'outer'"),
+        ({"sync_every": 4, "compression": "3bit", "topology": "flat"}, "on a flat layout exchanges no gradient"),
+        ({"sync_every": 4, "compression": "3bit", "topology": "flat"}, "Drop compression."),
+        ({"sync_every": 4, "compression": "fp16", "topology": "flat"}, "Pass outer_compression='fp16' and drop"),
+        ({"sync_every": 4, "compression": "topk-3bit", "topology": "2x2"}, "averaged densely inside a node"),
+        ({"sync_every": 4, "compression": "auto"}, "on nodes of several ranks gradients are averaged densely"),
     ],
 )
 def test_bad_outer_options_say_what_to_do(kwargs: dict, says: str) -> None:
@@ -631,7 +633,7 @@ def test_bad_options_raise_on_every_rank() -> None:
     """The first: refused on every rank alike.  The second: rank 1 asks for more fragments than its model has
     tensors (and differs from rank 0's options): rank 1 raises its error, rank 0 hears of it (no hang)."""
     r0, r1 = run_distributed(_bad_worker, 2, timeout=60)
-    assert "Pass outer_compression" in r0[0] and "Pass outer_compression" in r1[0]
+    assert "Drop compression." in r0[0] and "Drop compression." in r1[0]
     assert "sync_fragments=2 is more than the model's 1 trainable tensors" in r1[1]
     assert r0[1] != "built"
     for r in (r0, r1):  # what cannot work beside an outer sync: uneven inputs' shadow steps, a per-step gradient hook

@@ -6,18 +6,18 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
 import torch
 
-from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
+from .options_base import COMM_DTYPES, Quantizer, advise, did_you_mean, not_int
 from .outer_options import OUTER_OPTIONS, settle_outer
 from .recipe_options import QuantLevels, RecipeOptions
-from .recipe_rule import Resolved, UnknownRecipe, fold, resolve
-from .recipes import ALIASES, NAMES, PER_STEP_NAMES, QUANT_BITS, QUANT_DEFAULTS, QUANT_OPTIONS, Mechanism
+from .recipe_rule import Resolved, UnknownRecipe, fold, resolve, runs_with
+from .recipes import ALIASES, NAMES, QUANT_BITS, QUANT_DEFAULTS, QUANT_OPTIONS, Mechanism
 
 # The closed option sets, as types (mypy checks what code passes) and as the tuples validation names.
 CommDtype = Literal["fp32", "fp16", "bf16", "half"]
@@ -95,14 +95,42 @@ carries 0.1 of the pool's bytes, so 25 MB buckets left a small transformer one m
 buckets overlap it (measured: docs/results/adamw.md, experiments/quantized_theta.py)."""
 
 
-def recipe_error(value: object) -> ValueError:
-    """The ``ValueError`` for a ``compression`` value that names no recipe: the closest name, then every one."""
+def recipe_error(value: object, candidates: Sequence[str] = ()) -> ValueError:
+    """The ``ValueError`` for a ``compression`` value that names no recipe: the closest name, then every one, and
+    (``candidates``: the recipes that run with the options passed beside it) which to pass."""
+    close = did_you_mean(value, [*NAMES, *ALIASES])
+    first = [n for n in candidates if close and f"{n!r}" in close]  # the closest name first, where it runs
+    offered = [*first, *(n for n in candidates if n not in first)]
     return ValueError(
-        f"compression must be a recipe's name, got {value!r}{did_you_mean(value, [*NAMES, *ALIASES])}: one of "
+        f"compression must be a recipe's name, got {value!r}{close}: one of "
         f"{', '.join(map(repr, NAMES))} (docs/recipes.md); earlier names {', '.join(map(repr, ALIASES))} are "
         f"accepted too, and the quantised family by width: '<bits>bit' or '<bits>bit-precond', bits in "
-        f"{list(QUANT_BITS)}"
+        f"{list(QUANT_BITS)}." + (" " + advise(({"compression": offered}, [])) if offered else "")
     )
+
+
+def check_quantizer(q: Mapping[str, Any]) -> None:
+    """The quantiser's options as they run (``q``: the ``quant_*`` values; ``quant_precondition`` and
+    ``quant_warmup_steps`` None where the mechanism has no such option): ``ValueError`` saying what is allowed."""
+    bits, block, levels = q.get("quant_bits"), q.get("quant_block"), q.get("quant_levels")
+    if bits not in QUANT_BITS or not isinstance(block, int) or isinstance(block, bool) or block < 16 or block % 16:
+        raise ValueError(
+            f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got {bits!r}, {block!r}"
+        )
+    if levels not in QUANT_LEVELS or (levels == "zeroless" and bits not in ZEROLESS_BITS):
+        raise ValueError(
+            f"quant_levels must be one of {list(QUANT_LEVELS)} ('zeroless' with quant_bits in "
+            f"{list(ZEROLESS_BITS)}), got {levels!r} at quant_bits={bits!r}"
+        )
+    w, pre = q.get("quant_warmup_steps"), q.get("quant_precondition")
+    if (pre is not None and not isinstance(pre, bool)) or (w is not None and (not_int(w) or w < 0)):
+        raise ValueError(
+            f"quant_precondition must be True or False and quant_warmup_steps an int >= 0 (steps at 3 bits), got "
+            f"{pre!r}, {w!r}"
+        )
+    c = q.get("quant_clip")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0):
+        raise ValueError(f"quant_clip must be a number >= 0 (0 = max-abs scales), got {c!r}")
 
 
 def lookup(value: object) -> Resolved:
@@ -268,18 +296,21 @@ class GradientFlowConfig(RecipeOptions):
         ``ValueError``), and a ``ValueError`` for an option the recipe's mechanism does not read.  ``comm_dtype``
         reads as passed when it is not its default ("fp32").  Idempotent: ``dataclasses.replace`` of a resolved
         config gives the same config (:meth:`with_recipe` switches recipe)."""
-        found = lookup(self.compression)
+        passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
+        if self.comm_dtype != "fp32":
+            passed["comm_dtype"] = self.comm_dtype
+        try:
+            found = resolve(self.compression)
+        except UnknownRecipe:
+            raise recipe_error(self.compression, runs_with(passed, self._runs(passed))) from None
         name = found.name
         if "per step" not in found.recipe.scopes:
             raise ValueError(
                 f"compression={self.compression!r} is an outer exchange (its scope is 'outer', docs/recipes.md): it "
-                f"runs every sync_every steps as outer_compression={name!r} with sync_every=H (docs/fewer-syncs.md). "
-                f"compression= takes a per-step recipe: {', '.join(map(repr, PER_STEP_NAMES))}."
+                f"runs every sync_every steps as outer_compression={name!r} (docs/fewer-syncs.md), while "
+                "compression= takes a per-step recipe. " + self._outer_instead(name, passed)
             )
-        passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
-        if self.comm_dtype != "fp32":
-            passed["comm_dtype"] = self.comm_dtype
-        settled = fold(found, passed)
+        settled = fold(found, passed, self._runs(passed))
         object.__setattr__(self, "compression", name)
         for k in ("comm_dtype", "density"):
             if k in settled:
@@ -287,37 +318,52 @@ class GradientFlowConfig(RecipeOptions):
         for k in QUANT_OPTIONS:  # the values that run; None where the recipe's mechanism has no such option
             object.__setattr__(self, k, settled.get(k))
         if "quant_bits" in settled:
-            self._validate_quantizer()
+            try:
+                check_quantizer(settled)
+            except ValueError as exc:  # a quantiser option passed that the recipe's others refuse
+                quant = [k for k in QUANT_OPTIONS if k in passed]
+                others = runs_with(passed, self._runs(passed), but=name)
+                alternatives: list[tuple[dict[str, Any], list[str]]] = [({"compression": others}, [])] if others else []
+                raise ValueError(f"{exc}. " + advise(({}, quant), *alternatives)) from None
+        # the options passed beside the recipe (values its row does not set): what an outer-only run would drop
+        row = {**found.recipe.settings(), **found.stated}
+        object.__setattr__(self, "_beside", tuple(k for k, v in passed.items() if k not in row or row[k] != v))
 
-    def _validate_quantizer(self) -> None:
-        block = self.quant_block
-        if (
-            self.quant_bits not in QUANT_BITS
-            or not isinstance(block, int)
-            or isinstance(block, bool)
-            or block < 16
-            or block % 16
-        ):
-            raise ValueError(
-                f"quant_bits must be one of {list(QUANT_BITS)} and quant_block a multiple of 16, got "
-                f"{self.quant_bits!r}, {self.quant_block!r}"
-            )
-        if self.quant_levels not in QUANT_LEVELS or (
-            self.quant_levels == "zeroless" and self.quant_bits not in ZEROLESS_BITS
-        ):
-            raise ValueError(
-                f"quant_levels must be one of {list(QUANT_LEVELS)} ('zeroless' with quant_bits in "
-                f"{list(ZEROLESS_BITS)}), got {self.quant_levels!r} at quant_bits={self.quant_bits!r}"
-            )
-        w, pre = self.quant_warmup_steps, self.quant_precondition  # None: the mechanism has no such option
-        if (pre is not None and not isinstance(pre, bool)) or (w is not None and (not_int(w) or w < 0)):
-            raise ValueError(
-                f"quant_precondition must be True or False and quant_warmup_steps an int >= 0 (steps at 3 bits), got "
-                f"{self.quant_precondition!r}, {w!r}"
-            )
-        c = self.quant_clip
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0):
-            raise ValueError(f"quant_clip must be a number >= 0 (0 = max-abs scales), got {c!r}")
+    def _runs(self, passed: Mapping[str, Any]) -> Callable[[str], bool]:
+        """Whether this config constructs with another recipe, by name, and the recipe options ``passed``: what an
+        error's advice offers must construct (the table's rule and the quantiser checked first, so that a trial
+        never fails in the rule, whose message would try recipes again)."""
+
+        def fits(name: str) -> bool:
+            try:
+                settled = fold(resolve(name), passed)
+                if "quant_bits" in settled:
+                    check_quantizer(settled)
+                dataclasses.replace(self, compression=name)  # the outer options beside it, the layout
+            except ValueError:
+                return False
+            return True
+
+        return fits
+
+    def _outer_instead(self, name: str, passed: Mapping[str, Any]) -> str:
+        """The advice for an outer recipe passed as ``compression``: it as the outer exchange (where that
+        constructs with the other options), or a per-step recipe that runs with the options ``passed``."""
+        alternatives: list[tuple[dict[str, Any], list[str]]] = []
+        outer: dict[str, Any] = {"outer_compression": [name]}
+        if self.sync_every == 1:
+            outer["sync_every"] = [30]
+        try:  # the same options with the recipe moved to outer_compression (and none of the per-step ones)
+            moved: dict[str, Any] = {"compression": "none", "comm_dtype": "fp32", "density": None}
+            moved.update({**dict.fromkeys(QUANT_OPTIONS), **{k: v[0] for k, v in outer.items()}})
+            dataclasses.replace(self, **moved)
+            alternatives.append((outer, ["compression", *passed]))
+        except ValueError:
+            pass
+        per_step = runs_with(passed, self._runs(passed))
+        if per_step:
+            alternatives.append(({"compression": per_step}, []))
+        return advise(*alternatives) if alternatives else "Pass a per-step recipe (docs/recipes.md)."
 
     def with_recipe(self, name: str, **options: Any) -> GradientFlowConfig:
         """This config running recipe ``name`` (with ``options``) instead: every recipe option back to unset
@@ -368,6 +414,7 @@ class GradientFlowConfig(RecipeOptions):
             comm_dtype=self.comm_dtype,
             topology=self.topology,
             mechanism=self.mechanism,
+            beside=self.__dict__.get("_beside", ()),
         )
         for k, v in settled.items():
             object.__setattr__(self, k, v)

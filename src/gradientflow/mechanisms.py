@@ -101,20 +101,21 @@ def options_of(mechanism: str) -> tuple[str, ...]:
     return MECHANISMS[mechanism].options
 
 
-def refusal(mechanism: str, door: str, what: str) -> str:
-    """Why ``what`` (a recipe, as the user passed it) cannot run at ``door``, and where it can."""
+def refusal(mechanism: str, door: str, what: str, advice: str | None = None) -> str:
+    """Why ``what`` (a recipe, as the user passed it) cannot run at ``door``, where it can, and ``advice`` (what to
+    pass instead, in :func:`gradientflow.options_base.advise`'s words, where the caller knows it)."""
     doors = sorted(doors_of(mechanism))
     where = "; ".join(DOORS[d] for d in doors) or "no door"
     return (
         f"{what} runs the mechanism {mechanism!r}, which has no form for {DOORS[door]}: it is built for {where}. "
-        "Pass a recipe built for this door (docs/recipes.md lists each recipe's scope)."
+        + (advice or "Pass a recipe built for this door (docs/recipes.md lists each recipe's scope).")
     )
 
 
-def check_door(mechanism: str, door: str, what: str) -> None:
+def check_door(mechanism: str, door: str, what: str, advice: str | None = None) -> None:
     """``NoForm`` (a ``ValueError``, in :func:`refusal`'s words) unless ``mechanism`` declares a form for ``door``."""
     if door not in doors_of(mechanism):
-        raise NoForm(refusal(mechanism, door, what))
+        raise NoForm(refusal(mechanism, door, what, advice))
 
 
 def builder(mechanism: str, door: str) -> Any:

@@ -9,7 +9,7 @@ validation without an import circle.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -40,3 +40,33 @@ class Quantizer(NamedTuple):
     precondition: bool
     warmup_steps: int
     clip: float
+
+
+Setting = Sequence[object]
+"""The values an advice offers for one option: the first, or any of the others (each must construct)."""
+
+
+def advise(*alternatives: tuple[Mapping[str, Setting], Sequence[str]]) -> str:
+    """What an option error advises, as one sentence a reader (and tests/test_advice.py) can apply: each
+    alternative the options to pass, ``name=value`` in Python syntax (a choice among values as
+    ``name='a' (or 'b', 'c')``), and the options to drop, ``drop a and b``; alternatives joined by ``, or``.
+
+    ``advise(({"outer_compression": ["3bit"]}, ["compression"]), ({}, ["sync_every"]))`` is "Pass
+    outer_compression='3bit' and drop compression, or drop sync_every."  Every alternative must construct with
+    the other options as passed: the check that builds one works its values out (tests/test_advice.py walks them)."""
+    parts = []
+    for sets, drops in alternatives:
+        shown = [
+            f"{k}={values[0]!r}" + (f" (or {', '.join(map(repr, values[1:]))})" if len(values) > 1 else "")
+            for k, values in sets.items()
+        ]
+        words = []
+        if shown:
+            words.append("pass " + ", ".join(shown))
+        if drops:
+            words.append(
+                "drop " + (" and ".join(drops) if len(drops) < 3 else ", ".join(drops[:-1]) + " and " + drops[-1])
+            )
+        parts.append(" and ".join(words))
+    text = ", or ".join(p for p in parts if p)
+    return text[:1].upper() + text[1:] + "."

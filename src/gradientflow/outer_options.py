@@ -10,15 +10,15 @@ that runs them is :mod:`gradientflow.outer`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .mechanisms import check_door, options_of
-from .options_base import COMM_DTYPES, Quantizer, did_you_mean, not_int
+from .options_base import COMM_DTYPES, Quantizer, advise, did_you_mean, not_int
 from .recipe_rule import UnknownRecipe, resolve
-from .recipes import OUTER_ALIASES, OUTER_NAMES
+from .recipes import BY_NAME, OUTER_ALIASES, OUTER_NAMES
 
 OUTER_OPTIONS = (
     "outer_lr", "outer_momentum", "outer_compression", "outer_density", "sync_fragments", "sync_delay",
@@ -63,30 +63,37 @@ class OuterExchange(NamedTuple):
     every coordinate."""
 
 
-def _ok() -> str:
-    names = ", ".join(repr(n) for n in OUTER_NAMES)
-    return f"a recipe whose scope is 'outer': {names}, or another width of the quantised family ('4bit', '2bit', ...)"
+def _outer_names(topk: bool = False) -> list[str]:
+    """What ``outer_compression=`` offers: the rows whose scope is ``"outer"`` (``topk``: those sending a share of
+    the chunks, the ones ``outer_density`` applies to)."""
+    return [n for n in OUTER_NAMES if not topk or "density" in options_of(BY_NAME[n].mechanism)]
 
 
-def outer_exchange_of(value: object, density: float | None = None) -> OuterExchange:
+def outer_exchange_of(value: object, density: float | None = None, *, topk: bool = False) -> OuterExchange:
     """The outer exchange an ``outer_compression`` value names: a row of the recipe table whose scope is
     ``"outer"`` (an earlier outer name too), or a width of the quantised family without preconditioning; the top-k
-    exchange at ``density`` (:data:`TOPK_DENSITY` where None); ``ValueError`` saying what to pass otherwise (in the
-    words of :mod:`gradientflow.mechanisms` where the mechanism has no outer form)."""
+    exchange at ``density`` (:data:`TOPK_DENSITY` where None); ``ValueError`` saying what to pass otherwise
+    (``topk``: an ``outer_density`` was passed, so only the top-k exchanges are offered)."""
     key = value.strip().lower() if isinstance(value, str) else value
     key = OUTER_ALIASES.get(key, key) if isinstance(key, str) else key
+    names = _outer_names(topk)
     try:
         found = resolve(key)
     except UnknownRecipe:
+        close = did_you_mean(value, [*OUTER_NAMES, *OUTER_ALIASES])
+        first = [n for n in names if close and f"{n!r}" in close]
         raise ValueError(
-            f"outer_compression must be {_ok()}, got {value!r}{did_you_mean(value, [*OUTER_NAMES, *OUTER_ALIASES])}"
+            f"outer_compression={value!r} names no outer exchange{close}: it takes a recipe whose scope is 'outer' "
+            "(docs/recipes.md) or another width of the quantised family ('2bit', '5bit', ...). "
+            + advise(({"outer_compression": [*first, *(n for n in names if n not in first)]}, []))
         ) from None
     recipe, settings = found.recipe, {**found.recipe.settings(), **found.stated}
     what = f"outer_compression={value!r}"
-    check_door(recipe.mechanism, "outer", what)
+    check_door(recipe.mechanism, "outer", what, advise(({"outer_compression": names}, [])))
     if "outer" not in recipe.scopes or settings.get("quant_precondition"):
         raise ValueError(
-            f"{what} is a per-step recipe (preconditioning and 'auto' read the gradient of every step): pass {_ok()}."
+            f"{what} is a per-step recipe (compression=, every step: preconditioning, 'auto' and the per-step top-k "
+            "read the gradient of every step), not an outer exchange. " + advise(({"outer_compression": names}, []))
         )
     quantizer = None
     if "quant_bits" in settings:
@@ -99,6 +106,27 @@ def outer_exchange_of(value: object, density: float | None = None) -> OuterExcha
     return OuterExchange(found.name, recipe.mechanism, wire, quantizer, share)
 
 
+def _some_h(outer: Mapping[str, Any]) -> int:
+    """A ``sync_every`` to advise beside the outer options given: 30, or more where ``sync_fragments`` and
+    ``sync_delay`` need it."""
+    frags, delay = outer.get("sync_fragments"), outer.get("sync_delay")
+    frags = frags if isinstance(frags, int) and not isinstance(frags, bool) and frags > 0 else 1
+    delay = delay if isinstance(delay, int) and not isinstance(delay, bool) and delay > 0 else 0
+    return max(30, frags, frags * delay)
+
+
+def _per_step_instead(compression: str, comm_dtype: str, outer_given: bool) -> str | None:
+    """The outer exchange that sends what the per-step options asked for (``compression``, or a 16-bit
+    ``comm_dtype`` beside ``"none"``), where there is one and no ``outer_compression`` was given."""
+    if outer_given:
+        return None
+    value = comm_dtype if compression == "none" else compression
+    try:
+        return outer_exchange_of(value).name
+    except ValueError:
+        return None
+
+
 def settle_outer(
     sync_every: int,
     outer: Mapping[str, Any],
@@ -107,13 +135,15 @@ def settle_outer(
     comm_dtype: str,
     topology: str,
     mechanism: str,
+    beside: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``sync_every`` and the outer options (docs/fewer-syncs.md): each checked, the defaults filled in where
     ``sync_every > 1``, and an outer option at ``sync_every=1`` (where it would do nothing) refused.
 
     ``outer``: the outer options as passed (:data:`OUTER_OPTIONS`, None where not given); ``compression``,
     ``comm_dtype``, ``topology`` and ``mechanism``: the config's per-step options as resolved, which an outer
-    exchange would leave without effect.  Returns the values the config holds: every outer option where
+    exchange would leave without effect; ``beside``: the per-step options passed beside ``compression`` (what the
+    advice drops with it).  Returns the values the config holds: every outer option where
     ``sync_every > 1`` (``outer_compression`` by its canonical name, the outer lr and momentum as floats,
     ``outer_state_device`` None for the parameters' device), nothing at ``sync_every=1``; ``ValueError`` saying
     what to do otherwise."""
@@ -126,9 +156,18 @@ def settle_outer(
         given = [k for k, v in outer.items() if v is not None]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
+            alternatives: list[tuple[dict[str, Any], list[str]]] = []
+            try:  # the advice must itself construct: sync_every=H only where the options beside it allow one
+                settle_outer(
+                    _some_h(outer), outer, compression=compression, comm_dtype=comm_dtype, topology=topology,
+                    mechanism=mechanism, beside=beside,
+                )  # fmt: skip
+                alternatives.append(({"sync_every": [_some_h(outer)]}, []))
+            except ValueError:
+                pass
             raise ValueError(
                 f"{', '.join(given)} {verb} only with sync_every > 1 (the outer optimizer of DiLoCo), but "
-                f"sync_every=1. Pass sync_every=H (e.g. 30) too, or drop {', '.join(given)}."
+                f"sync_every=1. " + advise(*alternatives, ({}, given))
             )
         return {}
     settled = {k: OUTER_DEFAULTS[k] if v is None else v for k, v in outer.items()}
@@ -154,12 +193,11 @@ def settle_outer(
             f"outer_state_device must be None (the parameters' device) or 'cpu' (host memory), got {device!r}"
         )
     density = settled["outer_density"]
-    spec = outer_exchange_of(settled["outer_compression"])
+    spec = outer_exchange_of(settled["outer_compression"], topk=density is not None)
     if spec.density is None and density is not None:
         raise ValueError(
             f"outer_density applies only to a top-k outer exchange, but outer_compression={spec.name!r} sends every "
-            f"coordinate. Pass outer_compression='indexed-topk-2bit' (or 'indexed-topk-3bit') with it, or drop "
-            "outer_density."
+            "coordinate. " + advise(({"outer_compression": _outer_names(topk=True)}, []), ({}, ["outer_density"]))
         )
     if spec.density is not None:
         d = TOPK_DENSITY if density is None else density
@@ -171,22 +209,33 @@ def settle_outer(
         settled["outer_density"] = float(d)
     settled["outer_compression"] = spec.name
     settled["outer_lr"], settled["outer_momentum"] = float(lr), float(mom)
-    per_step = compression != "none" or comm_dtype != "fp32"
-    if topology == "flat" and per_step:
+    # what runs every step beside the outer exchange: nothing on a flat layout, a dense average inside each node
+    # of several ranks (in comm_dtype); "auto" is resolved at construction, so it is refused as either would be
+    nodes = topology not in ("flat", "auto")  # "MxG": the layout is known, its comm_dtype runs inside each node
+    if mechanism != "dense" or (topology == "flat" and (compression != "none" or comm_dtype != "fp32")):
+        if topology == "flat":
+            layout = f"sync_every={h} on a flat layout exchanges no gradient between syncs"
+        elif topology == "auto":
+            layout = (
+                f"sync_every={h}: only the outer exchange goes between replicas (on a flat layout nothing else is "
+                "exchanged; on nodes of several ranks gradients are averaged densely inside each node)"
+            )
+        else:
+            layout = (
+                f"sync_every={h}: gradients are averaged densely inside a node every step and only the outer "
+                "exchange crosses nodes"
+            )
+        drops = ["compression"] * (compression != "none") + [k for k in beside if k != "comm_dtype"]
+        if comm_dtype != "fp32" and not nodes:  # passed, or the recipe's own (passed again, it would still be sent)
+            drops.append("comm_dtype")
+        asked = [f"compression={compression!r}"] * (compression != "none")
+        asked += [f"comm_dtype={comm_dtype!r}" if k == "comm_dtype" else k for k in drops if k != "compression"]
+        choices: list[tuple[dict[str, Any], list[str]]] = [({}, drops)]
+        instead = _per_step_instead(compression, comm_dtype, outer["outer_compression"] is not None)
+        if instead is not None and instead != OUTER_DEFAULTS["outer_compression"]:
+            choices.insert(0, ({"outer_compression": [instead]}, drops))
         raise ValueError(
-            f"sync_every={h} on a flat layout exchanges no gradient between steps, so compression="
-            f"{compression!r} (comm_dtype={comm_dtype!r}) has no effect. Pass outer_compression=... "
-            "for the exchange every sync_every steps, and drop compression / comm_dtype."
-        )
-    if mechanism != "dense" and per_step:
-        try:  # the advice must itself construct: the same name as the outer exchange only where it is one
-            outer_exchange_of(compression)
-            instead = f"outer_compression={compression!r}"
-        except ValueError:
-            instead = f"outer_compression= ({_ok()})"
-        raise ValueError(
-            f"sync_every={h}: gradients are averaged densely inside a node every step and only the outer "
-            f"exchange crosses nodes, so compression={compression!r} cannot apply. Pass {instead} for the exchange "
-            "between nodes, and drop compression."
+            f"{layout}, so {' and '.join(asked)} cannot apply (the exchange every sync_every steps is "
+            f"outer_compression's, default {OUTER_DEFAULTS['outer_compression']!r}). " + advise(*choices)
         )
     return {k: None if k == "outer_state_device" and v == "same" else v for k, v in settled.items()}

@@ -19,11 +19,13 @@ The rule for options passed beside a recipe (stated once, here; tested in tests/
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import recipes
 from .mechanisms import options_of
+from .options_base import advise
 from .recipes import ALIASES, BY_NAME, QUANT_BITS, Recipe
 
 FAMILY = re.compile(r"(\d+)bit(-precond)?")
@@ -97,53 +99,61 @@ def resolve(value: object) -> Resolved:
     return Resolved(row, name, stated)
 
 
-def fold(found: Resolved, passed: Mapping[str, Any]) -> dict[str, Any]:
+def fold(found: Resolved, passed: Mapping[str, Any], fits: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """The rule of this module's docstring: the options that run for ``found`` given those ``passed``
-    explicitly; a ``ValueError`` (saying what to pass) for an option the name states passed with another value
-    (clause 2) and for an option the recipe's mechanism does not read (clause 3)."""
+    explicitly; a ``ValueError`` for every option the name states passed with another value (clause 2) and every
+    option the recipe's mechanism does not read (clause 3), advising to drop them or (``fits``: whether a recipe,
+    by name, runs with ``passed``) to pass a recipe that runs with them."""
     recipe, name = found.recipe, found.name
     base = {**recipe.settings(), **found.stated}
     named = set(recipe.named) | set(found.stated)  # a family name or the shorthand states its width itself
     reads = set(options_of(recipe.mechanism)) | ({"density"} if name == "none" else set())
-    for k, v in passed.items():
-        if k not in reads:
-            raise ValueError(_unread_message(name, recipe.mechanism, k, v))
-        if k in named and k in base and v != base[k]:
-            raise ValueError(
-                f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={v!r} was passed too. "
-                f"{_named_hint(name, k, v)}"
-            )
+    unread = [k for k in passed if k not in reads]
+    clash = [k for k in passed if k in reads and k in named and k in base and passed[k] != base[k]]
+    if unread or clash:
+        raise ValueError(_refusal(found, passed, unread, clash, fits))
     return {**base, **passed}
 
 
-def _unread_message(name: str, mechanism: str, option: str, value: object) -> str:
-    """Clause 3's message: what the recipe does instead, and what to pass."""
-    if mechanism == "auto":
-        return (
-            f"compression='auto' picks {option} itself (by the optimizer, at its first step), but {option}={value!r} "
-            f"was passed too. Pass compression='auto' alone, or a recipe by name with {option}=... (docs/recipes.md)."
-        )
-    if option == "density":
-        return (
-            f"compression={name!r} sends every coordinate (no top-k), so density={value!r} has no effect there. "
-            "For top-k chunks pass compression='topk-3bit' (quantised) or 'topk-fp16' with density=...; for the "
-            "quantised exchange drop density."
-        )
-    if option == "comm_dtype":
-        return (
-            f"compression={name!r} puts its own codes on the wire, so comm_dtype={value!r} has no effect there. "
-            "Drop comm_dtype, or pass compression='none' with comm_dtype=..."
-        )
-    return (
-        f"compression={name!r} does not quantise, so {option}={value!r} has no effect there. Pass a quantised "
-        "recipe ('3bit', '3bit-precond', '2bit-precond', 'topk-3bit') with it, or drop it."
-    )
+def runs_with(passed: Mapping[str, Any], fits: Callable[[str], bool] | None, but: str = "") -> list[str]:
+    """The recipes (by name) that run with the options ``passed``: the quantised family's width they state first,
+    then the per-step rows; none where ``fits`` is None."""
+    if fits is None:
+        return []
+    names = []
+    bits = passed.get("quant_bits")
+    if isinstance(bits, int) and not isinstance(bits, bool) and bits in QUANT_BITS:
+        names.append(family_name(bits, passed.get("quant_precondition") is True))
+    names += [n for n in recipes.PER_STEP_NAMES if n not in names]
+    return [n for n in names if n != but and fits(n)]
 
 
-def _named_hint(name: str, option: str, value: object) -> str:
-    """Clause 2's hint: the recipe whose name states ``value``."""
-    if option == "comm_dtype":
-        return f"Pass compression='none' with comm_dtype={value!r}."
-    if option in ("quant_bits", "quant_precondition") and not name.startswith("topk"):
-        return "Pass the recipe named for it ('<bits>bit' or '<bits>bit-precond', e.g. '2bit-precond')."
-    return f"Drop {option}: compression={name!r} sends that by definition."
+_WHY = {"density": "sends every coordinate (no top-k)", "comm_dtype": "puts its own codes on the wire"}
+"""Clause 3: what a recipe does instead of reading an option (a quantiser option: it does not quantise)."""
+
+
+def _refusal(
+    found: Resolved, passed: Mapping[str, Any], unread: list[str], clash: list[str], fits: Callable[[str], bool] | None
+) -> str:
+    """Clauses 2 and 3's message: what the recipe does instead, then :func:`advise`: drop the options, or pass a
+    recipe that runs with all of them."""
+    name, base = found.name, {**found.recipe.settings(), **found.stated}
+    said = []
+    if unread:
+        values = ", ".join(f"{k}={passed[k]!r}" for k in unread)
+        if found.recipe.mechanism == "auto":
+            said.append(
+                f"compression='auto' picks {' and '.join(unread)} itself (by the optimizer, at its first step), but "
+                f"{values} {'was' if len(unread) == 1 else 'were'} passed too."
+            )
+        else:
+            why = dict.fromkeys(_WHY.get(k, "does not quantise") for k in unread)
+            verb = "has" if len(unread) == 1 else "have"
+            said.append(f"compression={name!r} {' and '.join(why)}, so {values} {verb} no effect there.")
+    for k in clash:
+        said.append(f"compression={name!r} is {k}={base[k]!r} by its name, but {k}={passed[k]!r} was passed too.")
+    others = runs_with(passed, fits, but=name)
+    alternatives: list[tuple[dict[str, Any], list[str]]] = [({}, [*unread, *clash])]
+    if others:
+        alternatives.append(({"compression": others}, []))
+    return " ".join(said) + " " + advise(*alternatives)

@@ -22,7 +22,10 @@ class Command(NamedTuple):
     module: str
     """The module holding ``add_arguments(parser)`` and ``run(args)``."""
     help: str
+    """One line in ``gradientflow --help``; argparse %-formats it, so a literal percent sign is written ``%%``."""
     description: str
+    """The command's ``--help`` text; argparse does not %-format a description (it has no ``%(prog)``), so a
+    percent sign is written as is."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -32,7 +35,7 @@ COMMANDS: dict[str, Command] = {
         "Launch N local ranks with torchrun's API (Gloo, 127.0.0.1) and train small_cnn on "
         "the 8x8 handwritten digits scikit-learn also ships (in the package: no download, no scikit-learn) "
         "with gradientflow.DistributedDataParallel(compression='auto'), the recommended call: SGD with "
-        "momentum, so after its first step the top 30%% of the gradient's chunks in 3-bit blocks "
+        "momentum, so after its first step the top 30% of the gradient's chunks in 3-bit blocks "
         "(the 'topk-3bit' recipe, docs/recipes.md). Reports test accuracy, steps/s and "
         "the bytes sent next to what torch DDP would have sent.",
     ),
@@ -79,6 +82,16 @@ def _named_command(argv: list[str]) -> str | None:
     return first if first in COMMANDS else None
 
 
+def _version() -> str:
+    """The installed package's version (its metadata: no import of torch or of the package itself)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gradientflow")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser of ``gradientflow``; only the subcommand named in ``argv`` gets its options (every
     subcommand does when ``argv`` is None)."""
@@ -88,6 +101,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         epilog="Run 'gradientflow COMMAND --help' for the options of a command.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     named = None if argv is None else _named_command(argv)
     for name, command in COMMANDS.items():

@@ -23,7 +23,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..config import GradientFlowConfig
+from ..options_base import advise
 from ..recipe_options import QuantLevels, RecipeOptions
+from ..recipe_rule import UnknownRecipe, resolve
+from ..recipes import PER_STEP_NAMES
 from . import auto
 from .agreement import check_same
 from .bounded import bound_inside_node
@@ -71,6 +74,30 @@ def _per_module(impl: Callable[Concatenate[nn.Module | list[nn.Module], _P], Any
     return cast("_PerModule[_P]", impl)
 
 
+def recipe_config(**options: Any) -> GradientFlowConfig:
+    """``fully_shard``'s recipe options as the DDP wrapper reads them (the one table's rule), checked before
+    anything is sharded.  An outer exchange's name is refused in this door's words: ``fully_shard`` has no
+    ``sync_every``, so its advice offers the per-step recipes that run with the other options."""
+    try:
+        outer_only = "per step" not in resolve(options["compression"]).recipe.scopes
+    except UnknownRecipe:
+        outer_only = False  # the config names the recipes
+    if outer_only:
+        offered = []
+        for name in PER_STEP_NAMES:
+            try:
+                GradientFlowConfig(**{**options, "compression": name})
+                offered.append(name)
+            except ValueError:
+                pass
+        raise ValueError(
+            f"gradientflow.fsdp.fully_shard: compression={options['compression']!r} is an outer exchange (the DDP "
+            "wrapper's sync_every=H, docs/fewer-syncs.md); fully_shard exchanges every step. "
+            + advise(({"compression": offered}, []))
+        )
+    return GradientFlowConfig(**options)
+
+
 @_per_module
 def fully_shard(
     module: nn.Module | list[nn.Module],
@@ -109,7 +136,7 @@ def fully_shard(
     same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
-    config = GradientFlowConfig(  # the recipe as the DDP wrapper reads it: the one table's rule
+    config = recipe_config(
         compression=compression,
         density=density,
         chunk_size=chunk_size,

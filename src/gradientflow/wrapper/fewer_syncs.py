@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
+from ..options_base import advise
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
@@ -172,7 +173,7 @@ def check(model: DistributedDataParallel) -> None:
     if frags is not None and frags > len(model._gf_params):
         raise ValueError(
             f"sync_fragments={frags} is more than the model's {len(model._gf_params)} trainable tensors (fragments "
-            f"hold whole tensors): pass sync_fragments <= {len(model._gf_params)}."
+            f"hold whole tensors). " + advise(({"sync_fragments": [len(model._gf_params)]}, []))
         )
 
 
