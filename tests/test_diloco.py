@@ -117,8 +117,12 @@ def test_every_replica_identical_after_every_outer_sync(options: dict) -> None:
             # different ones otherwise (each rank trains on its own data: without the sync they would differ)
             assert same == due(step + 1, f, F, H), (step, f, same)
     assert stats["outer_syncs"] == F * (STEPS // H) and stats["inner_steps"] == STEPS
-    assert stats["steps"] == 0, "a flat layout exchanges no gradient between syncs"
     dense = 4 * sum(sizes)  # one dense fp32 allreduce of every gradient (torch DDP's bytes per step)
+    # payload_bytes is what goes to the exchange between nodes, as for every recipe: the outer syncs' bytes here
+    # (none between them: a flat layout exchanges no gradient), against torch DDP's over the same inner steps
+    assert stats["steps"] == STEPS and stats["dense_bytes"] == STEPS * dense
+    assert stats["payload_bytes"] == stats["outer_payload_bytes"] > 0
+    assert stats["outer_compression"] == options.get("outer_compression", "3bit")
     exchange = options.get("outer_compression", "3bit")
     blocks = -(-sum(sizes) // 128)  # the fragment padded to whole 128-element blocks
     if exchange == "3bit":  # 3 bits per element and a bf16 scale per block
@@ -478,10 +482,14 @@ def test_two_nodes_of_two_ranks(options: dict) -> None:
             assert 0 < gap < (params[0][step - 1] - params[2][step - 1]).abs().max() / 2, step
     stats = results[0][1]
     n = sum(p.numel() for p in _net().parameters())
-    assert stats["steps"] == 7, "the engine synchronised every step, inside the node"
+    assert stats["steps"] == 7 and stats["dense_bytes"] == 7 * 4 * n
     bf16 = "comm_dtype" in options
-    assert stats["payload_bytes"] == 7 * n * (2 if bf16 else 4), "the whole gradient, in the wire dtype"
     assert stats["outer_syncs"] == 2
+    # between nodes only the outer syncs; inside the node every step's dense allreduce of the whole gradient in the
+    # wire dtype, counted as a ring's 2 (G-1)/G of it (G = 2: once), beside the outer sync's all-gather
+    assert stats["payload_bytes"] == stats["outer_payload_bytes"]
+    assert stats["inter_node_bytes"] == stats["outer_inter_node_bytes"]
+    assert stats["intra_node_bytes"] == stats["outer_intra_node_bytes"] + 7 * n * (2 if bf16 else 4)
     # each rank sends its half of the pseudo-gradient between nodes and all-gathers the halves inside the node
     if options["outer_compression"] == "indexed-topk-3bit":  # its half, one block, sent: index, 3-bit codes, scale, pad
         assert stats["outer_payload_bytes"] == 2 * (4 + 3 * 128 // 8 + 2 + 2)
@@ -493,6 +501,26 @@ def test_two_nodes_of_two_ranks(options: dict) -> None:
     else:  # fp32: 81 elements a rank
         assert stats["outer_payload_bytes"] == 2 * 4 * (-(-n // 2))
         assert stats["outer_intra_node_bytes"] == stats["outer_payload_bytes"]
+
+
+def _per_step_worker(rank: int, world: int) -> object:
+    model, opt = _wrapped({"sync_every": 3, "outer_compression": "none"})
+    seen = []
+    for step in range(6):
+        _train(model, opt, rank, range(step, step + 1))
+        s = model.comm_stats()
+        seen.append([s["payload_bytes"], s["dense_bytes"], s["outer_compression"], s.get("compression")])
+    return seen
+
+
+def test_comm_stats_of_a_step_counts_its_outer_sync_as_payload_bytes() -> None:
+    """``comm_stats()`` (the last step): ``payload_bytes`` is the bytes that step handed to the exchange between
+    nodes, so 0 on an inner step and one fp32 copy of the parameters on a sync step (H = 3: steps 3 and 6), against
+    torch DDP's ``dense_bytes`` every step; ``outer_compression`` names what went on the wire ("none": fp32)."""
+    n = sum(p.numel() for p in _net().parameters())
+    for seen in _run(_per_step_worker, 2):
+        assert [s[0] for s in seen] == [0, 0, 4 * n, 0, 0, 4 * n]
+        assert all(s[1] == 4 * n and s[2] == "none" for s in seen)
 
 
 # ---- a stall during an outer sync ---------------------------------------------------------------

@@ -482,6 +482,7 @@ def _auto(rank: int, world: int) -> dict:
             _loss(net, rank, step).backward()
             stats = gf.comm_stats(net)
             seen.append((stats["compression"], stats["payload_bytes"]))
+            out.setdefault(opt_name + "_why", []).append(stats["compression_auto"])
             if run_opt is None:
                 run_opt = (
                     torch.optim.SGD(net.parameters(), lr=0.1)
@@ -505,6 +506,9 @@ def test_auto_is_dense_until_the_first_step_then_the_optimizers_recipe(nodes: in
     for r in run_distributed(_auto, nodes, timeout=120):
         assert r["adamw"] == [("auto", dense), (adamw, quantized), (adamw, quantized)]
         assert r["sgd"] == [("auto", dense), ("4bit", four), ("4bit", four)]  # SGD under FSDP: 4 bits (auto.py)
+        # and why, as the DDP wrapper's comm_stats() says it: nothing seen yet, then the optimizer's class
+        assert r["adamw_why"] == ["no optimizer step seen yet: dense fp32", *2 * [f"AdamW -> {adamw}"]]
+        assert r["sgd_why"] == ["no optimizer step seen yet: dense fp32", *2 * ["SGD -> 4bit"]]
         assert r["adamw_identical"] and r["sgd_identical"]
 
 

@@ -63,7 +63,8 @@ def comms(model: nn.Module) -> Iterator[tuple[str, Any]]:
 def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     """The counters of the last exchange of every module of ``model`` (``total=True``: summed since construction),
     added up: one optimizer step's traffic between nodes when each module exchanged once; with the recipe each
-    module runs (``compression``: one name, or a sorted list where they differ), the mesh (``nodes``,
+    module runs (``compression``: one name, or a sorted list where they differ; under ``"auto"``
+    ``compression_auto``: why it runs that), the mesh (``nodes``,
     ``ranks_per_node``), ``held_micro_steps`` (reduce-scatters kept for a later exchange) and ``state_bytes`` (what
     the recipes hold between steps on this rank: residuals, ``q``, held shards)."""
     found = list(comms(model))
@@ -76,7 +77,11 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
         out.add(comm.counters.total if total else comm.counters.last)
     recipes = sorted({comm.recipe for _, comm in found})
     first = found[0][1]
+    # "auto": what it picked and why, as the DDP wrapper's comm_stats() says (every module switches alike: one reason)
+    why = sorted({comm.auto_reason for _, comm in found if comm.requested == "auto"})
+    reason = {"compression_auto": why[0] if len(why) == 1 else why} if why else {}
     return {
+        **reason,
         **asdict(out),
         "held_micro_steps": sum(comm.counters.held for _, comm in found),
         "state_bytes": sum(comm.state_bytes() for _, comm in found),

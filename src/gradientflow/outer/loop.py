@@ -101,6 +101,7 @@ class OuterLoop:
         self.steps = 0  # inner optimizer steps done: the phase within the interval is steps % every
         self.syncs = 0  # fragments synchronised (F per H steps)
         self.sent = Sent()  # this rank's bytes of every outer sync since construction (not checkpointed: a run's)
+        self.last = Sent()  # those of the last inner step's syncs (none: zeros): comm_stats()'s per-step view
         self.seconds = 0.0
         self.last_sync_step: int | None = None
         self.loaded_steps = 0  # the steps a loaded checkpoint had done (steps_here counts this process's)
@@ -142,6 +143,7 @@ class OuterLoop:
         ``delay``: merged now, their exchange started ``delay`` steps ago)."""
         self.start()
         self.steps += 1
+        self.last = Sent()
         due_now = [f for f in range(len(self.runs)) if due(self.steps, f, len(self.runs), self.every)]
         if not self.delay:
             for f in due_now:
@@ -222,9 +224,10 @@ class OuterLoop:
     def _count(self, sent: Sent, t0: float) -> None:
         """One fragment synchronised: its bytes and time in the run's totals."""
         self.syncs += 1
-        self.sent.payload += sent.payload
-        self.sent.inter += sent.inter
-        self.sent.intra += sent.intra
+        for run in (self.sent, self.last):
+            run.payload += sent.payload
+            run.inter += sent.inter
+            run.intra += sent.intra
         self.seconds += time.perf_counter() - t0
         self.last_sync_step = self.steps
 

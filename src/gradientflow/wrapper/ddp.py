@@ -505,8 +505,12 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         the node layout (``nodes``, ``ranks_per_node``; ``topology`` when two-level); with ``sync_every > 1`` the outer
         syncs' counters since construction (:meth:`gradientflow.outer.loop.OuterLoop.stats`)."""
         stats = self._gf_engine.totals if total else self._gf_engine.last_stats
-        outer = self._gf_outer.stats(self._gf_engine.dense_bytes) if self._gf_outer is not None else {}
-        return {**stats.as_dict(), **auto.describe(self), **layout_stats(self), **outer}
+        counters = stats.as_dict()
+        outer: dict[str, Any] = {}
+        if self._gf_outer is not None:  # the exchange between nodes is the outer sync's: its bytes are payload_bytes
+            counters = self._gf_outer.between_nodes(counters, self._gf_engine.dense_bytes, total)
+            outer = self._gf_outer.stats(self._gf_engine.dense_bytes)
+        return {**counters, **auto.describe(self), **layout_stats(self), **outer}
 
     @property
     def pool(self) -> GradPool:

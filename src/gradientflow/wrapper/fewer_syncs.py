@@ -41,6 +41,7 @@ class FewerSyncs:
         config: GradientFlowConfig = model.config
         topo = resolve_layout(config, model.process_group)
         self.two_level = topo.two_level
+        self.per_node = topo.per_node
         self.local_steps = not topo.two_level  # flat: no forward synchronises
         spec = outer_exchange_of(config.outer_compression, config.outer_density)
         self.node_watchdog: Watchdog | None = None
@@ -151,8 +152,27 @@ class FewerSyncs:
         inner = dataclasses.replace(model.config, topology="flat", sync_every=1, **unset)
         return inner, self.node_group, self.node_watchdog
 
-    def stats(self, dense_bytes: int) -> dict[str, float | int]:
-        return self.loop.stats(dense_bytes)
+    def stats(self, dense_bytes: int) -> dict[str, float | int | str]:
+        return {**self.loop.stats(dense_bytes), "outer_compression": self.loop.exchange.spec.name}
+
+    def between_nodes(self, engine: dict[str, float | int], dense_bytes: int, total: bool) -> dict[str, float | int]:
+        """``comm_stats()``'s counters with ``payload_bytes`` the bytes handed to the exchange between nodes, as for
+        every recipe: here the outer syncs' (of the last inner step, or since construction with ``total``), not the
+        engine's (flat: it exchanges nothing; nodes: its dense allreduce inside the node, counted as a ring's
+        ``2 (G-1)/G`` in ``intra_node_bytes``).  ``dense_bytes`` is torch DDP's per step (times the inner steps of
+        this process with ``total``), so ``payload_bytes / dense_bytes`` is the share of its bytes, as everywhere."""
+        loop, out = self.loop, dict(engine)
+        sent = loop.sent if total else loop.last
+        inside = int(engine.get("payload_bytes", 0))  # the engine's: nodes, the node's dense allreduce; flat, 0
+        g = self.per_node
+        out["payload_bytes"] = sent.payload
+        out["dense_bytes"] = dense_bytes * (loop.steps_here if total else 1)
+        if total:
+            out["steps"] = loop.steps_here
+        if self.two_level:
+            out["inter_node_bytes"] = sent.inter
+            out["intra_node_bytes"] = sent.intra + inside * 2 * (g - 1) // g
+        return out
 
     def remove(self) -> None:
         for h in self.hooks:
