@@ -107,13 +107,17 @@ def _stopped_at(stall_dir: str) -> float | None:
         return float(f.read())
 
 
-def _outcome(rank: int, survivors: list[int], stall_dir: str, train: Callable[[], None]) -> dict[str, Any] | None:
+def _outcome(
+    rank: int, survivors: list[int], stall_dir: str, train: Callable[[], None], timeout_s: float = TIMEOUT_S
+) -> dict[str, Any] | None:
     """A survivor runs ``train``: ``None`` if it returned, else what it raised (:func:`_error_report`: its type,
     message, ``missing_ranks``; ``after_stall``: the seconds since the victim stopped, ``None`` if it had not yet;
     ``communication_error``: whether it is a ``gradientflow.CommunicationError``).  Then it waits until every
     survivor has an outcome, or the deadline, and returns."""
     with open(os.path.join(stall_dir, f"rank{rank}.stack"), "w") as stack:
-        faulthandler.dump_traceback_later(HARNESS_S - 4, file=stack)  # where it waits, if it is still waiting then
+        faulthandler.dump_traceback_later(
+            HARNESS_S - TIMEOUT_S + timeout_s - 4, file=stack
+        )  # where it waits, if it is still waiting then
         report: dict[str, Any] | None = None
         try:
             train()
@@ -129,7 +133,7 @@ def _outcome(rank: int, survivors: list[int], stall_dir: str, train: Callable[[]
             faulthandler.cancel_dump_traceback_later()
     _write(os.path.join(stall_dir, f"rank{rank}.out"), json.dumps(report))  # read if another survivor hangs
     stopped = _stopped_at(stall_dir)
-    deadline = (stopped if stopped is not None else time.monotonic()) + TIMEOUT_S + MARGIN_S
+    deadline = (stopped if stopped is not None else time.monotonic()) + timeout_s + MARGIN_S
     while time.monotonic() < deadline and not all(
         os.path.exists(os.path.join(stall_dir, f"rank{r}.out")) for r in survivors
     ):
@@ -137,12 +141,13 @@ def _outcome(rank: int, survivors: list[int], stall_dir: str, train: Callable[[]
     return report
 
 
-def _run(fn: Callable[..., Any], world: int, *args: Any, stall_dir: str) -> Outcomes:
+def _run(fn: Callable[..., Any], world: int, *args: Any, stall_dir: str, timeout_s: float = TIMEOUT_S) -> Outcomes:
     """``run_faulty`` for the survivors (every rank but the last): each survivor's outcome (:func:`_outcome`); one
     still waiting at the harness's deadline gets ``{"hung": where it waits}``."""
     survivors = list(range(world - 1))
     try:
-        return run_faulty(fn, world, *args, survivors, stall_dir, wait_for=survivors, timeout=HARNESS_S)
+        harness_s = HARNESS_S - TIMEOUT_S + timeout_s
+        return run_faulty(fn, world, *args, survivors, stall_dir, wait_for=survivors, timeout=harness_s)
     except TimeoutError:
         results: Outcomes = {}
         for r in survivors:
@@ -163,9 +168,11 @@ def _names(message: str, rank: int) -> bool:
     return re.search(rf"\b[Rr]anks?(?:\(s\))?\s*\[?(?:\d+,\s*)*{rank}\b", message) is not None
 
 
-def _assert_named(results: Outcomes, ranks: list[int], victim: int, stall_dir: str) -> None:
+def _assert_named(
+    results: Outcomes, ranks: list[int], victim: int, stall_dir: str, timeout_s: float = TIMEOUT_S
+) -> None:
     """The contract on each of ``ranks``: a ``CommunicationError`` naming ``victim`` (``missing_ranks == [victim]``
-    and in the message) within ``TIMEOUT_S + MARGIN_S`` after it stopped.  Every deviation of every rank is listed."""
+    and in the message) within ``timeout_s + MARGIN_S`` after it stopped.  Every deviation of every rank is listed."""
     assert _stopped_at(stall_dir) is not None, "the victim never reached its stall point: nothing was tested"
     wrong = []
     for rank in ranks:
@@ -175,7 +182,8 @@ def _assert_named(results: Outcomes, ranks: list[int], victim: int, stall_dir: s
             continue
         if "hung" in rep:
             wrong.append(
-                f"rank {rank}: no outcome {HARNESS_S:g} s after its start (a hang), waiting in:\n{rep['hung']}"
+                f"rank {rank}: no outcome {HARNESS_S - TIMEOUT_S + timeout_s:g} s after its start (a hang), waiting "
+                f"in:\n{rep['hung']}"
             )
             continue
         after = "before the stall" if rep["after_stall"] is None else f"{rep['after_stall']:.1f} s after the stall"
@@ -185,8 +193,8 @@ def _assert_named(results: Outcomes, ranks: list[int], victim: int, stall_dir: s
             why.append("not a gradientflow.CommunicationError")
         if rep["after_stall"] is None:
             why.append("raised before the victim stopped")
-        elif rep["after_stall"] > TIMEOUT_S + MARGIN_S:
-            why.append(f"later than timeout {TIMEOUT_S:g} s + {MARGIN_S:g} s after the stall")
+        elif rep["after_stall"] > timeout_s + MARGIN_S:
+            why.append(f"later than timeout {timeout_s:g} s + {MARGIN_S:g} s after the stall")
         if rep["communication_error"] and rep["missing"] != [victim]:
             why.append(f"missing_ranks {rep['missing']}, not [{victim}] (the stalled rank's global rank)")
         if not _names(rep["message"], victim):
@@ -410,3 +418,60 @@ def test_per_step_peer_lost_is_named_on_every_rank(
     stall_dir = str(tmp_path)
     results = _run(_per_step_worker, world, options, fault, stall_dir=stall_dir)
     _assert_named(results, list(range(world - 1)), world - 1, stall_dir)
+
+
+# ---- 4. a long wait is logged: nothing waits silently ------------------------------------------------------------
+LONG_TIMEOUT_S = 12.0
+"""The ``timeout=`` of the logging case: its warning comes at half of it (``min(60 s, timeout / 2)``), 6 s, plus the
+3 s in which the waiting ranks report, well before the error at 12 s."""
+
+
+def _logged_worker(rank: int, world: int, survivors: list[int], stall_dir: str) -> dict[str, Any] | None:
+    """2 nodes x 2 ranks, per-step ``"3bit"``, ``timeout=12``: the last rank stops as step 2 begins; each survivor
+    returns its outcome and the WARNINGs gradientflow logged, with when (seconds after the stall)."""
+    import logging
+
+    logged: list[tuple[float, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            stopped = _stopped_at(stall_dir)
+            logged.append((time.monotonic() - stopped if stopped is not None else -1.0, record.getMessage()))
+
+    logging.getLogger("gradientflow").addHandler(Keep(logging.WARNING))
+    torch.manual_seed(0)
+    model = gf.DistributedDataParallel(Net(), compression="3bit", topology="2x2", timeout=LONG_TIMEOUT_S)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+
+    def train() -> None:
+        for step in range(PER_STEP_FAULT + 2):
+            if step == PER_STEP_FAULT and rank == world - 1:
+                _fault(stall_dir, "stop")
+            _step(model, gen)
+            opt.step()
+
+    report = _outcome(rank, survivors, stall_dir, train, timeout_s=LONG_TIMEOUT_S)
+    if report is not None:
+        report["logged"] = logged
+    return report
+
+
+def test_a_long_wait_on_a_stopped_peer_is_logged_naming_it(tmp_path: Path) -> None:
+    """Issue 70 item 3: the survivors of a stopped host printed nothing while they waited.  Now each survivor logs
+    one WARNING once it has waited half its timeout (6 s of 12 here; 60 s of the 5-minute default): the step, how
+    long it has waited, on what, when it will raise, and the ranks that have not reported a long wait of this step
+    -- ``[3]``, the stopped rank by its global rank (index 1 of its node and of the group between nodes), every
+    other rank waiting too -- before the ``CommunicationError`` that still ends the run at the timeout."""
+    stall_dir = str(tmp_path)
+    results = _run(_logged_worker, 4, stall_dir=stall_dir, timeout_s=LONG_TIMEOUT_S)
+    _assert_named(results, [0, 1, 2], 3, stall_dir, timeout_s=LONG_TIMEOUT_S)
+    for rank, rep in results.items():
+        assert rep is not None
+        warnings = [(t, m) for t, m in rep["logged"] if "has waited" in m]
+        assert len(warnings) == 1, (rank, rep["logged"])  # once per wait, not once a second
+        when, said = warnings[0]
+        assert LONG_TIMEOUT_S / 2 <= when < rep["after_stall"], (rank, when, rep["after_stall"], said)
+        assert f"rank {rank} has waited" in said and "step 2" in said, said
+        assert "Rank(s) [3] have not reported a long wait" in said, said
+        assert f"timeout of {LONG_TIMEOUT_S:g} s" in said, said

@@ -36,11 +36,12 @@ def guarded(
 ) -> T:
     """Run ``step`` and return what it returns; a ``RuntimeError`` becomes the watchdog's failure naming ``what``
     (``nbytes``, and the seconds since ``started``); without a watchdog it propagates as it is."""
-    try:
+    if watchdog is None:
         return step()
+    try:
+        with watchdog.watched(what, nbytes):  # a step that blocks long (a drain, a wait) is logged
+            return step()
     except RuntimeError as exc:
-        if watchdog is None:
-            raise
         elapsed = time.perf_counter() - started if started is not None else 0.0
         raise watchdog.failure(what, nbytes, exc, elapsed) from exc
 
@@ -89,7 +90,11 @@ class Ring:
     def wait(self) -> None:
         """Block until the sum is in ``x`` (each round bounded by the watchdog's timeout)."""
         try:
-            self.ring.wait()
+            if self.watchdog is None:
+                self.ring.wait()
+            else:
+                with self.watchdog.watched(self.what, self.ring.payload_bytes):
+                    self.ring.wait()
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
