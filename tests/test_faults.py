@@ -416,3 +416,41 @@ def test_a_member_that_never_joins_a_new_group_is_an_error_within_the_timeout() 
     said, waited = run_distributed(_join_alone, 1, timeout=30)[0]
     assert "1 of the 2 members of a new process group did not join it within the timeout of 0.5 s" in said, said
     assert float(waited) < 2.0, waited
+
+
+def _default_timeouts(rank: int, world_size: int) -> dict[str, float]:
+    """The timeout each door's waits get without ``timeout=``, on a group made with Gloo's default (30 minutes)."""
+    import gradientflow.fsdp as gff
+    from gradientflow.fsdp.bounded import mesh_watchdog
+    from gradientflow.fsdp.mesh import split_mesh
+
+    group = dist.new_group(list(range(world_size)), timeout=timedelta(minutes=30))
+
+    def waits(model: Any) -> float:
+        return model._gf_watchdog.timeout.total_seconds()
+
+    return {
+        "per-step flat": waits(gf.DistributedDataParallel(Net(), process_group=group)),
+        "sync_every=2": waits(gf.DistributedDataParallel(Net(), process_group=group, sync_every=2)),
+        "sync_every=2, timeout=7": waits(
+            gf.DistributedDataParallel(Net(), process_group=group, sync_every=2, timeout=7)
+        ),
+        "fsdp 2 nodes": mesh_watchdog(split_mesh(gff.hsdp_mesh(2, 1)), None).timeout.total_seconds(),
+        "pg of 60 s, sync_every=2": waits(gf.DistributedDataParallel(Net(), sync_every=2)),
+    }
+
+
+def test_default_timeout_between_nodes_is_five_minutes() -> None:
+    """Issue 70 item 3 / 73 item 4: without ``timeout=``, a run whose waits include exchanges between nodes (an outer
+    sync, an FSDP mesh of several nodes) waits at most 5 minutes for a hung host, not the process group's 30
+    minutes (Gloo's default); a per-step flat run keeps the process group's, as torch DDP; an explicit ``timeout``
+    and a process group's own shorter timeout (60 s: tests/_dist.py's world, which the FSDP mesh spans) stand."""
+    out = run_distributed(_default_timeouts, 2, timeout=120)
+    for said in out:
+        assert said == {
+            "per-step flat": 1800.0,
+            "sync_every=2": 300.0,
+            "sync_every=2, timeout=7": 7.0,
+            "fsdp 2 nodes": 60.0,  # the mesh spans the world, whose process group times out after 60 s here
+            "pg of 60 s, sync_every=2": 60.0,
+        }, said

@@ -62,4 +62,6 @@ class RecipeOptions:
     """Each block's scale clipped at this many times its RMS; 0 = max-abs (an experiment) [0.0]."""
     timeout: float | timedelta | None = None
     """Seconds (or a ``timedelta``) any wait may take before ``gradientflow.CommunicationError`` (naming the
-    step, the collective and the missing ranks); ``None`` = the process group's timeout."""
+    step, the collective and the missing ranks); ``None`` = the process group's timeout, at most 5 minutes where the
+    waits include exchanges between nodes (``sync_every > 1``, nodes of several ranks, an FSDP mesh of several
+    nodes: docs/multi-node.md, "A hung or lost host").  A wait past min(60 s, timeout / 2) is logged (WARNING)."""

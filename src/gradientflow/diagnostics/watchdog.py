@@ -23,14 +23,22 @@ Protocol (nothing on the hot path: a wait that succeeds costs exactly the backen
 
 The store may itself be unreachable (its host process is the stalled one), so steps 2-3 run in a
 daemon thread joined with a deadline: the error is raised in time either way, just without names.
+
+Nothing waits silently: a wait still going after ``min(60 s, timeout / 2)`` is logged once (WARNING) by one
+monitor thread per process, naming what is waited on and the ranks that have not reported a long wait of this
+step themselves (the same store, a key per rank).  With ``timeout=None`` the waits of a run with exchanges between
+nodes are bounded by :data:`BETWEEN_NODES_TIMEOUT` (5 minutes), not the process group's 30 minutes on Gloo.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +75,31 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta:
         return default_pg_timeout
 
 
-def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup) -> timedelta:
-    """``timeout`` as a ``timedelta``; ``None`` means the process group's own timeout."""
+BETWEEN_NODES_TIMEOUT = timedelta(minutes=5)
+"""``timeout=None`` on a run with exchanges between nodes (``sync_every > 1``, nodes of several ranks, an FSDP mesh
+of several nodes): how long one wait may last, or the process group's own timeout where that is shorter.
+
+Why 5 minutes (docs/multi-node.md, "A hung host"): one wait covers one round of one exchange (a bucket's round,
+an outer fragment's ring round, an FSDP module's shard) plus how far the slowest rank lags when it starts; the
+process group's own timeout (30 minutes on Gloo) let a hung host stop a run silently for half an hour (issue 70
+item 3).  5 minutes carries 3.75 GB in one wait at 100 Mbit/s (a 3-bit outer exchange's round is at most one
+quantised copy of the node's pseudo-gradient, 0.39 bytes a parameter: a 9.6-billion-parameter model) and a
+replica lagging 5 minutes behind the others at an outer sync; a hung host then costs 5 minutes and 3 seconds.
+Larger exchanges on a slower link, or replicas further apart, pass ``timeout=`` (the page says how much)."""
+
+WARN_AFTER_S = 60.0
+"""A wait that lasts this long (or half its timeout, if that is less) is logged once, as a WARNING naming what it
+waits on and the ranks that have not reported a long wait themselves: nothing waits silently."""
+
+
+def resolve_timeout(
+    timeout: float | timedelta | None, group: dist.ProcessGroup, *, between_nodes: bool = False
+) -> timedelta:
+    """``timeout`` as a ``timedelta``; ``None`` means the process group's own timeout, at most
+    :data:`BETWEEN_NODES_TIMEOUT` where the waits include exchanges ``between_nodes``."""
     if timeout is None:
-        return group_timeout(group)
+        own = group_timeout(group)
+        return min(own, BETWEEN_NODES_TIMEOUT) if between_nodes else own
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
 
 
@@ -108,7 +137,75 @@ class Watchdog:
         # rank, so the n-th wrapper on a group has the same prefix everywhere.
         name = getattr(group, "group_name", "") or "default"
         counter = _instances.setdefault(name, itertools.count())
-        self._prefix = f"gradientflow/{name}/{next(counter)}/stuck/"
+        base = f"gradientflow/{name}/{next(counter)}/"
+        self._prefix = base + "stuck/"
+        self._slow_prefix = base + "slow/"
+        self.warn_after_s = min(WARN_AFTER_S, timeout.total_seconds() / 2)
+        # The wait in progress (its start, what, bytes), read by the monitor thread (:class:`_Monitor`) to log a
+        # long one; set and cleared by the outermost wait only (a pipeline's drain waits on its rings inside).
+        self.waiting: tuple[float, str, int | None] | None = None
+
+    # ---- 0. a long wait is logged ---------------------------------------------------------
+    @contextlib.contextmanager
+    def watched(self, what: str, nbytes: int | None) -> Iterator[None]:
+        """Around a blocking wait on ``what``: past :attr:`warn_after_s` the monitor thread logs it (once)."""
+        if self.waiting is not None:  # inside an outer wait: that one is watched
+            yield
+            return
+        self.waiting = (time.monotonic(), what, nbytes)
+        _MONITOR.watch(self)
+        try:
+            yield
+        finally:
+            self.waiting = None
+
+    def warn_long_wait(self, began: float, what: str, nbytes: int | None) -> None:
+        """Log (WARNING) that this rank has waited on ``what`` since ``began``, naming the ranks that have not
+        reported a long wait of this step themselves (the rendezvous store, as :meth:`failure` does)."""
+        me = self.global_ranks[self.rank]
+        waited = time.monotonic() - began
+        size = f" ({format_bytes(nbytes)})" if nbytes is not None else ""
+        parts = [
+            f"gradientflow: step {self.step}: rank {me} has waited {waited:.0f} s on {what}{size}; it raises "
+            f"CommunicationError after the timeout of {self.timeout.total_seconds():g} s."
+        ]
+        reports = self._report_slow(f"{self.step}|{what}")
+        if reports is None:
+            parts.append("Which ranks it waits on is unknown (the rendezvous store did not answer).")
+        else:
+            silent = [self.global_ranks[r] for r in range(self.world_size) if r != self.rank and r not in reports]
+            if silent:
+                parts.append(
+                    f"Rank(s) {silent} have not reported a long wait of this step: stalled, dead, slow (a straggler, "
+                    "a slow link) or not synchronising this step."
+                )
+            on: dict[str, list[int]] = {}
+            for r, w in sorted(reports.items()):
+                on.setdefault(w.partition("|")[2], []).append(self.global_ranks[r])
+            parts += [f"Rank(s) {ranks} wait too, on {coll}." for coll, ranks in on.items()]
+        logger.warning(" ".join(parts))
+
+    def _report_slow(self, where: str) -> dict[int, str] | None:
+        """Write our long wait under our rank, give the others ``grace_s`` to write theirs, and read the ones of
+        this step; ``None`` if the store did not answer.  Runs on the monitor thread, never the training one."""
+        try:
+            from torch.distributed.distributed_c10d import _get_process_group_store  # noqa: PLC0415
+
+            store = _get_process_group_store(self.group)
+            store.set(f"{self._slow_prefix}{self.rank}", where)
+            time.sleep(self.grace_s)  # the others' waits began within moments of ours (they wait on the same peer)
+            step = where.partition("|")[0]
+            found = {}
+            for r in range(self.world_size):
+                key = f"{self._slow_prefix}{r}"
+                if r != self.rank and store.check([key]):
+                    w = store.get(key).decode()
+                    if w.partition("|")[0] == step:  # a report of an earlier step is not this wait's
+                        found[r] = w
+            return found
+        except Exception as exc:  # noqa: BLE001 — the store's host may be the stalled rank
+            logger.debug("gradientflow: rendezvous store did not answer: %s", exc)
+            return None
 
     # ---- 1. bounded wait ------------------------------------------------------------------
     def wait(self, work: Any, what: str, nbytes: int | None) -> None:
@@ -125,7 +222,8 @@ class Watchdog:
             )
         t0 = time.perf_counter()
         try:
-            work.wait(self.timeout)
+            with self.watched(what, nbytes):
+                work.wait(self.timeout)
         except RuntimeError as exc:  # DistBackendError and Gloo's "Operation timed out!" are RuntimeErrors
             raise self.failure(what, nbytes, exc, time.perf_counter() - t0) from exc
         trace = self.trace
@@ -215,3 +313,48 @@ class Watchdog:
         missing = [r for r in range(self.world_size) if r != self.rank and r not in found]
         elsewhere = {r: w for r, w in found.items() if w != where}
         return missing, elsewhere
+
+
+class _Monitor:
+    """One daemon thread per process that logs the long waits of every watchdog (:meth:`Watchdog.watched`): it
+    looks once a second, so a wait costs the training thread two attribute writes and a set lookup; it ends once
+    every watchdog it watched is gone, and the next wait starts another."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self) -> None:
+        self._watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+        self._warned: dict[int, tuple[float, str, int | None]] = {}  # id(watchdog) -> the wait it logged
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, watchdog: Watchdog) -> None:
+        if watchdog in self._watched and self._thread is not None:  # the common case: no lock
+            return
+        with self._lock:
+            self._watched.add(watchdog)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradientflow-wait-monitor", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.PERIOD_S)
+            with self._lock:
+                watched = list(self._watched)
+                if not watched:
+                    self._thread = None
+                    return
+            now = time.monotonic()
+            for w in watched:
+                waiting = w.waiting
+                if waiting is None or now - waiting[0] < w.warn_after_s or self._warned.get(id(w)) == waiting:
+                    continue
+                self._warned[id(w)] = waiting  # once per wait
+                try:
+                    w.warn_long_wait(*waiting)
+                except Exception as exc:  # noqa: BLE001 — a log line must never end the monitor
+                    logger.debug("gradientflow: long-wait warning failed: %s", exc)
+
+
+_MONITOR = _Monitor()

@@ -4,7 +4,7 @@ Every exchange that quantises (the DDP recipes' buckets and chunks, an FSDP modu
 fragments) puts its values on a :class:`~gradientflow.comm.quantized_ring.QuantizedRing` (or, for a caller that
 encodes and decodes the bytes itself, the two-rank wire alone: :class:`~gradientflow.comm.quantized_ring.
 PairExchange`).  Both are constructed here and nowhere else, so that a failure reads the same on every door: a
-``RuntimeError`` of the backend (a peer gone, a timeout) while the ring is advanced becomes the watchdog's
+``RuntimeError`` of the backend (a peer gone, a timeout) while the ring is posted or advanced becomes the watchdog's
 :class:`~gradientflow.diagnostics.errors.CommunicationError` naming what was being exchanged, its bytes, the
 seconds since it started and the ranks that never arrived.  The ring's own timeout is the watchdog's, so no
 wait here outlives it.
@@ -14,25 +14,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..comm import codec_native
+from ..comm.quantize import wire_bytes
 from ..comm.quantized_ring import PairExchange, QuantizedRing
 from ..diagnostics.watchdog import Watchdog
 
+T = TypeVar("T")
 
-def guarded(watchdog: Watchdog | None, what: str, step: Callable[[], object], started: float | None = None) -> None:
-    """Run ``step``; a ``RuntimeError`` becomes the watchdog's failure naming ``what`` (and the seconds since
-    ``started``); without a watchdog it propagates as it is."""
+
+def guarded(
+    watchdog: Watchdog | None,
+    what: str,
+    step: Callable[[], T],
+    started: float | None = None,
+    nbytes: int | None = None,
+) -> T:
+    """Run ``step`` and return what it returns; a ``RuntimeError`` becomes the watchdog's failure naming ``what``
+    (``nbytes``, and the seconds since ``started``); without a watchdog it propagates as it is."""
+    if watchdog is None:
+        return step()
     try:
-        step()
+        with watchdog.watched(what, nbytes):  # a step that blocks long (a drain, a wait) is logged
+            return step()
     except RuntimeError as exc:
-        if watchdog is None:
-            raise
         elapsed = time.perf_counter() - started if started is not None else 0.0
-        raise watchdog.failure(what, None, exc, elapsed) from exc
+        raise watchdog.failure(what, nbytes, exc, elapsed) from exc
 
 
 class Ring:
@@ -79,7 +90,11 @@ class Ring:
     def wait(self) -> None:
         """Block until the sum is in ``x`` (each round bounded by the watchdog's timeout)."""
         try:
-            self.ring.wait()
+            if self.watchdog is None:
+                self.ring.wait()
+            else:
+                with self.watchdog.watched(self.what, self.ring.payload_bytes):
+                    self.ring.wait()
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
@@ -110,9 +125,17 @@ def start_ring(
     (:func:`guarded`)."""
     t0 = time.perf_counter()
     timeout = watchdog.timeout if watchdog is not None else None
-    ring = QuantizedRing(
-        x, err, group, bits=bits, block=block, timeout=timeout, clip=clip, levels=levels, carry=carry, fused=fused
-    )
+
+    def post() -> QuantizedRing:
+        return QuantizedRing(
+            x, err, group, bits=bits, block=block, timeout=timeout, clip=clip, levels=levels, carry=carry, fused=fused
+        )
+
+    # The constructor posts round 0 at once, and Gloo raises as it posts to a peer whose connection is closed (a
+    # peer killed before this exchange: "Connection closed by peer", measured, issue 70 item 2): named as a failed
+    # wait is, not left to pass as the backend's raw error.
+    nbytes = wire_bytes(x.numel(), bits, block)
+    ring = guarded(watchdog if named else None, what, post, t0, nbytes)
     return Ring(ring, watchdog, what, t0, named)
 
 
@@ -135,4 +158,9 @@ def start_pair(
 ) -> Pair:
     """``send`` to the other rank of a two-rank ``group``, ``recv`` from it, posted now."""
     timeout = watchdog.timeout if watchdog is not None else None
-    return Pair(PairExchange(send, recv, group, timeout), watchdog, what)
+
+    def post() -> PairExchange:  # posts at once: named as start_ring's first round is
+        return PairExchange(send, recv, group, timeout)
+
+    pair = guarded(watchdog, what, post, time.perf_counter(), send.numel())
+    return Pair(pair, watchdog, what)

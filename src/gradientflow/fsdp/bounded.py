@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # torch's Comm contract
 
 from ..comm.waiter import waiter_for
-from ..diagnostics.watchdog import Watchdog, group_timeout
+from ..diagnostics.watchdog import Watchdog, resolve_timeout
 from .mesh import HSDPMesh
 
 _WATCHDOGS: dict[tuple[dist.ProcessGroup, timedelta | None], Watchdog] = {}
@@ -45,7 +45,8 @@ def mesh_watchdog(mesh: HSDPMesh, timeout: timedelta | None) -> Watchdog:
         spans = mesh.nodes * mesh.per_node == dist.get_world_size()
         group = dist.group.WORLD if spans else mesh.replicate
         assert group is not None  # a process group exists: the mesh was made on it
-        found = _WATCHDOGS[key] = Watchdog(group, timeout or group_timeout(group))
+        # no timeout given: the process group's, at most 5 minutes where the mesh spans nodes (a hung host noticed)
+        found = _WATCHDOGS[key] = Watchdog(group, resolve_timeout(timeout, group, between_nodes=mesh.nodes > 1))
     return found
 
 
@@ -58,7 +59,9 @@ def _wait(watchdog: Watchdog, group: dist.ProcessGroup, work: dist.Work, what: s
         watchdog.wait(work, what, nbytes)  # raises the earlier failure's "not attempted"
     t0 = time.perf_counter()
     arrival = waiter_for(group).watch([work], watchdog.timeout)
-    if not arrival.event.wait(watchdog.timeout.total_seconds()):
+    with watchdog.watched(what, nbytes):
+        arrived = arrival.event.wait(watchdog.timeout.total_seconds())
+    if not arrived:
         late = TimeoutError(f"timed out after {watchdog.timeout.total_seconds():g} s")
         raise watchdog.failure(what, nbytes, late, time.perf_counter() - t0)
     try:

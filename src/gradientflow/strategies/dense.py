@@ -153,11 +153,13 @@ class DenseSync(SyncStrategy):
             self._guarded(self._two.progress)
 
     def _guarded(self, step: Callable[[], None]) -> None:
-        try:
+        if self.watchdog is None:
             step()
+            return
+        try:
+            with self.watchdog.watched("two-level exchange", None):  # a drain that waits long is logged
+                step()
         except RuntimeError as exc:
-            if self.watchdog is None:
-                raise
             raise self.watchdog.failure("two-level exchange", None, exc, 0.0) from exc
 
     def finish(self, stats: StepStats) -> None:

@@ -35,7 +35,7 @@ from . import auto, compat, fewer_syncs, nested
 from .checkpoint import Checkpointing, OptimizerWatch
 from .compat import DDPSettings, DDPValueError, move_to_device, resolve_ddp_args, sparse_gradient_params
 from .construction import agree_on_construction, fallback_group
-from .groups import control_group, layout_stats, node_groups, resolved_topology, sync_group
+from .groups import between_nodes, control_group, layout_stats, node_groups, resolved_topology, sync_group
 from .join import GradientFlowJoinHook, common_rank
 from .nested import Nesting
 from .shutdown import end_groups_at_exit
@@ -73,7 +73,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         compression ["none"; a recipe of the table :mod:`gradientflow.recipes`: "fp16", "bf16", "topk-fp16",
         "topk-3bit", "3bit", "3bit-precond", "2bit-precond", "auto"; docs/recipes.md], density [None = dense],
         chunk_size ["auto"], warmup_steps [100], quant_bits, quant_block, quant_levels, quant_precondition,
-        quant_warmup_steps, quant_clip [None: the recipe's], timeout [the process group's];
+        quant_warmup_steps, quant_clip [None: the recipe's], timeout [the process group's, at most 5 min between nodes];
     then the wrapper's own:
         fusion_threshold_mb [25.0; quantised: 8.0], comm_dtype ["fp32"], algorithm ["native"], momentum [0.0],
         dense_1d [True], chunk_score ["l1"], csc_scope ["slice"], schedule ["fixed"; "auto": θ and csc_scope from
@@ -283,7 +283,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
     # ---- construction (also after unpickling or a change of device/dtype) -----------------
     def _gf_attach_group(self, group: dist.ProcessGroup) -> None:
         self.process_group = group
-        self._gf_watchdog = Watchdog(group, resolve_timeout(self.config.timeout, group))
+        timeout = resolve_timeout(self.config.timeout, group, between_nodes=between_nodes(self.config, group))
+        self._gf_watchdog = Watchdog(group, timeout)
         self._gf_world_size = dist.get_world_size(group)
         self._gf_src = dist.get_global_rank(group, 0)
 

@@ -43,6 +43,19 @@ def resolve_layout(config: GradientFlowConfig, group: dist.ProcessGroup) -> Topo
     return resolve_topology(config.topology, world, rank, os.environ, whole)
 
 
+def between_nodes(config: GradientFlowConfig, group: dist.ProcessGroup) -> bool:
+    """Whether the wrapper's waits include exchanges between nodes, where ``timeout=None`` is at most 5 minutes
+    (:data:`gradientflow.diagnostics.watchdog.BETWEEN_NODES_TIMEOUT`): an outer sync (``sync_every > 1``, built for
+    replicas on other machines) or nodes of several ranks.  A layout that cannot hold counts as flat here: the
+    construction exchange raises its ``ValueError`` on every rank right after."""
+    if config.sync_every > 1:
+        return True
+    try:
+        return resolve_layout(config, group).two_level
+    except ValueError:
+        return False
+
+
 def resolved_topology(config: GradientFlowConfig, group: dist.ProcessGroup) -> GradientFlowConfig:
     """``config`` with ``topology`` resolved to ``"flat"`` or ``"MxG"``: what ``model.config.topology`` shows
     and what the construction exchange compares across ranks (so ranks that resolved different layouts
