@@ -130,7 +130,7 @@ def fsdp2_with_gradientflow(accelerator: Any, **options: Any) -> Iterator[None]:
     try:
         original = torch_fsdp.fully_shard
         substitute = _Substitute(accelerator, options, original)
-        torch_fsdp.fully_shard = substitute  # type: ignore[assignment]
+        torch_fsdp.fully_shard = substitute
         try:
             yield
         finally:
