@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "expecttest": ("expecttest", "torch-suite"),
     "pytorch_lightning": ("pytorch-lightning", "lightning"),
     "accelerate": ("accelerate", "accelerate"),
+    "transformers": ("transformers", "transformers"),
     "torchft": ("torchft", "torchft"),
 }
 

@@ -18,6 +18,11 @@ What differs from ``Accelerator``, and why:
   process only, and residuals are per rank); ``load_state`` reads them back on every rank.
 - ``unwrap_model`` unwraps gradientflow's wrapper itself (accelerate tests for torch's class, which the
   wrapper is an instance of since issue 38: accelerate's own check unwraps it too).
+- FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)`` with ``ParallelismConfig(dp_replicate_size=nodes,
+  dp_shard_size=ranks_per_node)``): ``prepare`` runs accelerate's own FSDP2 preparation with
+  :func:`gradientflow.fsdp.fully_shard` where it calls torch's (:mod:`.accelerate_fsdp`); the options are then
+  ``fully_shard``'s recipe options (``compression`` defaults to ``"auto"`` as there), the DDP wrapper's others
+  refused.
 - ``trigger_sync_in_backward`` (experimental in accelerate) raises ``NotImplementedError``: it
   would silently not synchronise.  ``dynamo_backend`` raises ``ValueError`` at ``prepare``.
 """
@@ -38,6 +43,7 @@ from ..config import GradientFlowConfig
 from ..diagnostics.extras import MissingExtra
 from ..wrapper.ddp import DistributedDataParallel
 from ._warnings import attributed_to_user
+from .accelerate_fsdp import check_fsdp_options, check_parallelism, fsdp2_with_gradientflow
 
 try:
     from accelerate import Accelerator
@@ -63,9 +69,16 @@ class GradientFlowAccelerator(Accelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         gf = {k: kwargs.pop(k) for k in list(kwargs) if k in GF_OPTIONS}
-        # Validated here, on every rank, before accelerate sets anything up.
-        GradientFlowConfig(**{k: v for k, v in gf.items() if v is not None or k != "fusion_threshold_mb"})
+        # Validated here, on every rank, before accelerate sets anything up: as fully_shard's options for FSDP2
+        # (a plugin of version 2 here; one configured by accelerate's environment is checked after set-up)
+        if getattr(kwargs.get("fsdp_plugin"), "fsdp_version", None) == 2:
+            check_fsdp_options(gf)
+        else:
+            GradientFlowConfig(**{k: v for k, v in gf.items() if v is not None or k != "fusion_threshold_mb"})
         super().__init__(*args, **kwargs)
+        if self.is_fsdp2:
+            check_fsdp_options(gf)
+            check_parallelism(self.parallelism_config)
         self._gf_options = gf
         self._gf_wrapped: list[weakref.ref[DistributedDataParallel]] = []
         self.register_save_state_pre_hook(self._gf_save_state)
@@ -80,6 +93,12 @@ class GradientFlowAccelerator(Accelerator):
         """Whether ``Accelerator.prepare_model`` would wrap with torch DDP here (the same conditions)."""
         tp = self.parallelism_config is not None and self.parallelism_config.tp_enabled
         return (self.multi_device and not tp) or self.distributed_type == DistributedType.MULTI_CPU
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        if not self.is_fsdp2:
+            return super().prepare(*args, device_placement=device_placement)
+        with fsdp2_with_gradientflow(self, **self._gf_options):
+            return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
