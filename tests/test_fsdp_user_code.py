@@ -242,6 +242,8 @@ def _resume(rank: int, world: int, path: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
+    plain = _net()  # the model's state dict is torch's, key for key: a plain model loads it strictly
+    plain_keys = set(plain.state_dict())
 
     def build():
         net = _net()
@@ -255,6 +257,8 @@ def _resume(rank: int, world: int, path: str) -> dict:
         opt.step()
         opt.zero_grad()
     model_sd, optim_sd = get_state_dict(net, opt)
+    out["keys"] = set(model_sd) == plain_keys
+    plain.load_state_dict({k: v.full_tensor() for k, v in model_sd.items()}, strict=True)
     dcp.save({"model": model_sd, "optim": optim_sd, "gradientflow": comm_state(net)}, checkpoint_id=path)
     # with gradientflow's line first (the warning is said once per process), then torch's docs' checkpointer alone
     for with_state in (True, False):
@@ -282,3 +286,111 @@ def test_a_resume_without_the_recipe_state_warns_once_on_rank_0(tmp_path) -> Non
     assert "residual" in without[0] and "comm_state(model)" in without[0], without[0]  # what is lost, the line
     assert all(not r[False] for r in results[1:])  # rank 0 alone
     assert all(not r[True] for r in results)  # with gradientflow's entry: nothing to say
+    assert all(r["keys"] for r in results)
+
+
+def _extra_state(rank: int, world: int, path: str) -> dict:
+    """What docs/fsdp.md says of the other design, the recipe state inside the model's state dict (a module's
+    ``get_extra_state``, which torch's ``get_state_dict`` returns with no new line): DCP carries a DTensor in it per
+    rank and a plain value once; a plain torch model's strict load refuses the key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    class Kept(torch.nn.Linear):
+        def get_extra_state(self) -> dict:
+            return {"residual": DTensor.from_local(self.kept, mesh, [Shard(0), Shard(0)], run_check=False), "n": self.n}
+
+        def set_extra_state(self, state: dict) -> None:
+            self.n = state["n"]
+
+    def build(value: int):
+        net = torch.nn.Sequential(Kept(4, 4))
+        net[0].kept, net[0].n = torch.full((3,), float(value)), value
+        fully_shard(net, mesh=mesh)
+        return net, torch.optim.AdamW(net.parameters())
+
+    net, opt = build(10 + rank)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fresh, fresh_opt = build(0)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    out = {"residual": fresh[0].kept.tolist(), "n": fresh[0].n}
+    try:
+        torch.nn.Sequential(torch.nn.Linear(4, 4)).load_state_dict(
+            {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
+        )
+        out["plain"] = ""
+    except RuntimeError as exc:
+        out["plain"] = str(exc)
+    return out
+
+
+def test_the_state_in_the_models_state_dict_would_travel_but_break_a_plain_load(tmp_path) -> None:
+    results = run_distributed(_extra_state, 4, str(tmp_path / "ckpt"), timeout=120)
+    assert [r["residual"] for r in results] == [[10.0 + r] * 3 for r in range(4)]  # each rank's own, in place
+    assert len({r["n"] for r in results}) == 1  # a plain value: one rank's, saved once (so not a rank's own count)
+    assert all('Unexpected key(s) in state_dict: "0._extra_state"' in r["plain"] for r in results)
+
+
+# ---- docs/fsdp.md's snippets, run as pasted ------------------------------------------------------------------------
+
+
+class _Layered(torch.nn.Module):
+    """The page's ``model``: blocks under ``model.layers``, as torchtitan's models hold them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _page_snippets() -> list[str]:
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "fsdp.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", page, flags=re.S)
+
+
+def _snippets(rank: int, world: int, path: str) -> dict:
+    snippets = _page_snippets()
+    ns: dict = {"device": "cpu", "nodes": 2, "per_node": 2, "model": _Layered()}  # what the page says is the user's
+    exec(compile(snippets[0], "docs/fsdp.md#1", "exec"), ns)
+    model = ns["model"]
+    ns["optimizer"] = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ns["path"] = path
+    for step in range(2):  # the user's training: "auto" switches at the first step, then has residuals to save
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank + 10 * step))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, code in enumerate(snippets[1:], start=2):
+            exec(compile(code, f"docs/fsdp.md#{i}", "exec"), ns)
+        model(torch.randn(4, 6)).sum().backward()
+    from gradientflow.fsdp import comm_stats
+
+    return {
+        "snippets": len(snippets),
+        "compression": comm_stats(model)["compression"],
+        "warned": [str(w.message) for w in caught if "gradientflow" in str(w.message)],
+    }
+
+
+def test_the_pages_snippets_run_as_pasted(tmp_path) -> None:
+    for r in run_distributed(_snippets, 4, str(tmp_path / "ckpt"), timeout=180, ranks_per_node=2):
+        assert r["snippets"] == 2  # the one-import change, the checkpoint (a new snippet joins this test)
+        assert r["compression"] == "3bit"  # "auto" for AdamW on 2 nodes, picked and resumed
+        assert r["warned"] == []  # the page's checkpoint keeps the recipe state: nothing to warn of

@@ -131,9 +131,11 @@ def fully_shard(
     same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
-    hsdp = _mesh(mesh)  # every rank holds the same mesh: its errors are raised alike on every rank
     modules = module if isinstance(module, list) else [module]
-    try:  # this rank's checks; their errors are raised on every rank, after the agreement below
+    # this rank's checks; a refusal is raised on every rank, after the agreement below (a rank raising alone would
+    # leave its peers waiting in it: Gloo's "Connection closed by peer" there, not the error)
+    refused = ""
+    try:
         config = GradientFlowConfig(  # the recipe as the DDP wrapper reads it: the one table's rule
             compression=compression,
             density=density,
@@ -147,6 +149,10 @@ def fully_shard(
             quant_clip=quant_clip,
             timeout=timeout,
         )
+    except ValueError as exc:
+        refused = ERROR + str(exc)
+    hsdp = _mesh(mesh)  # every rank holds the same mesh: its errors are raised alike on every rank, here
+    try:
         if dp_mesh_dims is not None:
             raise ValueError(
                 "gradientflow.fsdp.fully_shard: dp_mesh_dims (an SPMD mesh) is not supported; pass the 2-D "
@@ -155,10 +161,11 @@ def fully_shard(
         check_against_launch(hsdp, os.environ)
         for m in modules:
             check_children(m)
-        mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
-        settings = _settings(config, hsdp, modules, ignored_params)
+        if not refused:
+            mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
     except ValueError as exc:
-        settings = ERROR + str(exc)
+        refused = refused or ERROR + str(exc)
+    settings = refused or _settings(config, hsdp, modules, ignored_params)
     first = modules[0]
     device = _device(hsdp)
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)  # raises on every rank, or none
