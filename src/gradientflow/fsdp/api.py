@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Concatenate, ParamSpec, Protocol, cast, overload
@@ -22,15 +23,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from .. import mechanisms
 from ..config import GradientFlowConfig
 from ..options_base import advise
 from ..recipe_options import QuantLevels, RecipeOptions
 from ..recipe_rule import UnknownRecipe, resolve
 from ..recipes import PER_STEP_NAMES
 from . import auto
-from .agreement import check_same
+from .agreement import ERROR, check_same
 from .bounded import bound_inside_node
-from .mesh import HSDPMesh, hsdp_mesh, split_mesh
+from .hooks import adopt
+from .mesh import HSDPMesh, check_against_launch, hsdp_mesh, split_mesh
 from .mixing import check_children
 from .module_comm import ModuleComm
 
@@ -41,6 +44,25 @@ _MP_DEFAULT = MixedPrecisionPolicy()  # torch's defaults (frozen dataclasses, as
 _OFFLOAD_DEFAULT = OffloadPolicy()
 _ORDER = itertools.count()  # modules in construction order (the same on every rank)
 _DEFAULT_MESH: list[DeviceMesh] = []  # mesh=None: one mesh from torchrun's layout for every call
+
+
+def _settings(
+    config: GradientFlowConfig, hsdp: HSDPMesh, modules: list[nn.Module], ignored: set[nn.Parameter] | None
+) -> str:
+    """What every rank must pass alike for one ``fully_shard`` call: the recipe, the mesh, the parameters (their
+    number and elements: the shard's layout; a child sharded already counts its whole parameters)."""
+    settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
+    if config.sparse:
+        settings += f"density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps} "
+    params = [p for m in modules for p in m.parameters() if ignored is None or p not in ignored]
+    return settings + f"{hsdp.label} params {len(params)} of {sum(p.numel() for p in params)} elements"
+
+
+def _device(hsdp: HSDPMesh) -> torch.device:
+    """The device of the ranks' agreement: the mesh's (torch shards the module onto it)."""
+    if hsdp.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(hsdp.mesh.device_type)
 
 
 def _mesh(mesh: DeviceMesh | None) -> HSDPMesh:
@@ -136,28 +158,44 @@ def fully_shard(
     same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
-    config = recipe_config(
-        compression=compression,
-        density=density,
-        chunk_size=chunk_size,
-        warmup_steps=warmup_steps,
-        quant_bits=quant_bits,
-        quant_block=quant_block,
-        quant_levels=quant_levels,
-        quant_precondition=quant_precondition,
-        quant_warmup_steps=quant_warmup_steps,
-        quant_clip=quant_clip,
-        timeout=timeout,
-    )
-    if dp_mesh_dims is not None:
-        raise ValueError(
-            "gradientflow.fsdp.fully_shard: dp_mesh_dims (an SPMD mesh) is not supported; pass the 2-D data-parallel "
-            "mesh (replicate, shard) itself as mesh="
+    modules = module if isinstance(module, list) else [module]
+    # this rank's checks; a refusal is raised on every rank, after the agreement below (a rank raising alone would
+    # leave its peers waiting in it: Gloo's "Connection closed by peer" there, not the error)
+    refused = ""
+    try:
+        config = recipe_config(  # the recipe as the DDP wrapper reads it: the one table's rule
+            compression=compression,
+            density=density,
+            chunk_size=chunk_size,
+            warmup_steps=warmup_steps,
+            quant_bits=quant_bits,
+            quant_block=quant_block,
+            quant_levels=quant_levels,
+            quant_precondition=quant_precondition,
+            quant_warmup_steps=quant_warmup_steps,
+            quant_clip=quant_clip,
+            timeout=timeout,
         )
-    hsdp = _mesh(mesh)
-    first = module[0] if isinstance(module, list) else module
-    for m in module if isinstance(module, list) else [module]:
-        check_children(m)
+    except ValueError as exc:
+        refused = ERROR + str(exc)
+    hsdp = _mesh(mesh)  # every rank holds the same mesh: its errors are raised alike on every rank, here
+    try:
+        if dp_mesh_dims is not None:
+            raise ValueError(
+                "gradientflow.fsdp.fully_shard: dp_mesh_dims (an SPMD mesh) is not supported; pass the 2-D "
+                "data-parallel mesh (dimension 0 between nodes, 1 inside a node) itself as mesh="
+            )
+        check_against_launch(hsdp, os.environ)
+        for m in modules:
+            check_children(m)
+        if not refused:
+            mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
+    except ValueError as exc:
+        refused = refused or ERROR + str(exc)
+    settings = refused or _settings(config, hsdp, modules, ignored_params)
+    first = modules[0]
+    device = _device(hsdp)
+    check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)  # raises on every rank, or none
     out = torch_fully_shard(
         module,
         mesh=hsdp.shard,
@@ -170,19 +208,18 @@ def fully_shard(
     sharded: Any = first
     groups = sharded._get_fsdp_state()._fsdp_param_groups
     group = groups[0] if groups else None
-    device = group.device if group is not None else torch.device(hsdp.mesh.device_type)
+    device = group.device if group is not None else device  # the module's own (torch's choice of index)
     comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded)
-    settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
-    settings += f"{hsdp.label} shard {comm.numel}"
-    if config.sparse:
-        settings += f" density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps}"
-    check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
     if group is not None:
         bound_inside_node(sharded, hsdp, comm.watchdog)  # Gloo: torch's collectives in the node bounded, named
         sharded.set_all_reduce_hook(comm)
         # every parameter in every reduce-scatter (zeros for one without a gradient): the shard's layout, and so
         # the residual's, is the same at every step
         sharded.set_reduce_scatter_unused_params(True, recurse=False)
+    for m in modules:  # the user's set_all_reduce_hook composed with the reduction (hooks.py), not replacing it
+        adopt(m)
+    # a resume by the user's own checkpointing code: the model loaded without the recipe state is said (once)
+    sharded.register_load_state_dict_post_hook(lambda _module, _keys: comm.loaded(model=True))
     sharded._gf_fsdp = comm
     if config.compression == "auto":
         auto.REGISTRY.add(comm)

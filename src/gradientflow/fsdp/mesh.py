@@ -3,12 +3,14 @@
 HSDP shards a model over the ranks of a node (the mesh's second dimension, ``shard``) and replicates it between
 nodes (the first, ``replicate``).  :func:`gradientflow.fsdp.fully_shard` gives torch's ``fully_shard`` the 1-D
 ``shard`` submesh and does the ``replicate`` dimension's reduction itself (:mod:`.exchange`), so a mesh it is
-given must say which dimension is which: :func:`split_mesh` reads it, or raises what to pass.
+given is read as torch reads a 2-D mesh, by position (:func:`split_mesh`), and checked against torchrun's layout
+(:func:`check_against_launch`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..comm.topology import resolve_topology
 
 DIM_NAMES = ("replicate", "shard")
-"""The dimension names :func:`hsdp_mesh` gives (torchtitan's ``dp_replicate`` / ``dp_shard`` are read too)."""
-REPLICATE_NAMES = ("replicate", "dp_replicate")
-SHARD_NAMES = ("shard", "dp_shard")
+"""The dimension names :func:`hsdp_mesh` gives.  A mesh a user built is read by position, as torch's ``fully_shard``
+reads it (dimension 0 replicates, 1 shards), whatever its names (torchtitan's ``dp_replicate`` / ``dp_shard``)."""
 
 
 def _device_type() -> str:
@@ -98,11 +99,52 @@ def split_mesh(mesh: object) -> HSDPMesh:
             "init_device_mesh(device, (nodes, per_node), mesh_dim_names=('replicate', 'shard'))."
         )
     names = mesh.mesh_dim_names
-    if names is None or names[0] not in REPLICATE_NAMES or names[1] not in SHARD_NAMES:
+    if names is None:  # torch's fully_shard asserts on an unnamed 2-D mesh too: its dimensions are found by name
         raise ValueError(
-            f"gradientflow.fsdp.fully_shard: the mesh's dimensions are named {names}; HSDP's are (replicate, shard), "
-            "in that order: between nodes first, inside a node second. Build it with mesh_dim_names=('replicate', "
-            "'shard') (or torchtitan's ('dp_replicate', 'dp_shard')), or use gradientflow.fsdp.hsdp_mesh()."
+            f"gradientflow.fsdp.fully_shard: the 2-D mesh {tuple(mesh.shape)} has no dimension names; HSDP's mesh "
+            "is named, as torch's fully_shard requires (dimension 0 between nodes, 1 inside a node, whatever the "
+            "names). Build it with init_device_mesh(device, (nodes, per_node), mesh_dim_names=('replicate', "
+            "'shard')), or use gradientflow.fsdp.hsdp_mesh()."
         )
-    nodes, per_node = mesh.shape
-    return HSDPMesh(mesh, mesh[names[1]], mesh.get_group(names[0]), int(nodes), int(per_node))
+    nodes, per_node = (int(n) for n in mesh.shape)
+    return HSDPMesh(mesh, mesh[names[1]], mesh.get_group(names[0]), nodes, per_node)
+
+
+def check_against_launch(hsdp: HSDPMesh, env: Mapping[str, str]) -> None:
+    """``ValueError`` where torchrun's layout contradicts the mesh: each row of the mesh (a ``shard`` group) must be
+    one node's ranks, and each node hold one row.  Otherwise the exchange "between nodes" runs inside a node (a
+    ``(4, 1)`` mesh on 2 nodes of 2: compressing traffic that never crosses the link) or torch's reduce-scatter
+    "inside a node" crosses the link, dense, while nothing is compressed (``(1, 4)``).  The DDP door refuses the same
+    contradiction (:func:`gradientflow.comm.topology.resolve_topology`).
+
+    Taken as given where the launch does not describe the default group: no ``LOCAL_WORLD_SIZE`` (forked or
+    ``mp.spawn``-ed ranks), or torchrun's ``WORLD_SIZE`` / ``RANK`` not the default group's."""
+    if "LOCAL_WORLD_SIZE" not in env:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if env.get("WORLD_SIZE", str(world)) != str(world) or env.get("RANK", str(rank)) != str(rank):
+        return
+    resolve_topology("auto", world, rank, env, whole_world=True)  # LOCAL_WORLD_SIZE read and the ranks contiguous
+    g = int(env["LOCAL_WORLD_SIZE"])
+    rows = [[int(r) // g for r in row] for row in hsdp.mesh.mesh.tolist()]  # each mesh rank's node
+    one_node_each = all(len(set(row)) == 1 for row in rows)
+    if one_node_each and len({row[0] for row in rows}) == len(rows):
+        return
+    names = hsdp.mesh.mesh_dim_names
+    raise ValueError(
+        f"gradientflow.fsdp.fully_shard: the mesh {hsdp.nodes} x {hsdp.per_node} {names} contradicts the launch: "
+        f"torchrun's LOCAL_WORLD_SIZE={g}, WORLD_SIZE={world} ({_of(world // g, 'node')} of {_of(g, 'rank')}). "
+        "HSDP's mesh is (between nodes, inside a node) by position: "
+        + (
+            "a row of the mesh (dimension 1) spans several nodes, so its reduce-scatter would cross the link, dense."
+            if not one_node_each
+            else "several rows of the mesh lie on one node, so the exchange between its rows would not leave it."
+        )
+        + f" Pass gradientflow.fsdp.hsdp_mesh() (the launch's layout: {world // g} x {g}), or a mesh of "
+        "dimensions (nodes, ranks per node). A single node's FSDP has nothing between nodes to compress: use "
+        "torch.distributed.fsdp.fully_shard on a 1-D mesh there."
+    )
+
+
+def _of(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"

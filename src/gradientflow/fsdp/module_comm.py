@@ -25,6 +25,7 @@ import torch.nn as nn
 from .. import mechanisms
 from ..config import GradientFlowConfig
 from .bounded import mesh_watchdog
+from .checkpoint import warn_resume_without_state
 from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
 from .mesh import HSDPMesh
 from .mixing import check_tree
@@ -89,6 +90,9 @@ class ModuleComm:
         self.partial: torch.Tensor | None = None  # micro-steps' shards held for the next exchange
         self.counters = ExchangeCounters()
         self.auto_reason = "no optimizer step seen yet: dense fp32" if config.compression == "auto" else ""
+        self.user_hook: Callable[[torch.Tensor], None] | None = None  # the user's set_all_reduce_hook
+        self.state_loaded = False  # the recipe state was loaded (a checkpoint's), since the model's last load
+        self.resume_unchecked = False  # the model was loaded; the next exchange checks its recipe state came too
         self._make_state()
 
     @property
@@ -110,19 +114,29 @@ class ModuleComm:
         self._make_state()
 
     def __call__(self, t: torch.Tensor) -> None:
-        """The all-reduce hook: ``t`` (this rank's shard, the node's average) <- its average over the nodes."""
+        """The all-reduce hook: ``t`` (this rank's shard, the node's average) <- its average over the nodes; then the
+        user's hook (:meth:`set_user_hook`) on the reduced shard, where torch's HSDP calls it after its all-reduce."""
         module = self.module()
         if self.checked_mixing() and module is not None:
             check_tree(module)
+        if self.reduce(t) and self.user_hook is not None:
+            self.user_hook(t)
+
+    def reduce(self, t: torch.Tensor) -> bool:
+        """``t`` averaged over the nodes in place; False for a micro-step held (nothing reduced: torch's HSDP calls
+        no hook there either)."""
+        if self.resume_unchecked:
+            self.resume_unchecked = False
+            warn_resume_without_state(self)
         if self.mesh.nodes == 1:
-            return  # one node: nothing between nodes
+            return True  # one node: nothing between nodes (torch's HSDP all-reduces over one rank, a no-op)
         if self.param_group is not None and not self.param_group.all_reduce_grads:
             # a micro-step under set_requires_all_reduce(False): nothing leaves the node; the shard waits here and
             # the .grad gets zeros, so that the last micro-step's exchange carries the whole sum once
             self.partial = t.clone() if self.partial is None else self.partial.add_(t)
             t.zero_()
             self.counters.held += 1
-            return
+            return False
         if self.partial is not None:
             t.add_(self.partial)
             self.partial = None
@@ -131,6 +145,23 @@ class ModuleComm:
         self._count(t, sent, time.perf_counter() - t0)
         self.exchanges += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
         self.watchdog.step = max(self.watchdog.step, self.exchanges)
+        return True
+
+    def set_user_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """The user's ``set_all_reduce_hook``: called after this module's reduction between nodes, on the reduced
+        shard, in place (torch HSDP's order); ``None`` removes it.  gradientflow's reduction is never replaced."""
+        self.user_hook = hook
+
+    def loaded(self, model: bool) -> None:
+        """A ``load_state_dict`` of the module (``model``) or of its recipe state (:mod:`.checkpoint`).  A model
+        loaded without its recipe state (before it, as DCP's one load then ``set_state_dict`` do, or after it and
+        before the next exchange) is said at the next exchange: :func:`.checkpoint.warn_resume_without_state`."""
+        if model:
+            self.resume_unchecked = not self.state_loaded and self.feedback is not None
+            self.state_loaded = False
+        else:
+            self.state_loaded = True
+            self.resume_unchecked = False
 
     def _count(self, t: torch.Tensor, sent: Sent, seconds: float) -> None:
         dense = t.numel() * 4
