@@ -23,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..config import GradientFlowConfig
+from ..outer_options import OUTER_OPTIONS
 from ..recipe_options import QuantLevels, RecipeOptions
-from . import auto
+from . import auto, outer
 from .agreement import check_same
 from .bounded import bound_inside_node
 from .mesh import HSDPMesh, hsdp_mesh, split_mesh
@@ -94,6 +95,15 @@ def fully_shard(
     quant_warmup_steps: int | None = RecipeOptions.quant_warmup_steps,
     quant_clip: float | None = RecipeOptions.quant_clip,
     timeout: float | timedelta | None = RecipeOptions.timeout,
+    # fewer syncs between nodes (DiLoCo over HSDP: fsdp/outer.py): the DDP wrapper's names, defaults and checks
+    sync_every: int = 1,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    outer_compression: str | None = None,
+    outer_density: float | None = None,
+    sync_fragments: int | None = None,
+    sync_delay: int | None = None,
+    outer_state_device: str | None = None,
 ) -> Any:
     """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
     reduction between nodes by a gradientflow recipe.
@@ -107,8 +117,16 @@ def fully_shard(
     fp32 until the first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the
     ``quant_*`` options and the others after ``compression``: :class:`gradientflow.recipe_options.RecipeOptions`, the
     same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
+    ``sync_every=H`` (> 1): fewer syncs between nodes (docs/fewer-syncs.md): the inner steps all-gather and
+    reduce-scatter inside the node only, and every H optimizer steps the pseudo-gradient's shards go through
+    ``outer_compression``'s exchange to the same shards on the other nodes and the outer optimizer (``outer_lr``,
+    ``outer_momentum``) sets every replica's shards alike (:mod:`gradientflow.fsdp.outer`); the outer options as
+    :class:`gradientflow.config.GradientFlowConfig` documents them, the same as the DDP wrapper's.  No gradient
+    crosses between nodes in between, so ``compression`` keeps its default (``"auto"`` then runs nothing).
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
+    if compression == "auto" and not isinstance(sync_every, bool) and isinstance(sync_every, int) and sync_every > 1:
+        compression = "none"  # no per-step exchange between nodes to choose a recipe for
     config = GradientFlowConfig(  # the recipe as the DDP wrapper reads it: the one table's rule
         compression=compression,
         density=density,
@@ -121,6 +139,14 @@ def fully_shard(
         quant_warmup_steps=quant_warmup_steps,
         quant_clip=quant_clip,
         timeout=timeout,
+        sync_every=sync_every,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        outer_compression=outer_compression,
+        outer_density=outer_density,
+        sync_fragments=sync_fragments,
+        sync_delay=sync_delay,
+        outer_state_device=outer_state_device,
     )
     if dp_mesh_dims is not None:
         raise ValueError(
@@ -149,6 +175,8 @@ def fully_shard(
     settings += f"{hsdp.label} shard {comm.numel}"
     if config.sparse:
         settings += f" density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps}"
+    if config.sync_every > 1:
+        settings += f" sync_every {config.sync_every} " + " ".join(f"{getattr(config, k)}" for k in OUTER_OPTIONS)
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)
     if group is not None:
         bound_inside_node(sharded, hsdp, comm.watchdog)  # Gloo: torch's collectives in the node bounded, named
@@ -159,5 +187,7 @@ def fully_shard(
     sharded._gf_fsdp = comm
     if config.compression == "auto":
         auto.REGISTRY.add(comm)
+    if config.sync_every > 1:
+        outer.attach(sharded, comm)
     logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.label, comm.numel)
     return out

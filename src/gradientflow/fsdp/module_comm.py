@@ -114,8 +114,8 @@ class ModuleComm:
         module = self.module()
         if self.checked_mixing() and module is not None:
             check_tree(module)
-        if self.mesh.nodes == 1:
-            return  # one node: nothing between nodes
+        if self.mesh.nodes == 1 or self.config.sync_every > 1:
+            return  # one node, or fewer syncs (fsdp/outer.py: the nodes meet every sync_every steps): nothing between
         if self.param_group is not None and not self.param_group.all_reduce_grads:
             # a micro-step under set_requires_all_reduce(False): nothing leaves the node; the shard waits here and
             # the .grad gets zeros, so that the last micro-step's exchange carries the whole sum once

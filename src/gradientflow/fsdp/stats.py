@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from .outer import outer_of
+
 FIELDS = ("exchanges", "payload_bytes", "dense_bytes", "sent_bytes", "dense_sent_bytes", "seconds")
 
 
@@ -65,7 +67,10 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     added up: one optimizer step's traffic between nodes when each module exchanged once; with the recipe each
     module runs (``compression``: one name, or a sorted list where they differ), the mesh (``nodes``,
     ``ranks_per_node``), ``held_micro_steps`` (reduce-scatters kept for a later exchange) and ``state_bytes`` (what
-    the recipes hold between steps on this rank: residuals, ``q``, held shards)."""
+    the recipes hold between steps on this rank: residuals, ``q``, held shards).  With ``sync_every > 1``
+    (:mod:`.outer`) also the outer loop's keys, as the DDP wrapper's ``comm_stats()`` names them
+    (``outer_payload_bytes``, ``outer_inter_node_bytes``, ``outer_state_bytes``: this rank's anchor, momentum and
+    residual shards, ...), its bytes since construction whatever ``total``."""
     found = list(comms(model))
     if not found:
         raise ValueError(
@@ -76,7 +81,9 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
         out.add(comm.counters.total if total else comm.counters.last)
     recipes = sorted({comm.recipe for _, comm in found})
     first = found[0][1]
+    loop = outer_of([comm for _, comm in found])  # sync_every > 1: the outer keys, the DDP wrapper's names
     return {
+        **(loop.stats() if loop is not None else {}),
         **asdict(out),
         "held_micro_steps": sum(comm.counters.held for _, comm in found),
         "state_bytes": sum(comm.state_bytes() for _, comm in found),
