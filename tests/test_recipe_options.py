@@ -91,4 +91,7 @@ def test_fully_shard_hands_every_recipe_option_to_the_config(monkeypatch: pytest
     monkeypatch.setattr(fsdp_api, "GradientFlowConfig", _recorder(seen))
     with pytest.raises(_Stop):
         fsdp_api.fully_shard(nn.Linear(2, 2), **given)
-    assert seen == given
+    # and fewer syncs' options at their defaults (sync_every=1: the config leaves them unset), the wrapper's names
+    from gradientflow.outer_options import OUTER_OPTIONS
+
+    assert seen == {**given, "sync_every": 1, **dict.fromkeys(OUTER_OPTIONS)}

@@ -25,11 +25,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .. import mechanisms
 from ..config import GradientFlowConfig
-from ..options_base import advise
+from ..outer_options import OUTER_OPTIONS
 from ..recipe_options import QuantLevels, RecipeOptions
-from ..recipe_rule import UnknownRecipe, resolve
-from ..recipes import PER_STEP_NAMES
-from . import auto
+from . import auto, outer
 from .agreement import ERROR, check_same
 from .bounded import bound_inside_node
 from .hooks import adopt
@@ -54,6 +52,8 @@ def _settings(
     settings = f"{config.compression} {config.quantizer() if config.quantized else config.comm_dtype} mesh "
     if config.sparse:
         settings += f"density {config.density} chunk {config.chunk_size} ramp {config.warmup_steps} "
+    if config.sync_every > 1:
+        settings += f"sync_every {config.sync_every} " + " ".join(f"{getattr(config, k)}" for k in OUTER_OPTIONS) + " "
     params = [p for m in modules for p in m.parameters() if ignored is None or p not in ignored]
     return settings + f"{hsdp.label} params {len(params)} of {sum(p.numel() for p in params)} elements"
 
@@ -97,26 +97,12 @@ def _per_module(impl: Callable[Concatenate[nn.Module | list[nn.Module], _P], Any
 
 
 def recipe_config(**options: Any) -> GradientFlowConfig:
-    """``fully_shard``'s recipe options as the DDP wrapper reads them (the one table's rule), checked before
-    anything is sharded.  An outer exchange's name is refused in this door's words: ``fully_shard`` has no
-    ``sync_every``, so its advice offers the per-step recipes that run with the other options."""
-    try:
-        outer_only = "per step" not in resolve(options["compression"]).recipe.scopes
-    except UnknownRecipe:
-        outer_only = False  # the config names the recipes
-    if outer_only:
-        offered = []
-        for name in PER_STEP_NAMES:
-            try:
-                GradientFlowConfig(**{**options, "compression": name})
-                offered.append(name)
-            except ValueError:
-                pass
-        raise ValueError(
-            f"gradientflow.fsdp.fully_shard: compression={options['compression']!r} is an outer exchange (the DDP "
-            "wrapper's sync_every=H, docs/fewer-syncs.md); fully_shard exchanges every step. "
-            + advise(({"compression": offered}, []))
-        )
+    """``fully_shard``'s recipe and outer options as the DDP wrapper reads them (the one table's rule, its advice),
+    checked before anything is sharded.  With ``sync_every > 1`` no gradient crosses between nodes between the outer
+    syncs, so ``fully_shard``'s default ``compression="auto"`` has no per-step exchange to choose for: ``"none"``."""
+    h = options.get("sync_every", 1)
+    if options.get("compression") == "auto" and not isinstance(h, bool) and isinstance(h, int) and h > 1:
+        options = {**options, "compression": "none"}
     return GradientFlowConfig(**options)
 
 
@@ -143,6 +129,15 @@ def fully_shard(
     quant_warmup_steps: int | None = RecipeOptions.quant_warmup_steps,
     quant_clip: float | None = RecipeOptions.quant_clip,
     timeout: float | timedelta | None = RecipeOptions.timeout,
+    # fewer syncs between nodes (DiLoCo over HSDP: fsdp/outer.py): the DDP wrapper's names, defaults and checks
+    sync_every: int = 1,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    outer_compression: str | None = None,
+    outer_density: float | None = None,
+    sync_fragments: int | None = None,
+    sync_delay: int | None = None,
+    outer_state_device: str | None = None,
 ) -> Any:
     """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
     reduction between nodes by a gradientflow recipe.
@@ -156,6 +151,12 @@ def fully_shard(
     fp32 until the first optimizer step, then the recipe for the optimizer: :mod:`gradientflow.fsdp.auto`); the
     ``quant_*`` options and the others after ``compression``: :class:`gradientflow.recipe_options.RecipeOptions`, the
     same as for :class:`gradientflow.DistributedDataParallel`.  ``timeout``: seconds any exchange may wait.
+    ``sync_every=H`` (> 1): fewer syncs between nodes (docs/fewer-syncs.md): the inner steps all-gather and
+    reduce-scatter inside the node only, and every H optimizer steps the pseudo-gradient's shards go through
+    ``outer_compression``'s exchange to the same shards on the other nodes and the outer optimizer (``outer_lr``,
+    ``outer_momentum``) sets every replica's shards alike (:mod:`gradientflow.fsdp.outer`); the outer options as
+    :class:`gradientflow.config.GradientFlowConfig` documents them, the same as the DDP wrapper's.  No gradient
+    crosses between nodes in between, so ``compression`` keeps its default (``"auto"`` then runs nothing).
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
     modules = module if isinstance(module, list) else [module]
@@ -175,6 +176,14 @@ def fully_shard(
             quant_warmup_steps=quant_warmup_steps,
             quant_clip=quant_clip,
             timeout=timeout,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_compression=outer_compression,
+            outer_density=outer_density,
+            sync_fragments=sync_fragments,
+            sync_delay=sync_delay,
+            outer_state_device=outer_state_device,
         )
     except ValueError as exc:
         refused = ERROR + str(exc)
@@ -223,5 +232,7 @@ def fully_shard(
     sharded._gf_fsdp = comm
     if config.compression == "auto":
         auto.REGISTRY.add(comm)
+    if config.sync_every > 1:
+        outer.attach(sharded, comm)
     logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.label, comm.numel)
     return out

@@ -4,7 +4,9 @@ Each module's residual differs between ranks (each rank's error on its shard of 
 a DTensor sharded over both mesh dimensions (``(Shard(0), Shard(0))``: rank ``node * G + local`` holds piece
 ``node * G + local``); the preconditioner's ``q``, identical on every node (it is computed from the exchange's
 result), as the parameters are: ``(Replicate(), Shard(0))``.  The exchanges counted (the warm-up's) and the recipe
-running (``"auto"``'s pick) travel as plain values.
+running (``"auto"``'s pick) travel as plain values.  With ``sync_every > 1`` the outer loop's state (its anchor,
+momentum and residual shards, the phase, this replica's shards and this rank's inner optimizer state) is one item
+per rank, ``outer.rank<r>@<mesh>`` (:func:`gradientflow.fsdp.outer.state_items`).
 
 A residual is a rank's share of its node's delayed gradient on a layout of shards: on another mesh it means
 nothing, so its keys carry the layout (``residual@2x2``) and a resume onto another mesh fails in DCP's load with
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import outer
 from .stats import comms
 
 KEY = "gradientflow"
@@ -60,6 +63,7 @@ class CommState(Stateful):
             if q.sq is not None:
                 out[f"{name}.sq{tag}"] = DTensor.from_local(q.sq, mesh.mesh, [Replicate(), Shard(0)], run_check=False)
             out[f"{name}.step"] = q.step
+        out.update(outer.state_items([comm for _, comm in comms(self.model)]))  # sync_every > 1: per rank
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -78,6 +82,7 @@ class CommState(Stateful):
                 comm.switch(comm.config.with_recipe(recipe), f"resumed: {recipe}")
             if comm.feedback is not None and f"{name}.step" in state_dict:
                 comm.feedback.resume(int(state_dict[f"{name}.step"]))
+        outer.load_items([comm for _, comm in comms(self.model)], state_dict)
 
 
 _WARNED: list[str] = []  # the resume warning, said once per process

@@ -128,8 +128,10 @@ class ModuleComm:
         if self.resume_unchecked:
             self.resume_unchecked = False
             warn_resume_without_state(self)
-        if self.mesh.nodes == 1:
-            return True  # one node: nothing between nodes (torch's HSDP all-reduces over one rank, a no-op)
+        if self.mesh.nodes == 1 or self.config.sync_every > 1:
+            # one node: nothing between nodes (torch's HSDP all-reduces over one rank, a no-op); fewer syncs
+            # (fsdp/outer.py): the nodes meet every sync_every steps, so the node's average is the gradient
+            return True
         if self.param_group is not None and not self.param_group.all_reduce_grads:
             # a micro-step under set_requires_all_reduce(False): nothing leaves the node; the shard waits here and
             # the .grad gets zeros, so that the last micro-step's exchange carries the whole sum once

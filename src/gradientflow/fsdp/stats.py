@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from .outer import outer_of
+
 FIELDS = ("exchanges", "payload_bytes", "dense_bytes", "sent_bytes", "dense_sent_bytes", "seconds")
 
 
@@ -66,7 +68,12 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     module runs (``compression``: one name, or a sorted list where they differ; under ``"auto"``
     ``compression_auto``: why it runs that), the mesh (``nodes``,
     ``ranks_per_node``), ``held_micro_steps`` (reduce-scatters kept for a later exchange) and ``state_bytes`` (what
-    the recipes hold between steps on this rank: residuals, ``q``, held shards)."""
+    the recipes hold between steps on this rank: residuals, ``q``, held shards).  With ``sync_every > 1``
+    (:mod:`.outer`) also the outer loop's keys, as the DDP wrapper's ``comm_stats()`` names them
+    (``outer_payload_bytes``, ``outer_inter_node_bytes``, ``outer_state_bytes``: this rank's anchor, momentum and
+    residual shards, ...), its bytes since construction whatever ``total``; ``payload_bytes`` and ``sent_bytes`` are
+    then the outer syncs' (the last step's, or every one's with ``total``) and ``dense_bytes`` torch HSDP's over the
+    same steps, as the DDP wrapper counts them."""
     found = list(comms(model))
     if not found:
         raise ValueError(
@@ -80,8 +87,14 @@ def comm_stats(model: nn.Module, total: bool = False) -> dict[str, Any]:
     # "auto": what it picked and why, as the DDP wrapper's comm_stats() says (every module switches alike: one reason)
     why = sorted({comm.auto_reason for _, comm in found if comm.requested == "auto"})
     reason = {"compression_auto": why[0] if len(why) == 1 else why} if why else {}
+    loop = outer_of([comm for _, comm in found])  # sync_every > 1: the outer keys, the DDP wrapper's names
+    if loop is not None:  # between nodes only the outer syncs: theirs are the bytes to the exchange between nodes
+        sent = loop.loop.sent if total else loop.loop.last
+        out.payload_bytes, out.sent_bytes = sent.payload, sent.inter
+        out.dense_bytes = loop.dense_bytes * (loop.loop.steps_here if total else 1)  # torch HSDP's, same steps
     return {
         **reason,
+        **(loop.stats() if loop is not None else {}),
         **asdict(out),
         "held_micro_steps": sum(comm.counters.held for _, comm in found),
         "state_bytes": sum(comm.state_bytes() for _, comm in found),

@@ -74,11 +74,12 @@ class Pending:
 
 
 class OuterLoop:
-    """DiLoCo's outer state and sync over ``params`` (the wrapper's trainable parameters, in order)."""
+    """DiLoCo's outer state and sync over ``params`` (the wrapper's trainable parameters, in order; under
+    ``fully_shard`` this rank's local shards of the sharded parameters, views of FSDP's storage)."""
 
     def __init__(
         self,
-        params: list[torch.nn.Parameter],
+        params: list[torch.Tensor],
         *,
         every: int,
         lr: float,
@@ -88,11 +89,14 @@ class OuterLoop:
         watchdog: Watchdog,
         state_device: torch.device | None = None,
         delay: int = 0,
+        cut_sizes: list[int] | None = None,
     ) -> None:
         self.params, self.every, self.lr, self.momentum = params, every, lr, momentum
         self.delay = delay
         self.exchange, self.watchdog = exchange, watchdog
-        self.runs = cut([p.numel() for p in params], fragments)
+        # the fragments are cut by ``cut_sizes`` where given: the whole parameters' sizes, the same on every rank,
+        # where ``params`` are shards whose sizes differ between the ranks of a node (fully_shard's)
+        self.runs = cut(cut_sizes if cut_sizes is not None else [p.numel() for p in params], fragments)
         check_cut(self.runs, len(params))
         self.sizes = [sum(params[i].numel() for i in run) for run in self.runs]
         self.device = state_device if state_device is not None else params[0].device

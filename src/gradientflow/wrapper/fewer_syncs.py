@@ -6,25 +6,22 @@ steps, the engine on the node's ranks only, and no gradient exchange at all on a
 - **Nodes of several ranks** (``topology="MxG"`` or torchrun's layout): the engine runs on the node's group,
   flat, dense, every step (the fast link); the outer exchange goes between nodes only, one shard per local rank.
 
-The hook point: torch's global optimizer step post-hook, for the optimizer stepping the model's parameters (the
-inner optimizer, the user's, unchanged), so a sync due after step ``k * H - 1`` happens inside that
-``optimizer.step()`` call: the next forward, an evaluation, and a checkpoint written after the step see the
-synchronised parameters.  The pre-hook of the first step takes the starting parameters as the first anchor.
-One optimizer only: a second one stepping the same parameters would count steps twice (refused when it steps).
+The inner optimizer's steps drive the loop through :class:`gradientflow.outer.driver.InnerSteps` (torch's global
+optimizer step hooks, one optimizer only, this rank's inner optimizer state in checkpoints), the code
+``fully_shard``'s ``sync_every`` runs too (:mod:`gradientflow.fsdp.outer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..config import GradientFlowConfig
 from ..diagnostics.watchdog import Watchdog
 from ..options_base import advise
+from ..outer.driver import InnerSteps
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
@@ -74,72 +71,21 @@ class FewerSyncs:
             state_device=device,
             delay=int(config.sync_delay or 0),
         )
-        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
-        self.inner_state: dict[int, Any] | None = None  # a loaded checkpoint's inner optimizer state, this rank's
-        me = weakref.ref(model)
-        own = {id(p) for p in model._gf_params}
+        # the door-neutral part (outer/driver.py): the inner optimizer's steps, the one-optimizer check, this rank's
+        # inner optimizer state in checkpoints
+        self.steps = InnerSteps(self.loop, model._gf_params)
+        self.steps.hook(model, lambda m: m._gf_after_outer_sync())
 
-        def ours(optimizer: torch.optim.Optimizer) -> bool:
-            return any(id(p) in own for group in optimizer.param_groups for p in group["params"])
-
-        def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if me() is not None and ours(optimizer):
-                self._check_one_optimizer(optimizer)
-                self._restore_inner_state(optimizer)
-                self.loop.start()
-
-        def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            model = me()
-            if model is not None and ours(optimizer) and self.loop.after_step():
-                model._gf_after_outer_sync()
-
-        self.hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
-        for h in self.hooks:
-            weakref.finalize(model, h.remove)
-
-    def _check_one_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        known = self.optimizer() if self.optimizer is not None else None
-        if known is None:
-            self.optimizer = weakref.ref(optimizer)
-        elif known is not optimizer:
-            raise ValueError(
-                "gradientflow: sync_every > 1 counts the steps of one optimizer (the inner optimizer), but a second "
-                f"optimizer ({type(optimizer).__name__}) steps this model's parameters too. Put every parameter group "
-                "in one optimizer."
-            )
-
-    # ---- checkpoint --------------------------------------------------------------------
-    # Between syncs every replica has its own parameters and its own inner optimizer state (moments of its own
-    # gradients).  A checkpoint written the torch DDP way holds rank 0's model and optimizer only (accelerate's
-    # save_state, Lightning's checkpoint, a script saving on rank 0), so each rank's comm_state_dict() keeps its own
-    # copy of both, written back before the next forward (parameters) and the next optimizer step (its state): an
-    # exact resume whichever rank's model and optimizer state the framework loaded, in whichever order.
+    # ---- checkpoint (outer/driver.py: why each rank keeps its own inner optimizer state) ------------------------
     def state_dict(self) -> dict[str, Any]:
         """The outer loop's state, this replica's parameters and this rank's inner optimizer state."""
-        state = self.loop.state_dict()
-        known = self.optimizer() if self.optimizer is not None else None
-        inner = self.inner_state
-        if inner is None and known is not None:
-            inner = known.state_dict()["state"]
-        state["inner_optimizer"] = None if inner is None else _cloned(inner)
-        return state
+        return self.steps.state_dict()
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
-        self.loop.validate_state_dict(state)
+        self.steps.validate_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loop.load_state_dict(state)
-        inner = state.get("inner_optimizer")  # saved before it was kept: the optimizer's loaded state stands
-        self.inner_state = None if inner is None else _cloned(inner)
-
-    def _restore_inner_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """The first step after a load: this rank's saved inner optimizer state replaces what the optimizer loaded
-        (torch's own ``load_state_dict`` with the optimizer's current parameter groups, so a scheduler's learning
-        rate stands and torch casts and places the state)."""
-        if self.inner_state is None:
-            return
-        optimizer.load_state_dict({"state": self.inner_state, "param_groups": optimizer.state_dict()["param_groups"]})
-        self.inner_state = None
+        self.steps.load_state_dict(state)
 
     def engine_setup(self, model: DistributedDataParallel) -> tuple[GradientFlowConfig, Any, Watchdog] | None:
         """Nodes of several ranks: the engine's config (flat: dense inside the node), group and watchdog; ``None``
@@ -175,16 +121,7 @@ class FewerSyncs:
         return out
 
     def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-
-
-def _cloned(state: dict[int, Any]) -> dict[int, Any]:
-    """An optimizer's per-parameter state with its tensors copied (torch's ``state_dict()`` returns the live ones)."""
-    return {
-        k: {n: v.detach().clone() if isinstance(v, torch.Tensor) else v for n, v in per.items()}
-        for k, per in state.items()
-    }
+        self.steps.remove()
 
 
 def check(model: DistributedDataParallel) -> None:

@@ -1,0 +1,247 @@
+"""``sync_every=H`` behind ``fully_shard`` (DiLoCo over HSDP): the outer loop over this rank's shards.
+
+Inner steps: torch's all-gather and reduce-scatter inside the node, nothing between nodes (the modules' all-reduce
+hooks, :class:`.module_comm.ModuleComm`, send nothing, as on one node).  Every H steps the outer sync of the one
+outer loop (:class:`gradientflow.outer.loop.OuterLoop`, the DDP door's, driven by the same
+:class:`gradientflow.outer.driver.InnerSteps`): its parameters are the local shards of the sharded parameters
+(``sharded_param._local_tensor``, views of FSDP's sharded storage, so what the loop writes is what the next
+all-gather sends), so the pseudo-gradient, the anchor, the outer momentum and the residuals are this rank's shards
+(1/G of the model each, fp32 whatever the parameters' dtype, on ``outer_state_device``).  The exchange
+(:class:`gradientflow.outer.exchange.Average`) runs over the mesh's replicate group: each of its ranks holds the
+same shard on another node, so one rank per replica and no all-gather inside the node; the outer step then sets
+every replica's shard alike.
+
+``fully_shard`` is called per block and at the root; the model gets ONE loop (:class:`ShardedOuter`), over every
+module given ``sync_every > 1`` whose parameters the stepping optimizer holds, in construction order (the same on
+every rank), built at that optimizer's first step (or earlier, by :func:`outer_of` for a checkpoint or
+``comm_stats``, over the model's modules).  Streaming's fragments are cut by the whole parameters' sizes, so every
+rank cuts alike however its shards fall.
+
+Between syncs the replicas differ while DCP saves one copy of each shard (whichever replica wrote it): this rank's
+loop state, its replica's shards and its inner optimizer state travel in ``comm_state`` as one item per rank
+(:func:`state_items`), written back before the next forward (the parameters) and the next optimizer step (the
+optimizer's state).
+"""
+
+from __future__ import annotations
+
+import io
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from ..outer.driver import InnerSteps
+from ..outer.exchange import Average
+from ..outer.loop import OuterLoop
+from ..outer_options import OUTER_OPTIONS, outer_exchange_of
+
+if TYPE_CHECKING:  # module_comm imports stats, which imports this module: the type only
+    from .module_comm import ModuleComm
+
+KEY = "outer"
+"""The prefix of the outer state's items in ``comm_state`` (``outer.rank<r>@<mesh>``)."""
+
+
+def _settings(comm: ModuleComm) -> tuple[Any, ...]:
+    """What the modules of one loop must share: the mesh and the outer options."""
+    c = comm.config
+    return (comm.mesh.mesh, c.sync_every, *(getattr(c, k) for k in OUTER_OPTIONS))
+
+
+class ShardedOuter:
+    """One model's outer loop over the local shards of ``comms``' sharded parameters (held weakly: the modules hold
+    their ``ModuleComm``, the registry holds this)."""
+
+    def __init__(self, comms: list[ModuleComm]) -> None:
+        first = comms[0]
+        for comm in comms[1:]:
+            if _settings(comm) != _settings(first):
+                raise ValueError(
+                    "gradientflow.fsdp.fully_shard: the modules one optimizer steps run one outer loop, but module "
+                    f"{comm.index} was sharded with other sync_every / outer options or another mesh than module "
+                    f"{first.index}. Pass the same sync_every=, outer_*= and mesh= to every fully_shard call of the "
+                    "model."
+                )
+        config, mesh = first.config, first.mesh
+        self.comms = [weakref.ref(c) for c in comms]
+        self.label = mesh.label
+        fsdp_params = [fp for c in comms for fp in c.param_group.fsdp_params]
+        spec = outer_exchange_of(config.outer_compression, config.outer_density)
+        fragments = int(config.sync_fragments or 1)
+        # the replicate group: this rank and the ranks holding its shard on the other nodes, one rank per replica
+        exchange = Average(spec, mesh.replicate, first.watchdog, fragments)
+        device = torch.device(config.outer_state_device) if config.outer_state_device is not None else None
+        self.loop = OuterLoop(
+            self._locals(),
+            every=config.sync_every,
+            lr=float(config.outer_lr or 0.0),
+            momentum=float(config.outer_momentum or 0.0),
+            fragments=fragments,
+            exchange=exchange,
+            watchdog=first.watchdog,
+            state_device=device,
+            delay=int(config.sync_delay or 0),
+            cut_sizes=[fp.sharded_param.numel() for fp in fsdp_params],  # a DTensor's numel: the whole parameter's
+        )
+        self.steps = InnerSteps(self.loop, [fp.sharded_param for fp in fsdp_params])
+        self.dense_bytes = sum(c.numel for c in comms) * 4  # torch HSDP's fp32 shard between nodes, per step
+
+    def _live(self) -> list[ModuleComm]:
+        comms = [r() for r in self.comms]
+        return [c for c in comms if c is not None]
+
+    def _locals(self, comms: Iterable[ModuleComm] | None = None) -> list[torch.Tensor]:
+        """The local shards, read now: torch re-pads a sharded parameter replaced after ``fully_shard`` (a
+        ``load_state_dict(assign=True)``, ``to_empty``) into new storage at its lazy init."""
+        found = self._live() if comms is None else comms
+        return [fp.sharded_param._local_tensor for c in found for fp in c.param_group.fsdp_params]
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.loop.params[:] = self._locals()
+        self.steps.before(optimizer)
+
+    def before_forward(self) -> None:
+        """A loaded checkpoint's shards of this replica written back, before the all-gather of the next forward."""
+        if self.loop.replica is not None:
+            self.loop.params[:] = self._locals()
+            self.loop.restore_replica()
+
+    def stats(self) -> dict[str, float | int]:
+        return self.loop.stats(self.dense_bytes)
+
+    def owned(self) -> frozenset[int]:
+        return self.steps.own
+
+
+class _OuterRegistry:
+    """The modules given ``sync_every > 1`` (weakly held, in construction order), the loops built over them, and
+    one pair of global optimizer step hooks dispatching to them (a hook registered while torch runs the global
+    hooks would change the dict it iterates: so the loops register none of their own)."""
+
+    def __init__(self) -> None:
+        self.modules: list[weakref.ref[ModuleComm]] = []
+        self.loops: weakref.WeakKeyDictionary[ModuleComm, ShardedOuter] = weakref.WeakKeyDictionary()
+        self.by_optimizer: weakref.WeakKeyDictionary[torch.optim.Optimizer, ShardedOuter | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.hooks: list[RemovableHandle] = []
+
+    def add(self, comm: ModuleComm) -> None:
+        self.modules.append(weakref.ref(comm))
+        if not self.hooks:
+            self.hooks = [
+                register_optimizer_step_pre_hook(self._before),
+                register_optimizer_step_post_hook(self._after),
+            ]
+
+    def alive(self) -> list[ModuleComm]:
+        comms = [r() for r in self.modules]
+        self.modules = [weakref.ref(c) for c in comms if c is not None]
+        return [c for c in comms if c is not None]
+
+    def outer_of(self, comms: list[ModuleComm]) -> ShardedOuter:
+        """The loop over ``comms`` (built now if none is), or ``ValueError`` where some of them run another."""
+        found = {id(o): o for o in (self.loops.get(c) for c in comms) if o is not None}
+        if not found:
+            outer = ShardedOuter(comms)
+            for c in comms:
+                self.loops[c] = outer
+            return outer
+        (outer, *more) = found.values()
+        if more or {id(c) for c in outer._live()} != {id(c) for c in comms}:
+            raise ValueError(
+                "gradientflow.fsdp.fully_shard(sync_every > 1): one optimizer steps every parameter of the model and "
+                "the model is one replica: put every parameter of the modules sharded with sync_every in one "
+                "optimizer (a second optimizer, or one holding part of the model, would count other steps)."
+            )
+        return outer
+
+    def _for(self, optimizer: torch.optim.Optimizer) -> ShardedOuter | None:
+        if optimizer in self.by_optimizer:
+            return self.by_optimizer[optimizer]
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mine = [c for c in self.alive() if c.param_ids & held]
+        outer = self.outer_of(mine) if mine else None
+        if outer is not None and not outer.owned() <= held:
+            raise ValueError(
+                f"gradientflow.fsdp.fully_shard(sync_every > 1): {type(optimizer).__name__} holds part of the "
+                "parameters of the modules sharded with sync_every; the outer loop counts one optimizer's steps "
+                "over all of them. Put every parameter of the model in one optimizer."
+            )
+        self.by_optimizer[optimizer] = outer
+        return outer
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        outer = self._for(optimizer)
+        if outer is not None:
+            outer.before_step(optimizer)
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        outer = self.by_optimizer.get(optimizer)
+        if outer is not None:
+            outer.steps.after()
+
+
+REGISTRY = _OuterRegistry()
+
+
+def attach(module: nn.Module, comm: ModuleComm) -> None:
+    """``fully_shard(module, sync_every=H > 1)``: ``comm`` joins the registry, and a forward pre-hook, run before
+    torch's (its all-gather), writes a loaded checkpoint's replica back."""
+    if comm.param_group is None:
+        return  # no parameter of its own: nothing to synchronise (its blocks' hooks run before their all-gathers)
+    REGISTRY.add(comm)
+    ref = weakref.ref(comm)
+
+    def restore(mod: nn.Module, args: Any) -> None:
+        found = ref()
+        outer = REGISTRY.loops.get(found) if found is not None else None
+        if outer is not None:
+            outer.before_forward()
+
+    module.register_forward_pre_hook(restore, prepend=True)
+
+
+def outer_of(comms: list[ModuleComm]) -> ShardedOuter | None:
+    """The loop over the modules ``comms`` with ``sync_every > 1`` (a model's, in construction order), built now if
+    none is; ``None`` where none has it."""
+    mine = sorted((c for c in comms if c.config.sync_every > 1 and c.param_group is not None), key=lambda c: c.index)
+    return REGISTRY.outer_of(mine) if mine else None
+
+
+# ---- comm_state(): one item per rank -----------------------------------------------------------------------------
+def _item(label: str) -> str:
+    return f"{KEY}.rank{dist.get_rank()}@{label}"
+
+
+def state_items(comms: list[ModuleComm]) -> dict[str, Any]:
+    """This rank's outer state (the loop's, its replica's shards, its inner optimizer state) as one serialised item
+    keyed by its rank and the mesh: DCP saves every rank's (the keys differ), and a rank loads its own."""
+    outer = outer_of(comms)
+    if outer is None:
+        return {}
+    blob = io.BytesIO()
+    torch.save(outer.steps.state_dict(), blob)
+    return {_item(outer.label): blob.getvalue()}
+
+
+def load_items(comms: list[ModuleComm], state: dict[str, Any]) -> None:
+    """The item :func:`state_items` saved for this rank, into the loop (``ValueError`` where it does not fit)."""
+    outer = outer_of(comms)
+    if outer is None:
+        return
+    key = _item(outer.label)
+    if key not in state:
+        raise ValueError(
+            f"gradientflow.fsdp: the checkpoint holds no outer state for this rank ({key}); it was saved without "
+            "sync_every, or on another mesh. Resume with the options and the mesh it was saved with."
+        )
+    saved = torch.load(io.BytesIO(state[key]), weights_only=True)
+    outer.steps.validate_state_dict(saved)
+    outer.steps.load_state_dict(saved)
