@@ -61,6 +61,14 @@ def _replicas(rank: int, world: int, nodes: int, per_node: int) -> dict:
         torch.equal(a, torch.cat([p.to_local().reshape(-1) for p in net.parameters()])) for a in loop.anchor
     )
     out["local_numel"] = sum(p.to_local().numel() for p in net.parameters())
+    # the padded shards torch's HSDP would all-reduce every step, read from torch's own FSDP parameter groups
+    out["shard_numel"] = sum(
+        fp.padded_sharded_param_size.numel()
+        for m in net.modules()
+        if hasattr(m, "_get_fsdp_state")
+        for g in m._get_fsdp_state()._fsdp_param_groups
+        for fp in g.fsdp_params
+    )
     # what the next forward all-gathers is what the loop wrote: the sharded model's output is a plain copy's
     plain = _net()
     with torch.no_grad():
@@ -81,11 +89,14 @@ def test_replicas_identical_after_every_outer_sync_and_sync_every_1_is_today(nod
         assert r["identical"] == [False, False, True, False, False, True]
         assert r["anchor_is_params"] and r["forward_sees_sync"]
         s = r["stats"]
-        assert s["exchanges"] == 0 and s["payload_bytes"] == 0  # no inner step sent anything between nodes
+        assert s["exchanges"] == 0  # no inner step's hook sent anything between nodes
         assert s["sync_every"] == 3 and s["inner_steps"] == 6 and s["outer_syncs"] == 2
         # each sync: this rank's shard (n fp32 values) through the 3-bit exchange between the 2 nodes, one copy
         n = r["local_numel"]
-        assert s["outer_payload_bytes"] == 2 * wire_bytes(-(-n // 128) * 128, 3, 128) > 0
+        per_sync = wire_bytes(-(-n // 128) * 128, 3, 128)
+        assert s["outer_payload_bytes"] == 2 * per_sync > 0
+        # the last step (6) synced: its bytes between nodes are that sync's, against torch HSDP's fp32 shard
+        assert s["payload_bytes"] == per_sync and s["dense_bytes"] == 4 * r["shard_numel"]
         # the default (averaging) holds the anchor's shard and the 3-bit exchange's residual on it: 4 bytes each
         assert s["outer_state_bytes"] == 4 * n + 4 * (-(-n // 128) * 128)
 

@@ -366,6 +366,18 @@ def _page_snippets() -> list[str]:
 
 def _snippets(rank: int, world: int, path: str) -> dict:
     snippets = _page_snippets()
+    fewer = [code for code in snippets if "sync_every" in code]  # fewer syncs: a model of its own, sharded by it
+    snippets = [code for code in snippets if "sync_every" not in code]
+    sync_every = []
+    for code in fewer:
+        own: dict = {"device": "cpu", "nodes": 2, "per_node": 2, "model": _Layered()}
+        exec(compile(code, "docs/fsdp.md (fewer syncs)", "exec"), own)
+        opt = torch.optim.AdamW(own["model"].parameters(), lr=1e-2)
+        own["model"](torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        opt.step()
+        from gradientflow.fsdp import comm_stats as stats_of
+
+        sync_every.append((stats_of(own["model"])["sync_every"], stats_of(own["model"])["inner_steps"]))
     ns: dict = {"device": "cpu", "nodes": 2, "per_node": 2, "model": _Layered()}  # what the page says is the user's
     exec(compile(snippets[0], "docs/fsdp.md#1", "exec"), ns)
     model = ns["model"]
@@ -384,6 +396,7 @@ def _snippets(rank: int, world: int, path: str) -> dict:
 
     return {
         "snippets": len(snippets),
+        "sync_every": sync_every,
         "compression": comm_stats(model)["compression"],
         "warned": [str(w.message) for w in caught if "gradientflow" in str(w.message)],
     }
@@ -392,5 +405,6 @@ def _snippets(rank: int, world: int, path: str) -> dict:
 def test_the_pages_snippets_run_as_pasted(tmp_path) -> None:
     for r in run_distributed(_snippets, 4, str(tmp_path / "ckpt"), timeout=180, ranks_per_node=2):
         assert r["snippets"] == 2  # the one-import change, the checkpoint (a new snippet joins this test)
+        assert r["sync_every"] == [(100, 1)]  # the fewer-syncs snippet: its loop counted the one inner step
         assert r["compression"] == "3bit"  # "auto" for AdamW on 2 nodes, picked and resumed
         assert r["warned"] == []  # the page's checkpoint keeps the recipe state: nothing to warn of
