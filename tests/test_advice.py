@@ -16,6 +16,7 @@ the layout is found at construction (``topology="auto"`` on 2 Gloo ranks, flat a
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import itertools
 import re
@@ -198,11 +199,21 @@ def test_every_option_error_of_the_wrapper_advises_what_constructs() -> None:
 def test_every_option_error_of_fully_shard_advises_what_constructs() -> None:
     refused = []
     recipe_changes = [c for c in CHANGES if set(c) <= FSDP_OPTIONS]
-    recipe_bases = [b for b in PER_STEP_BASES if set(b) <= FSDP_OPTIONS]
+    # fully_shard's bases: those that construct at its door (its default compression is "auto", so a density alone
+    # is a mistake already), and the fewer-syncs ones (fully_shard has sync_every too)
+    candidates = [*PER_STEP_BASES, *({**outer, "sync_every": 4} for outer in OUTER_BASES)]
+    recipe_bases = []
+    for base in candidates:
+        if set(base) <= FSDP_OPTIONS:
+            with contextlib.suppress(ValueError):
+                fsdp_options(**base)
+                recipe_bases.append(base)
+    assert any("sync_every" in b for b in recipe_bases) and {} in recipe_bases
     for base, change in itertools.product(recipe_bases, recipe_changes):
         message = check_advice(fsdp_options, {**base, **change}, FSDP_OPTIONS)
         refused += [] if message is None else [message]
     assert any("compression='auto' picks density itself" in m for m in refused), "fully_shard's default is 'auto'"
+    assert any("apply only with sync_every > 1" in m for m in refused)
 
 
 @pytest.mark.parametrize(

@@ -299,6 +299,7 @@ class GradientFlowConfig(RecipeOptions):
         passed = {k: getattr(self, k) for k in ("density", *QUANT_OPTIONS) if getattr(self, k) is not None}
         if self.comm_dtype != "fp32":
             passed["comm_dtype"] = self.comm_dtype
+        object.__setattr__(self, "_comm_dtype_passed", "comm_dtype" in passed)  # (else the recipe's, if not fp32)
         try:
             found = resolve(self.compression)
         except UnknownRecipe:
@@ -415,6 +416,7 @@ class GradientFlowConfig(RecipeOptions):
             topology=self.topology,
             mechanism=self.mechanism,
             beside=self.__dict__.get("_beside", ()),
+            comm_dtype_passed=self.__dict__.get("_comm_dtype_passed", True),
         )
         for k, v in settled.items():
             object.__setattr__(self, k, v)

@@ -136,6 +136,7 @@ def settle_outer(
     topology: str,
     mechanism: str,
     beside: Sequence[str] = (),
+    comm_dtype_passed: bool = True,
 ) -> dict[str, Any]:
     """``sync_every`` and the outer options (docs/fewer-syncs.md): each checked, the defaults filled in where
     ``sync_every > 1``, and an outer option at ``sync_every=1`` (where it would do nothing) refused.
@@ -143,7 +144,8 @@ def settle_outer(
     ``outer``: the outer options as passed (:data:`OUTER_OPTIONS`, None where not given); ``compression``,
     ``comm_dtype``, ``topology`` and ``mechanism``: the config's per-step options as resolved, which an outer
     exchange would leave without effect; ``beside``: the per-step options passed beside ``compression`` (what the
-    advice drops with it).  Returns the values the config holds: every outer option where
+    advice drops with it); ``comm_dtype_passed``: whether the user passed ``comm_dtype`` (else it is the recipe's
+    and goes with ``compression``).  Returns the values the config holds: every outer option where
     ``sync_every > 1`` (``outer_compression`` by its canonical name, the outer lr and momentum as floats,
     ``outer_state_device`` None for the parameters' device), nothing at ``sync_every=1``; ``ValueError`` saying
     what to do otherwise."""
@@ -226,7 +228,7 @@ def settle_outer(
                 "exchange crosses nodes"
             )
         drops = ["compression"] * (compression != "none") + [k for k in beside if k != "comm_dtype"]
-        if comm_dtype != "fp32" and not nodes:  # passed, or the recipe's own (passed again, it would still be sent)
+        if comm_dtype != "fp32" and not nodes and comm_dtype_passed:  # passed (the recipe's own goes with it)
             drops.append("comm_dtype")
         asked = [f"compression={compression!r}"] * (compression != "none")
         asked += [f"comm_dtype={comm_dtype!r}" if k == "comm_dtype" else k for k in drops if k != "compression"]
