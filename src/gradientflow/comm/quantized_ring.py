@@ -94,15 +94,28 @@ def sum_shares(
         dequantize(own, x.numel(), bits, block, levels, x, False, fused, e, peer)
 
 
+def post_p2p(group: dist.ProcessGroup, ops: list[tuple[bool, torch.Tensor, int]]) -> list[dist.Work]:
+    """Post ``(send?, tensor, peer)`` point-to-point ops over ``group``, peers by the group's own ranks, in order.
+
+    A group c10d registered (``init_process_group``, ``new_group``): ``batch_isend_irecv``, which NCCL needs (one
+    NCCL group call, or a send and a receive between the same two ranks can deadlock).  A group it did not register
+    (torchft's quorum group, :mod:`gradientflow.outer.membership`, rebuilt at every quorum): torch's
+    ``batch_isend_irecv`` refuses it ("not registered"), so the group's own ``send`` and ``recv``, what torch's
+    ``isend`` / ``irecv`` call on Gloo, posted in the same order on every rank."""
+    if group in dist.distributed_c10d._world.pg_group_ranks:
+        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=q) for send, t, q in ops]
+        return dist.batch_isend_irecv(p2p)
+    return [group.send([t], q, 0) if send else group.recv([t], q, 0) for send, t, q in ops]
+
+
 class PairExchange:
     """A two-rank exchange's wire alone: ``send`` to the other rank of ``group``, ``recv`` from it (host bytes; the
     messages :class:`QuantizedRing` posts on two ranks, in the same order, so either may run on the other rank).
     For a caller that encodes and decodes the bytes itself (:mod:`gradientflow.strategies.csc_quantized`)."""
 
     def __init__(self, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, timeout: timedelta | None):
-        peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
-        ops = [dist.P2POp(dist.irecv, recv, peer, group), dist.P2POp(dist.isend, send, peer, group)]
-        self._works = dist.batch_isend_irecv(ops)
+        peer = 1 - group.rank()
+        self._works = post_p2p(group, [(False, recv, peer), (True, send, peer)])
         self._arrived = waiter_for(group).watch(self._works, timeout)
         self.done = False
 
@@ -149,7 +162,8 @@ class QuantizedRing:
         self.x, self.err, self.group, self.clip, self.levels = x, err, group, clip, levels
         self.fused = fused
         self.bits, self.block, self.timeout = bits, block, timeout
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # the group's own numbering (a group c10d does not register, torchft's quorum group, has no global ranks)
+        self.world, self.rank = group.size(), group.rank()
         self.others = [q for q in range(self.world) if q != self.rank]  # the peers, in rank order
         n = x.numel()
         nb = -(-n // block)
@@ -183,7 +197,7 @@ class QuantizedRing:
         self._sbuf = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
         # Gloo's point-to-point sends and receives host memory only ("writev: Bad address" on a CUDA
         # tensor): there the bytes are staged through the host (NCCL sends device memory as it is).
-        self._staged = x.device.type != "cpu" and "nccl" not in str(dist.get_backend(group)).lower()
+        self._staged = x.device.type != "cpu" and "nccl" not in group.name().lower()
         wire_device = torch.device("cpu") if self._staged else x.device
         self._sent: list[torch.Tensor] = []  # host copies in flight (staged): alive until the round completes
         if self.exchange:
@@ -222,9 +236,6 @@ class QuantizedRing:
     def _send(self, s: int) -> torch.Tensor:
         return self._sbuf[self._off[s] : self._off[s + 1]]
 
-    def _peer(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
-
     # ---- work ----------------------------------------------------------------------------
     def _quantize_into(self, s: int, inplace: bool = False) -> None:
         """Quantise segment ``s`` of x into its send slice and its error into err (from 3 ranks: x already holds
@@ -252,17 +263,17 @@ class QuantizedRing:
     def _post(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Post (peer, send bytes, receive bytes) for every peer of this round; empty ones are skipped on
         both sides alike (segment sizes are the same on every rank)."""
-        ops = []
+        ops: list[tuple[bool, torch.Tensor, int]] = []
         self._sent = []
         for q, send, recv in pairs:
             if recv.numel():
-                ops.append(dist.P2POp(dist.irecv, recv, self._peer(q), self.group))
+                ops.append((False, recv, q))
             if send.numel():
                 if self._staged:
                     send = send.cpu()
                     self._sent.append(send)
-                ops.append(dist.P2POp(dist.isend, send, self._peer(q), self.group))
-        self._works = dist.batch_isend_irecv(ops) if ops else []
+                ops.append((True, send, q))
+        self._works = post_p2p(self.group, ops) if ops else []
         self._arrived = waiter_for(self.group).watch(self._works, self.timeout)
 
     def _advance(self) -> None:

@@ -121,15 +121,25 @@ class Watchdog:
     their launch and completion to it).
     """
 
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        timeout: timedelta,
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+        global_ranks: list[int] | None = None,
+    ) -> None:
         self.group = group
         self.timeout = timeout
         self.grace_s = grace_s
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = group.rank() if global_ranks is not None else dist.get_rank(group)
+        self.world_size = group.size() if global_ranks is not None else dist.get_world_size(group)
         # Errors name global ranks (what torchrun, the logs and the user see): a subgroup's (an FSDP mesh's replicate
-        # group, a node's group) own numbering would name another process.
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        # group, a node's group) own numbering would name another process.  ``global_ranks``: a group c10d does not
+        # register (torchft's quorum group) names its ranks itself (the replicas' numbers).
+        if global_ranks is None:
+            global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.global_ranks = global_ranks
         self.step = 0
         self.trace: TraceRecorder | None = None
         self.failed: CommunicationError | None = None

@@ -52,7 +52,7 @@ class Average:
 
     ``group``: the replicas' group (flat: every rank; nodes: the ranks of this local index); ``node``: the node's
     group for the all-gather (``None``: one rank per replica), ``local`` / ``per_node`` this rank's index in it
-    and its size."""
+    and its size; ``parties``: the divisor ``M`` (the group's size unless given)."""
 
     def __init__(
         self,
@@ -63,10 +63,13 @@ class Average:
         node: dist.ProcessGroup | None = None,
         local: int = 0,
         per_node: int = 1,
+        parties: int | None = None,
     ) -> None:
         self.spec, self.group, self.watchdog, self.node = spec, group, watchdog, node
         self.local, self.per_node = local, per_node
-        self.parties = dist.get_world_size(group)
+        # M, the replicas whose pseudo-gradients are averaged: the group's size, or fewer where some send zeros
+        # (a replica that joined at this sync: :mod:`.membership`)
+        self.parties = parties if parties is not None else dist.get_world_size(group)
         self.residuals: list[torch.Tensor | None] = [None] * fragments  # the quantised exchange's, per fragment
         # the quantised exchange (its quantiser; no warm-up, no preconditioner: the outer rows have neither)
         self.quantized = QuantizedExchange(spec.quantizer, group, watchdog) if spec.quantizer is not None else None

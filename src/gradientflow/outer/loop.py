@@ -32,7 +32,7 @@ top-k exchange keeps none between syncs).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from ..diagnostics.watchdog import Watchdog
 from .exchange import Average, Flight, Sent
 from .fragments import check_cut, cut, due
 from .nesterov import nesterov_step
+
+if TYPE_CHECKING:
+    from .membership import Membership
 
 
 class Pending:
@@ -112,6 +115,8 @@ class OuterLoop:
         self.flights: dict[int, Pending] = {}  # delay > 0: the fragments whose exchange is in flight
         # a loaded checkpoint's own parameters of this replica, written back before the next forward or step
         self.replica: list[torch.Tensor] | None = None
+        # replicas that come and go (``replicas=``, a torchft Manager): the syncs run among the live replicas
+        self.membership: Membership | None = None
 
     # ---- the state ---------------------------------------------------------------------
     def _flat(self, f: int) -> torch.Tensor:
@@ -149,6 +154,8 @@ class OuterLoop:
         self.steps += 1
         self.last = Sent()
         due_now = [f for f in range(len(self.runs)) if due(self.steps, f, len(self.runs), self.every)]
+        if self.membership is not None:  # replicas that come and go: each sync among the live ones (membership.py)
+            return self.membership.sync(self, due_now)
         if not self.delay:
             for f in due_now:
                 self.sync(f)
@@ -171,6 +178,17 @@ class OuterLoop:
         what = f"outer exchange of fragment {f} after step {self.steps}"
         wire = delta.to(self.params[0].device)  # the exchange runs where the backend sends from (NCCL: the GPU)
         sent, residual = self.exchange.average(wire, f, what)  # raises before anything below changed
+        buffers = [delta, wire]
+        del delta, wire  # held by ``buffers`` alone: apply() frees them before the parameters are written
+        self.apply(f, buffers, sent, residual, t0)
+
+    def apply(self, f: int, buffers: list[torch.Tensor], sent: Sent, residual: torch.Tensor | None, t0: float) -> None:
+        """Steps 3-4 once fragment ``f``'s exchange completed: ``buffers`` = [``delta``, ``wire``] (``wire`` the mean;
+        ``delta`` its copy on the state device, or ``wire`` itself; emptied here, the caller's only reference), the
+        residual committed, the outer step, the parameters written."""
+        assert self.anchor is not None
+        delta, wire = buffers
+        buffers.clear()
         self.exchange.commit(f, residual)
         if wire is not delta:
             delta.copy_(wire)

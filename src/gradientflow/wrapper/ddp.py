@@ -148,6 +148,7 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
         sync_fragments: int | None = None,
         sync_delay: int | None = None,
         outer_state_device: str | None = None,
+        replicas: Any = None,
     ) -> None:
         nn.Module.__init__(self)  # never torch DDP's __init__ (torch_class.py)
         Joinable.__init__(self)
@@ -209,6 +210,8 @@ class DistributedDataParallel(TorchDDPAPI, Checkpointing, Nesting, TorchDDPClass
                 sync_delay=sync_delay,
                 outer_state_device=outer_state_device,
             )
+            # a torchft Manager: each outer sync among the replicas alive (outer/membership.py), None: a fixed set
+            self._gf_replicas = replicas
             self._gf_validate(module, settings, config)
         except (ValueError, TypeError, RuntimeError) as e:
             error = e

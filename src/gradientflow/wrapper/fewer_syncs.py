@@ -17,13 +17,15 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import GradientFlowConfig
-from ..diagnostics.watchdog import Watchdog
+from ..diagnostics.watchdog import Watchdog, resolve_timeout
 from ..options_base import advise
 from ..outer.driver import InnerSteps
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
+from ..outer.membership import Membership, check_manager
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
 from .groups import exchange_group, node_groups, resolve_layout
 
@@ -60,6 +62,10 @@ class FewerSyncs:
         else:
             exchange = Average(spec, exchange_group(model), model._gf_watchdog, int(config.sync_fragments or 1))
         device = torch.device(config.outer_state_device) if config.outer_state_device is not None else None
+        self.membership: Membership | None = None
+        if model._gf_replicas is not None:  # replicas that come and go: the exchange is over each sync's quorum
+            timeout = resolve_timeout(config.timeout, model.process_group, between_nodes=True)
+            self.membership = Membership(model._gf_replicas, spec, timeout)
         self.loop = OuterLoop(
             model._gf_params,
             every=config.sync_every,
@@ -75,6 +81,9 @@ class FewerSyncs:
         # inner optimizer state in checkpoints
         self.steps = InnerSteps(self.loop, model._gf_params)
         self.steps.hook(model, lambda m: m._gf_after_outer_sync())
+        if self.membership is not None:  # the first quorum: a replica joining a running job enters its sync here
+            self.membership.attach(self.loop)
+            self.membership.join()
 
     # ---- checkpoint (outer/driver.py: why each rank keeps its own inner optimizer state) ------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -126,6 +135,26 @@ class FewerSyncs:
 
 def check(model: DistributedDataParallel) -> None:
     """At validation, on each rank alone: what the model must offer the options (``ValueError`` saying what to do)."""
+    replicas, config = model._gf_replicas, model.config
+    if replicas is not None:
+        if config.sync_every <= 1:
+            raise ValueError(
+                "gradientflow: replicas= (a torchft Manager) drives the outer syncs of fewer syncs; pass sync_every > 1 "
+                "(e.g. sync_every=100), or leave replicas out."
+            )
+        if config.sync_delay:
+            raise ValueError(
+                f"gradientflow: replicas= runs each outer sync among the replicas alive at it, which streaming's "
+                f"overlap (sync_delay={config.sync_delay}) cannot (its exchange spans inner steps). Pass sync_delay=0."
+            )
+        if dist.get_world_size(model.process_group) != 1:
+            raise ValueError(
+                f"gradientflow: replicas= takes one rank per replica, each replica its own launch, but this process "
+                f"group has {dist.get_world_size(model.process_group)} ranks. Launch each replica alone (torchrun "
+                "--nnodes 1 --nproc-per-node 1, or init_process_group with world_size=1) with its own torchft "
+                "Manager (docs/fault-tolerance.md)."
+            )
+        check_manager(replicas)
     frags = model.config.sync_fragments
     if frags is not None and frags > len(model._gf_params):
         raise ValueError(

@@ -46,6 +46,7 @@ class WrapperSurface:
     _gf_ignored: set[str]
     _gf_auto: AutoState
     _gf_outer: FewerSyncs | None  # sync_every > 1 (fewer_syncs.py)
+    _gf_replicas: Any  # a torchft Manager: replicas that come and go (outer/membership.py); None: a fixed set
     _join_config: Any  # torch's Joinable sets it
 
     if TYPE_CHECKING:  # defined in ddp.py and nested.py
