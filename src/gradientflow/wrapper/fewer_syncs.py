@@ -139,8 +139,8 @@ def check(model: DistributedDataParallel) -> None:
     if replicas is not None:
         if config.sync_every <= 1:
             raise ValueError(
-                "gradientflow: replicas= (a torchft Manager) drives the outer syncs of fewer syncs; pass sync_every > 1 "
-                "(e.g. sync_every=100), or leave replicas out."
+                "gradientflow: replicas= (a torchft Manager) drives the outer syncs of fewer syncs; pass "
+                "sync_every > 1 (e.g. sync_every=100), or leave replicas out."
             )
         if config.sync_delay:
             raise ValueError(
