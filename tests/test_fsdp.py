@@ -415,6 +415,8 @@ def _bad(rank: int, world: int) -> dict:
         "unread": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit", density=0.1),
         "no mesh": lambda: gf.fully_shard(_net()),
         "mesh size": lambda: gf.hsdp_mesh(3, 1),
+        # torchtitan's default SPMD backend passes its mesh dimensions so (torchtitan/distributed/fsdp.py)
+        "dp_mesh_dims": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), dp_mesh_dims=("replicate", "shard")),
     }
     for name, call in cases.items():
         try:
@@ -458,6 +460,7 @@ def test_bad_input_raises_clearly_on_every_rank() -> None:
         assert "density=0.1 has no effect" in r["unread"]
         assert "LOCAL_WORLD_SIZE" in r["no mesh"]
         assert "product is the world size 2" in r["mesh size"]
+        assert "dp_mesh_dims (an SPMD mesh) is not supported" in r["dp_mesh_dims"]
         assert "sharded by torch's fully_shard on a 1-D mesh" in r["torch 1-D child"]
         assert "drift apart" in r["torch 1-D parent"]
         assert "rank 0: 3bit" in r["disagree"] and "rank 1: fp16" in r["disagree"]
