@@ -239,6 +239,8 @@ CLIENTS_NAMES = {
     "save_state": "accelerate's Accelerator method",
     "load_state": "accelerate's Accelerator method",
     "pytorch_lightning": "Lightning's package (not installed here)",
+    "ModelParallelStrategy": "Lightning's FSDP2 strategy",
+    "configure_model": "Lightning's LightningModule hook",
 }
 """Names of the libraries gradientflow integrates with, named as theirs by the page."""
 

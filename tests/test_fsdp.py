@@ -415,6 +415,8 @@ def _bad(rank: int, world: int) -> dict:
         "unread": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), compression="3bit", density=0.1),
         "no mesh": lambda: gf.fully_shard(_net()),
         "mesh size": lambda: gf.hsdp_mesh(3, 1),
+        # torchtitan's default SPMD backend passes its mesh dimensions so (torchtitan/distributed/fsdp.py)
+        "dp_mesh_dims": lambda: gf.fully_shard(_net(), mesh=_mesh(2, 1), dp_mesh_dims=("replicate", "shard")),
     }
     for name, call in cases.items():
         try:
@@ -458,6 +460,7 @@ def test_bad_input_raises_clearly_on_every_rank() -> None:
         assert "density=0.1 has no effect" in r["unread"]
         assert "LOCAL_WORLD_SIZE" in r["no mesh"]
         assert "product is the world size 2" in r["mesh size"]
+        assert "dp_mesh_dims (an SPMD mesh) is not supported" in r["dp_mesh_dims"]
         assert "sharded by torch's fully_shard on a 1-D mesh" in r["torch 1-D child"]
         assert "drift apart" in r["torch 1-D parent"]
         assert "rank 0: 3bit" in r["disagree"] and "rank 1: fp16" in r["disagree"]
@@ -535,3 +538,49 @@ def test_a_compiled_block() -> None:
     for r in run_distributed(_compiled, 2, timeout=180):
         assert r["none_diff"] == 0.0  # torch's collectives, in order: the compiled blocks change nothing of it
         assert r["identical"] and r["exchanges"] == 3 * 3
+
+
+# ---- one unit of several modules: fully_shard([norm, lm_head]), as accelerate shards a Hugging Face model's tail ----
+
+
+def _list_unit(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import gradientflow.fsdp as gf
+
+    mesh = gf.hsdp_mesh(2, 2)
+    out: dict = {}
+    runs = {}
+    for kind, options in (("torch", {}), ("none", {"compression": "none"}), ("3bit", {"compression": "3bit"})):
+        net = _net()
+        shard = torch_fully_shard if kind == "torch" else gf.fully_shard
+        shard(net[0], mesh=mesh, **options)
+        shard([net[2], net[4]], mesh=mesh, **options)  # one FSDP state for both modules (torch's list form)
+        shard(net, mesh=mesh, **options)  # the root: its check must take net[4] for gradientflow's, as net[2]
+        seen: list[int] = []
+        # torch's state is the list's: a hook set on its second module is the unit's, run after the reduction
+        net[4].set_all_reduce_hook(lambda t, seen=seen: seen.append(t.numel()))
+        runs[kind] = _train(net, rank, 3, mesh)
+        out[f"{kind}_hook"] = seen
+        if kind != "torch":
+            out[f"{kind}_stats"] = gf.comm_stats(net, total=True)
+    out["none_diff"] = max((a - b).abs().max().item() for a, b in zip(runs["torch"]["params"], runs["none"]["params"]))
+    out["3bit_identical"] = runs["3bit"]["identical"]
+    return out
+
+
+def test_a_unit_of_two_modules_under_a_gradientflow_root() -> None:
+    from gradientflow.comm.quantize import wire_bytes
+
+    # the shards on each of a node's 2 ranks: net[0] (5 of 10 rows of 6, and 5 biases), the unit net[2] + net[4]
+    # (5 rows of 10 and 5 biases; 2 of 3 rows of 10 and 2 biases, torch padding dim 0); the root owns nothing
+    first, unit = 5 * IN + 5, (5 * HIDDEN + 5) + (2 * HIDDEN + 2)
+    for r in run_distributed(_list_unit, 4, timeout=180, ranks_per_node=2):
+        # torch's HSDP collectives on the same shards in the same order: the same floats (tolerance 0)
+        assert r["none_diff"] == 0.0, r["none_diff"]
+        assert all(r["3bit_identical"])
+        for kind in ("none", "3bit"):
+            assert r[f"{kind}_stats"]["exchanges"] == 2 * 3  # two units with parameters, 3 steps
+            assert r[f"{kind}_hook"] == r["torch_hook"] == 3 * [unit]  # once per step, on the unit's reduced shard
+        assert r["none_stats"]["sent_bytes"] == 3 * 4 * (first + unit)  # 2 nodes: a ring sends one fp32 copy
+        assert r["3bit_stats"]["sent_bytes"] == 3 * (wire_bytes(first, 3, 128) + wire_bytes(unit, 3, 128))

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from .mixing import comm_of
+
 _CLASSES: dict[type, type] = {}
 """torch's FSDP class of a module -> gradientflow's (made once per class, as torch makes its own)."""
 
@@ -45,7 +47,7 @@ class GradientflowFSDPModule(FSDPModule):
                 "between nodes, on that reduction's stream, as torch's HSDP runs it after its all-reduce. Call "
                 "set_all_reduce_hook(hook) without stream."
             )
-        cast(Any, self)._gf_fsdp.set_user_hook(hook)  # ModuleComm, set by fully_shard
+        comm_of(self).set_user_hook(hook)  # the unit's ModuleComm (this module's, or its list's first)
 
 
 def adopt(module: nn.Module) -> None:

@@ -23,8 +23,24 @@ HOW = (
 )
 
 
+def comm_of(module: object) -> Any:
+    """The :class:`~gradientflow.fsdp.module_comm.ModuleComm` of the FSDP unit ``module`` belongs to, or ``None``.
+
+    ``fully_shard`` marks the first module it was given (``_gf_fsdp``); torch's ``fully_shard([norm, lm_head])``
+    gives every module of the list one shared FSDP state (``_get_fsdp_state()``, whose ``_modules`` are the list), so
+    the list's other modules are found through it: each is gradientflow's as much as the first."""
+    comm = getattr(module, "_gf_fsdp", None)
+    if comm is not None or not isinstance(module, FSDPModule):
+        return comm
+    for member in module._get_fsdp_state()._modules:
+        comm = getattr(member, "_gf_fsdp", None)
+        if comm is not None:
+            return comm
+    return None
+
+
 def ours(module: object) -> bool:
-    return getattr(module, "_gf_fsdp", None) is not None
+    return comm_of(module) is not None
 
 
 def check_children(module: nn.Module) -> None:

@@ -2,6 +2,8 @@
 
 - :mod:`gradientflow.integrations.lightning`: ``Trainer(strategy="gradientflow")`` (or
   ``strategy=GradientFlowStrategy(density=0.1)``), a subclass of Lightning's ``DDPStrategy``.
+- :mod:`gradientflow.integrations.lightning_fsdp`: ``GradientFlowHSDPStrategy()``, Lightning's
+  ``ModelParallelStrategy`` for HSDP with :func:`gradientflow.fsdp.fully_shard` in ``configure_model``.
 - :mod:`gradientflow.integrations.accelerate`: ``GradientFlowAccelerator(...)``, an ``Accelerator``
   whose ``prepare`` wraps with gradientflow and whose ``save_state`` / ``load_state`` carry every
   rank's communication state.
