@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_ddp.py --backend gradientflow
     torchrun --nproc-per-node 2 examples/train_ddp.py --backend torch          # the same script on torch DDP
+    torchrun --nproc-per-node 2 examples/train_ddp.py --sync-every 10          # fewer syncs (docs/fewer-syncs.md)
 
 It trains a small MLP on the 8x8 handwritten digits scikit-learn also ships (in gradientflow's package,
 no download, no scikit-learn):
@@ -9,10 +10,11 @@ no download, no scikit-learn):
 and the optimizer written by rank 0 every ``--save-every`` steps (plus, with gradientflow, each rank's
 ``model.comm_state_dict()``: CSC residuals are per rank), and resume from it when it exists — so a
 run restarted by ``torchrun --max-restarts 1`` continues where it stopped.  The only line that
-differs between the two backends is the import; ``--compression`` / ``--density`` / ``--comm-dtype`` add
-gradientflow's own options, and without them the constructor call is torch DDP's.  Two lines are there for
-torch, not for gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a restarted attempt
-under Gloo on torch 2.13) and the early ``import torch.distributed.nn`` (a clean exit); their comments say why.
+differs between the two backends is the import; ``--compression`` / ``--density`` / ``--comm-dtype`` /
+``--sync-every`` add gradientflow's own options, and without them the constructor call is torch DDP's.  Two lines
+are there for torch, not for gradientflow, and serve both backends: the ``PrefixStore`` around torchrun's store (a
+restarted attempt under Gloo on torch 2.13) and the early ``import torch.distributed.nn`` (a clean exit); their
+comments say why.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def parse_args() -> argparse.Namespace:
         "--compression",
         default=None,
         help='gradientflow only: a recipe (docs/recipes.md), e.g. auto (the recommended one) (default "none")',
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=None,
+        help="gradientflow only: H, the replicas averaged every H steps, nothing sent between (default 1: every step)",
     )
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
@@ -93,6 +101,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     # gradientflow's own options, only where a flag asks for one: its defaults synchronise as torch DDP does.
     flags = {"compression": args.compression, "density": args.density, "comm_dtype": args.comm_dtype}
+    flags["sync_every"] = args.sync_every
     options = flags if args.backend == "gradientflow" else {}
     extra = {k: v for k, v in options.items() if v is not None}
     model = DDP(model, device_ids=[local_rank] if use_cuda else None, **extra)
@@ -134,11 +143,13 @@ def main() -> None:
     # The mean loss of the last batch over all ranks, the figure both backends must agree on.
     final = loss.detach().clone()
     dist.all_reduce(final)
+    stats = model.comm_stats(total=True) if args.backend == "gradientflow" else None  # the run's bytes
     if rank == 0:
         print(f"final loss {final.item() / world:.6f} after {step} steps", flush=True)
         if args.out is not None:
             params = {n: p.detach().cpu().flatten().tolist() for n, p in model.module.named_parameters()}
-            args.out.write_text(json.dumps({"loss": final.item() / world, "steps": step, "params": params}))
+            result = {"loss": final.item() / world, "steps": step, "params": params, "comm_stats": stats}
+            args.out.write_text(json.dumps(result))
     # Release what holds the process group (the wrapper) and destroy it while Python is whole: a
     # group left to interpreter shutdown aborted ~1 run in 10 here ("terminate called without an
     # active exception": a Gloo worker thread, dropping the last allreduce's tensor, needs the GIL of

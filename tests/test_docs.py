@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -325,6 +326,109 @@ def test_the_decision_tables_auto_rows_name_what_the_policy_runs() -> None:
         doors = _names(row["parallelism"], PARALLELISMS, "parallelism")
         possible = set().union(*(gives[d, o] for d in doors for o in _names(row["optimizer"], OPTIMIZERS, "optimizer")))
         assert named and named <= possible, (row["pass"], possible)
+
+
+def _auto_table(text: str | None = None) -> list[dict[str, str]]:
+    """docs/recipes.md's table under "## auto": one dict per row (door, optimizer, layout, runs)."""
+    text = (DOCS / "recipes.md").read_text() if text is None else text
+    lines = text[text.index("\n## auto\n") :].splitlines()
+    table = list(
+        itertools.takewhile(
+            lambda ln: ln.startswith("|"), lines[next(i for i, ln in enumerate(lines) if ln.startswith("|")) :]
+        )
+    )
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in table]
+    return [dict(zip(rows[0], r, strict=True)) for r in rows[2:]]
+
+
+def _auto_problems(rows: list[dict[str, str]]) -> list[str]:
+    """Where docs/recipes.md's ``"auto"`` table says other than the policy (:mod:`gradientflow.policy`) runs: for
+    each row, the recipes its "runs" cell names against what the code gives that door, optimizer and layout; and a
+    (door, optimizer) the table leaves out."""
+    from gradientflow.policy import auto_choice, width
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    # (door, optimizer, layout) as the table words them -> the recipes the code runs there, and density="auto" sets
+    ddp_sgd = auto_choice.recipe_for_optimizer(sgd)
+    code = {
+        ("`DistributedDataParallel`", "SGD (with or without momentum)", "2 ranks"): (
+            {ddp_sgd},
+            auto_choice.recipe_options(ddp_sgd, 2),
+        ),
+        ("`DistributedDataParallel`", "SGD", "more than 2 ranks, or nodes of several ranks"): (
+            {ddp_sgd},
+            auto_choice.recipe_options(ddp_sgd, 3),
+        ),
+        ("`DistributedDataParallel`", "Adam, AdamW, any other", "2 flat ranks"): (
+            {width.FEWER_BITS, auto_choice.adam_recipe(2)},
+            {},
+        ),
+        ("`DistributedDataParallel`", "Adam, AdamW, any other", "2 nodes"): ({auto_choice.adam_recipe(2)}, {}),
+        ("`DistributedDataParallel`", "Adam, AdamW, any other", "more than 2 flat ranks or nodes"): (
+            {auto_choice.adam_recipe(3)},
+            {},
+        ),
+        ("`gradientflow.fsdp.fully_shard`", "SGD", "any number of nodes"): (
+            {auto_choice.fsdp_recipe_for_optimizer(sgd, n) for n in (2, 3, 8)},
+            {},
+        ),
+        ("`gradientflow.fsdp.fully_shard`", "Adam, AdamW, any other", "2 nodes"): (
+            {auto_choice.fsdp_recipe_for_optimizer(adam, 2)},
+            {},
+        ),
+        ("`gradientflow.fsdp.fully_shard`", "Adam, AdamW, any other", "more than 2 nodes"): (
+            {auto_choice.fsdp_recipe_for_optimizer(adam, n) for n in (3, 8)},
+            {},
+        ),
+    }
+    problems, seen = [], set()
+    for row in rows:
+        key = (row["door"], row["optimizer"], row["layout"])
+        if key not in code:
+            problems.append(f"a row the checker does not know (door, optimizer, layout): {key}")
+            continue
+        seen.add(key)
+        runs, options = code[key]
+        named = set(re.findall(r'`"([^"]+)"`', row["runs"]))
+        if named != runs:
+            problems.append(f"{key}: the table says {sorted(named)}, the code runs {sorted(runs)}")
+        said = dict(re.findall(r"`(\w+)=([\d.]+)`", row["runs"]))
+        if {k: float(v) for k, v in said.items()} != options:
+            problems.append(f"{key}: the table sets {said}, the code {options}")
+    problems += [f"no row for {key}" for key in code if key not in seen]
+    return problems
+
+
+def test_the_recipes_page_says_what_auto_runs_through_each_door() -> None:
+    """docs/recipes.md's ``"auto"`` table, every row, is what :mod:`gradientflow.policy` gives that door, optimizer
+    and layout (the issue's complaint: README, recipes and results pages disagreed on FSDP's SGD pick), and no
+    (door, optimizer, layout) the policy tells apart is left out; docs/fsdp.md's ``"auto"`` row names the FSDP
+    picks too."""
+    from gradientflow.policy import auto_choice
+
+    problems = _auto_problems(_auto_table())
+    assert not problems, "\n".join(problems)
+    fsdp = next(ln for ln in (DOCS / "fsdp.md").read_text().splitlines() if ln.startswith('| `"auto"`'))
+    assert f'Adam-type `"{auto_choice.adam_recipe(2)}"` on two nodes' in fsdp, fsdp
+    assert f'`"{auto_choice.adam_recipe(3)}"` beyond' in fsdp and f'SGD `"{auto_choice.FSDP_SGD_RECIPE}"`' in fsdp
+
+
+@pytest.mark.parametrize(
+    ("row", "cell", "wrong"),
+    [(5, "runs", '`"3bit"` between nodes'), (0, "runs", '`"topk-fp16"`'), (1, "runs", '`"topk-3bit"`')],
+)
+def test_the_auto_checker_reports_a_wrong_pick(row: int, cell: str, wrong: str) -> None:
+    """The FSDP SGD row as docs/results/fsdp.md once had it ("3bit"), DDP's SGD pick before 2026-11-27, and the
+    denser top-k beyond two ranks left unsaid: each reported."""
+    rows = _auto_table()
+    rows[row] = {**rows[row], cell: wrong}
+    assert _auto_problems(rows), rows[row]
+
+
+def test_the_auto_checker_reports_a_dropped_door() -> None:
+    rows = [r for r in _auto_table() if "fsdp" not in r["door"]]
+    assert sum(p.startswith("no row for ('`gradientflow.fsdp.fully_shard`'") for p in _auto_problems(rows)) == 3
 
 
 def test_readme_decision_table_is_one_short_line_per_situation() -> None:

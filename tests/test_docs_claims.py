@@ -350,6 +350,7 @@ def test_the_examples_extra_lines_are_explained_and_no_option_is_hidden() -> Non
     assert "the only line that changes is the import" in readme
     assert "chunk_size" not in script, "the example passes chunk_size: the README says only the import changes"
     flags = r'flags = \{"compression": args\.compression, "density": args\.density, "comm_dtype": args\.comm_dtype\}'
+    flags += r'\n    flags\["sync_every"\] = args\.sync_every\n'
     assert re.search(flags, script), script
     for line, words in EXAMPLE_WORKAROUNDS.items():
         if line in script:

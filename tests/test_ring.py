@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradientflow.comm.collectives import start_allreduce
+from gradientflow.comm.collectives import as_member, start_allreduce
 from gradientflow.comm.ring import ring_allreduce
 from gradientflow.config import ALGORITHMS
 
@@ -186,3 +186,22 @@ def test_start_allreduce_rejects_unknown_algorithm():
     assert ALGORITHMS == ("native", "ring")
     with pytest.raises(ValueError, match="algorithm must be one of"):
         start_allreduce(torch.zeros(3), algorithm="tree")
+
+
+def _member_worker(rank: int, world: int) -> tuple[bool, str]:
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank takes part in creating each group
+    mine = as_member(groups[rank], [rank])
+    try:
+        as_member(groups[1 - rank], [1 - rank])
+    except RuntimeError as exc:
+        return isinstance(mine, dist.ProcessGroup) and dist.get_world_size(mine) == 1, str(exc)
+    return False, "no error for a group this rank is not among"
+
+
+def test_as_member_keeps_a_ranks_own_group_and_names_one_it_is_not_among():
+    """``as_member``: torch 2.14 types ``new_group``'s result as a group or ``GroupMember.NON_GROUP_MEMBER`` (-100,
+    what a rank outside the ranks gets); a rank's own group passes through, another's is refused naming its ranks."""
+    for rank, (own_ok, message) in enumerate(run_distributed(_member_worker, 2)):
+        assert own_ok, message
+        assert message.startswith(f"gradientflow: rank {rank} uses the group of ranks [{1 - rank}]"), message
+        assert "-100" in message

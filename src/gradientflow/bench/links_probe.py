@@ -83,6 +83,8 @@ def probe_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from gradientflow.comm.collectives import as_member
+
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(spec.get("pg_timeout_s", 60))))
@@ -95,7 +97,8 @@ def probe_main(spec_path: str) -> None:
     small_s = [_timed(lambda: dist.all_reduce(small), dist) for _ in range(int(spec["small_repeats"]))]
     # the same small collective on a second group while a bulk one is in flight: what CSC's score
     # exchange (its control group) pays when it queues behind chunks in the shaper's FIFO
-    control = dist.new_group(list(range(dist.get_world_size())))
+    everyone = list(range(dist.get_world_size()))
+    control = as_member(dist.new_group(everyone), everyone)
     loaded = bulk[: n // 4]
     loaded_s = []
     for _ in range(int(spec.get("loaded_repeats", 5))):

@@ -44,6 +44,7 @@ from gradientflow.bench.runner_spec import (
     split_mode,
     topology_kwargs,
 )
+from gradientflow.comm.collectives import as_member
 from gradientflow.config import auto_chunk_size, lookup, mechanism_of
 from gradientflow.diagnostics.stats import PHASES
 
@@ -248,7 +249,9 @@ def worker_main(spec_path: str) -> None:
     del probe
     base_rss = rss_mb()
     # every rank creates every group (new_group's contract); each keeps the one holding only itself
-    alone = [dist.new_group([r]) for r in range(world)][rank] if any(vd.get("alone") for vd in spec.variants) else None
+    # every rank takes part in creating every group; each keeps its own
+    groups = [dist.new_group([r]) for r in range(world)] if any(vd.get("alone") for vd in spec.variants) else None
+    alone = as_member(groups[rank], [rank]) if groups is not None else None
     runs: list[dict[str, Any]] = []
     for vd in spec.variants:
         v = Variant(**vd)

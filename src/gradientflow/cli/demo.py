@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from . import types
 
@@ -17,9 +18,19 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--compression",
         type=types.compression,
-        default="auto",
+        default=None,
         metavar="RECIPE",
-        help=f"the recipe, as the library's compression= ({', '.join(PER_STEP_NAMES)}; docs/recipes.md) (default auto)",
+        help=f"the recipe, as the library's compression= ({', '.join(PER_STEP_NAMES)}; docs/recipes.md) "
+        "(default auto; none with --sync-every above 1, where nothing crosses between syncs)",
+    )
+    d.add_argument(
+        "--sync-every",
+        type=types.positive_int,
+        default=1,
+        metavar="H",
+        help="fewer syncs: the ranks train on their own gradients and are averaged every H steps (through 3 bits), "
+        "as the library's sync_every= (docs/fewer-syncs.md); compare its loss and bytes with a run without it "
+        "(default 1: every step)",
     )
     d.add_argument(
         "--density",
@@ -49,10 +60,30 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradientflow.bench.demo import DemoOptions, run_demo
+    from gradientflow.config import GradientFlowConfig
 
+    per_step = {"--compression": args.compression not in (None, "none"), "--density": args.density is not None}
+    per_step["--comm-dtype"] = args.comm_dtype != "fp32"
+    given = [flag for flag, set_ in per_step.items() if set_]
+    if args.sync_every > 1 and given:  # the library's advice names its outer options, which the demo does not take
+        print(
+            f"gradientflow demo: error: --sync-every {args.sync_every} sends nothing between syncs, so the per-step "
+            f"option {', '.join(given)} cannot apply (the replicas are averaged every {args.sync_every} steps "
+            "through 3 bits): drop it, or drop --sync-every to run it every step",
+            file=sys.stderr,
+        )
+        return 2
+    compression = args.compression or ("none" if args.sync_every > 1 else "auto")
+    try:  # the options together, as the library takes them, before any rank starts (one line, not N tracebacks)
+        GradientFlowConfig(
+            compression=compression, density=args.density, comm_dtype=args.comm_dtype, sync_every=args.sync_every
+        )
+    except ValueError as exc:
+        print(f"gradientflow demo: error: {exc}", file=sys.stderr)
+        return 2
     opts = DemoOptions(
         nproc=args.nproc,
-        compression=args.compression,
+        compression=compression,
         steps=args.steps,
         batch_size=args.batch_size,
         density=args.density,
@@ -61,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         amp=not args.no_amp,
         out=args.out,
+        sync_every=args.sync_every,
     )
     run_demo(opts)
     return 0

@@ -26,8 +26,22 @@ from .ring import ring_allreduce
 logger = logging.getLogger(__name__)
 
 _SUM_ASYNC = dist.AllreduceOptions()  # read-only to the backend: one object for every launch
-_SUM_ASYNC.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs type it as ReduceOp; the enum value converts
+# A ReduceOp built from the enum value: torch 2.13's stubs type the field ReduceOp only, 2.14's take either
+_SUM_ASYNC.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
 _SUM_ASYNC.asyncOp = True
+
+
+def as_member(group: object, ranks: list[int]) -> dist.ProcessGroup:
+    """``group``, what ``dist.new_group(ranks, ...)`` returned, as the process group it is on a rank among ``ranks``.
+
+    torch 2.14 types ``new_group``'s result ``ProcessGroup | Literal[-100]`` (``GroupMember.NON_GROUP_MEMBER``, what
+    a rank outside ``ranks`` gets), 2.13 ``ProcessGroup``: narrowed here, one way for both (a cast or an ignore
+    would be unneeded on one of them).  A rank outside ``ranks`` using the group is a bug of the caller."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(
+            f"gradientflow: rank {dist.get_rank()} uses the group of ranks {ranks} it is not among (got {group!r})"
+        )
+    return group
 
 
 class PendingAllreduce:

@@ -50,11 +50,13 @@ def mesh_watchdog(mesh: HSDPMesh, timeout: timedelta | None) -> Watchdog:
     return found
 
 
-def _wait(watchdog: Watchdog, group: dist.ProcessGroup, work: dist.Work, what: str, nbytes: int) -> None:
+def _wait(watchdog: Watchdog, group: dist.ProcessGroup, work: dist.Work | None, what: str, nbytes: int) -> None:
     """``work`` done, or the watchdog's named error within its timeout.  Gloo's reduce-scatter does not honour
     ``Work.wait(timeout)`` (a stalled peer held it for the process group's timeout, measured): the work is waited
     for by the group's waiter thread (:mod:`gradientflow.comm.waiter`) and this thread waits, bounded, on its
     event."""
+    if work is None:  # torch 2.14 types an async collective's result Optional (None: issued without async_op)
+        raise RuntimeError(f"gradientflow: {what}: torch returned no Work for an asynchronous collective")
     if watchdog.failed is not None:  # the group is broken: do not add another full timeout
         watchdog.wait(work, what, nbytes)  # raises the earlier failure's "not attempted"
     t0 = time.perf_counter()

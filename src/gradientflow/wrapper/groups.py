@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm.collectives import as_member
 from ..comm.topology import Topology, resolve_topology
 from ..comm.two_level import NodeGroups
 from ..config import GradientFlowConfig
@@ -127,7 +128,7 @@ def _new_group(model: DistributedDataParallel, ranks: list[int]) -> dist.Process
     ``TORCH_DIST_INIT_BARRIER=1``), not a collective on the new group, which would add its traffic to
     the group's first moments.  NCCL's communicators connect at their first collective: left to it.
     """
-    group = dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True)
+    group = as_member(dist.new_group(ranks, timeout=model._gf_watchdog.timeout, use_local_synchronization=True), ranks)
     if "gloo" in str(dist.get_backend(group)):
         _joined(group, len(ranks), model._gf_watchdog.timeout.total_seconds())
     return group
