@@ -110,10 +110,10 @@ def demo_worker(opts: DemoOptions) -> dict[str, Any] | None:
         seconds = time.perf_counter() - t0
         bar.close()
         run = model.comm_stats(total=True)  # every synchronised step since the model was wrapped
-        # What crossed: the per-step exchange's bytes and, with sync_every > 1, the outer syncs' (on one machine
-        # the ranks are flat replicas: no per-step exchange at all). DDP's: one dense fp32 allreduce of every
-        # gradient per step, counted from the parameters (comm_stats' dense_bytes counts only per-step exchanges).
-        payload = int(run["payload_bytes"]) + int(run.get("outer_payload_bytes", 0))
+        # What crossed between nodes: payload_bytes, the per-step exchange's bytes or, with sync_every > 1, the
+        # outer syncs' (comm_stats counts those there). DDP's: one dense fp32 allreduce of every gradient per step,
+        # counted from the parameters.
+        payload = int(run["payload_bytes"])
         ddp_bytes = opts.steps * sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
         acc = _evaluate(model, x_test, y_test, rank, world)
         if rank != 0:

@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -59,15 +58,7 @@ def _comm_record(wrapped: nn.Module, recipe: str = "ddp", step: int = 0) -> dict
     s = comm_stats()
     keys = ("payload_bytes", "exposed_seconds", "warmup", "selected_chunks", "n_chunks")
     record = {k: float(s[k]) for k in keys if k in s}
-    if "outer_payload_bytes" in s:  # sync_every > 1: the bytes between replicas are the outer syncs' (this step's)
-        seen = _OUTER_SEEN.get(wrapped, 0.0)
-        _OUTER_SEEN[wrapped] = float(s["outer_payload_bytes"])
-        record["payload_bytes"] = _OUTER_SEEN[wrapped] - seen
-    return record
-
-
-_OUTER_SEEN: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
-"""sync_every > 1: each wrapper's outer bytes at the last record (``comm_stats()`` counts them since construction)."""
+    return record  # sync_every > 1: payload_bytes is this step's outer syncs' bytes (comm_stats counts them so)
 
 
 def _picked(wrapped: nn.Module) -> str | None:
