@@ -3,8 +3,8 @@
 Specifications, on 2 nodes x 2 Gloo ranks (tests/_dist.py), the MLP of tests/test_fsdp.py sharded per block and at
 the root:
 
-- ``overlap=True`` (the default) posts each module's exchange in its hook and finishes it later: while the next
-  module's backward computes, the exchange is in flight; ``overlap=False`` waits in the hook;
+- ``overlap=True`` posts each module's exchange in its hook and finishes it later: while the next
+  module's backward computes, the exchange is in flight; ``overlap=False`` (the default) waits in the hook;
 - both give the same ``.grad`` bit for bit, so the same parameters and residuals, on every path torch takes after
   the hook: fp32 reduce (the hook's tensor viewed as ``.grad``), a bf16 reduce of fp32 parameters (torch casts it),
   an fp16 reduce (torch post-divides it), two backward passes into one ``.grad`` (torch adds to it), and every
@@ -121,9 +121,10 @@ def test_overlap_gives_the_waiting_hooks_gradients_bit_for_bit() -> None:
 # ---- GradScaler -----------------------------------------------------------------------------------------------
 
 
-def _scaled(rank: int, world: int, recipe: str) -> dict:
+def _scaled(rank: int, world: int, recipe: str, overlap: bool) -> dict:
     mesh = _mesh(2, 2)
-    options = {"compression": recipe} | ({"warmup_steps": 0, "density": 0.5} if recipe.startswith("topk") else {})
+    options = {"compression": recipe, "overlap": overlap}
+    options |= {"warmup_steps": 0, "density": 0.5} if recipe.startswith("topk") else {}
     steps, overflow_at = 6, 4
 
     # the unscaled run: the reference for the scaled one's first steps
@@ -166,9 +167,9 @@ def _scaled(rank: int, world: int, recipe: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("recipe", ["3bit-precond", "topk-3bit"])
-def test_grad_scaler_residuals_in_loss_scale_units_and_finite_after_an_overflow(recipe: str) -> None:
-    for r in run_distributed(_scaled, 4, recipe, timeout=240, ranks_per_node=2):
+@pytest.mark.parametrize(("recipe", "overlap"), [("3bit-precond", False), ("topk-3bit", False), ("3bit-precond", True)])
+def test_grad_scaler_residuals_in_loss_scale_units_and_finite_after_an_overflow(recipe: str, overlap: bool) -> None:
+    for r in run_distributed(_scaled, 4, recipe, overlap, timeout=240, ranks_per_node=2):
         # the scale doubles after every finite step (growth_interval=1): 16, 32, 64, 128; each step's parameters
         # and residuals are the unscaled run's bit for bit (a residual left in the last step's units would not be)
         assert r["same_as_unscaled"] == [True] * 4

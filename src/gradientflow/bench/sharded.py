@@ -5,9 +5,9 @@ A mode shards the model as FSDP2 users do theirs, each block and then the root (
 replicated between nodes.  ``hsdp`` is torch's own ``fully_shard`` on that mesh, its reduction between nodes an
 fp32 all-reduce of each shard (the default ``reduce_dtype``); ``hsdp-bf16`` the same with
 ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``, what a user tries first to halve it; ``fsdp-<recipe>``
-gradientflow's ``fully_shard`` with ``compression="<recipe>"``, one per row of the recipe table (its exchange
-between nodes overlapping the next module's backward, the default), and ``fsdp-<recipe>-nooverlap`` the same with
-``overlap=False`` (each hook waits for its exchange).
+gradientflow's ``fully_shard`` with ``compression="<recipe>"``, one per row of the recipe table (each hook waits
+for its exchange between nodes, the default), and ``fsdp-<recipe>-overlap`` the same with ``overlap=True`` (the
+exchange overlapping the next module's backward).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from gradientflow.recipes import PER_STEP_NAMES
 HSDP_MODES = ("hsdp", "hsdp-bf16")
 """torch's HSDP: fp32 reduce (its default), bf16 reduce."""
 FSDP_PREFIX = "fsdp-"
-NO_OVERLAP = "-nooverlap"
-FSDP_MODES = tuple(f"{FSDP_PREFIX}{name}{wait}" for wait in ("", NO_OVERLAP) for name in PER_STEP_NAMES)
-"""``fsdp-<recipe>``: ``gradientflow.fsdp.fully_shard(..., compression="<recipe>")``; ``fsdp-<recipe>-nooverlap``:
-the same with ``overlap=False``."""
+OVERLAP = "-overlap"
+FSDP_MODES = tuple(f"{FSDP_PREFIX}{name}{wait}" for wait in ("", OVERLAP) for name in PER_STEP_NAMES)
+"""``fsdp-<recipe>``: ``gradientflow.fsdp.fully_shard(..., compression="<recipe>")``; ``fsdp-<recipe>-overlap``:
+the same with ``overlap=True``."""
 SHARDED_MODES = (*HSDP_MODES, *FSDP_MODES)
 _MESH: list[Any] = []  # one mesh per process: every sharded mode of a launch on the same groups
 
@@ -68,8 +68,8 @@ def shard(model: nn.Module, mode: str) -> nn.Module:
         elif mode == "hsdp-bf16":
             torch_fully_shard(module, mesh=on, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
         else:
-            recipe = mode.removeprefix(FSDP_PREFIX).removesuffix(NO_OVERLAP)
-            overlap = not mode.endswith(NO_OVERLAP)
+            recipe = mode.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP)
+            overlap = mode.endswith(OVERLAP)
             if lookup(recipe).recipe.mechanism.startswith("topk"):
                 # the top-k recipes' sparse steps are timed, as the DDP modes' are: no density ramp
                 gf.fully_shard(module, mesh=on, compression=recipe, warmup_steps=0, overlap=overlap)

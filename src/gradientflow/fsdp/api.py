@@ -139,7 +139,7 @@ def fully_shard(
     sync_delay: int | None = None,
     outer_state_device: str | None = None,
     # gradientflow.fsdp's own
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> Any:
     """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
     reduction between nodes by a gradientflow recipe.
@@ -159,9 +159,11 @@ def fully_shard(
     ``outer_momentum``) sets every replica's shards alike (:mod:`gradientflow.fsdp.outer`); the outer options as
     :class:`gradientflow.config.GradientFlowConfig` documents them, the same as the DDP wrapper's.  No gradient
     crosses between nodes in between, so ``compression`` keeps its default (``"auto"`` then runs nothing).
-    ``overlap`` (default ``True``): each module's exchange between nodes is posted in its hook and finished when the
-    next module's hook runs, or at the end of the backward pass, so that it overlaps the next module's backward
-    (:mod:`gradientflow.fsdp.overlap`; the same gradients bit for bit); ``False``: the hook waits for it.
+    ``overlap=True``: each module's exchange between nodes is posted in its hook and finished when the next module's
+    hook runs, or at the end of the backward pass, so that it overlaps the next module's backward
+    (:mod:`gradientflow.fsdp.overlap`; the same gradients bit for bit); the default ``False`` waits in the hook
+    (measured on the emulated 2 x 2 CPU cluster: overlap hid most of a dense exchange's wait but made the 3-bit
+    recipe's step no faster: docs/results/fsdp.md).
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
     modules = module if isinstance(module, list) else [module]
@@ -202,7 +204,7 @@ def fully_shard(
         if not isinstance(overlap, bool):
             raise ValueError(
                 f"gradientflow.fsdp.fully_shard: overlap must be True or False, got {overlap!r}; pass overlap=True "
-                "(the default: the exchange between nodes overlaps the next module's backward) or overlap=False."
+                "(the exchange between nodes overlaps the next module's backward) or overlap=False (the default)."
             )
         check_against_launch(hsdp, os.environ)
         for m in modules:

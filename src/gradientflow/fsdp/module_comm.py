@@ -68,7 +68,7 @@ class ModuleComm:
         device: torch.device,
         index: int,
         module: nn.Module,
-        overlap_exchange: bool = True,
+        overlap_exchange: bool = False,
     ) -> None:
         mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
         self.module = weakref.ref(module)  # weak: the module holds this object (module._gf_fsdp)
