@@ -16,7 +16,7 @@ import numpy as np
 from gradientflow.bench.link_bytes import link_summary
 from gradientflow.bench.quality_plot import plot
 from gradientflow.bench.report_tables import link_table
-from gradientflow.bench.sharded import FSDP_MODES, FSDP_PREFIX
+from gradientflow.bench.sharded import FSDP_MODES, FSDP_PREFIX, OVERLAP
 
 RECIPE_WHAT = {
     "ddp": "torch DDP, dense fp32 (the oracle)",
@@ -33,7 +33,8 @@ RECIPE_WHAT = {
     "hsdp": "torch FSDP2's HSDP on the mesh (nodes, ranks per node), its shards all-reduced between nodes in fp32",
     "hsdp-bf16": "torch FSDP2's HSDP, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): bf16 between nodes",
     **{
-        mode: f'gradientflow.fsdp.fully_shard, compression="{mode.removeprefix(FSDP_PREFIX)}" between nodes'
+        mode: f'gradientflow.fsdp.fully_shard, compression="{mode.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP)}" '
+        + ("between nodes, overlap=True" if mode.endswith(OVERLAP) else "between nodes")
         for mode in FSDP_MODES
     },
     "torchft-diloco": "torchft 0.2.0 DiLoCo: the user's optimizer inside, fp32 pseudo-gradients averaged every "

@@ -138,6 +138,8 @@ def fully_shard(
     sync_fragments: int | None = None,
     sync_delay: int | None = None,
     outer_state_device: str | None = None,
+    # gradientflow.fsdp's own
+    overlap: bool = False,
 ) -> Any:
     """Torch's ``fully_shard`` (the same arguments, applied per block and at the root as torch's) with HSDP's
     reduction between nodes by a gradientflow recipe.
@@ -157,6 +159,11 @@ def fully_shard(
     ``outer_momentum``) sets every replica's shards alike (:mod:`gradientflow.fsdp.outer`); the outer options as
     :class:`gradientflow.config.GradientFlowConfig` documents them, the same as the DDP wrapper's.  No gradient
     crosses between nodes in between, so ``compression`` keeps its default (``"auto"`` then runs nothing).
+    ``overlap=True``: each module's exchange between nodes is posted in its hook and finished when the next module's
+    hook runs, or at the end of the backward pass, so that it overlaps the next module's backward
+    (:mod:`gradientflow.fsdp.overlap`; the same gradients bit for bit); the default ``False`` waits in the hook
+    (measured on the emulated 2 x 2 CPU cluster: overlap hid most of a dense exchange's wait but made the 3-bit
+    recipe's step no faster: docs/results/fsdp.md).
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
     modules = module if isinstance(module, list) else [module]
@@ -194,6 +201,11 @@ def fully_shard(
                 "gradientflow.fsdp.fully_shard: dp_mesh_dims (an SPMD mesh) is not supported; pass the 2-D "
                 "data-parallel mesh (dimension 0 between nodes, 1 inside a node) itself as mesh="
             )
+        if not isinstance(overlap, bool):
+            raise ValueError(
+                f"gradientflow.fsdp.fully_shard: overlap must be True or False, got {overlap!r}; pass overlap=True "
+                "(the exchange between nodes overlaps the next module's backward) or overlap=False (the default)."
+            )
         check_against_launch(hsdp, os.environ)
         for m in modules:
             check_children(m)
@@ -201,7 +213,7 @@ def fully_shard(
             mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
     except ValueError as exc:
         refused = refused or ERROR + str(exc)
-    settings = refused or _settings(config, hsdp, modules, ignored_params)
+    settings = refused or _settings(config, hsdp, modules, ignored_params) + f" overlap {overlap}"
     first = modules[0]
     device = _device(hsdp)
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)  # raises on every rank, or none
@@ -218,7 +230,7 @@ def fully_shard(
     groups = sharded._get_fsdp_state()._fsdp_param_groups
     group = groups[0] if groups else None
     device = group.device if group is not None else device  # the module's own (torch's choice of index)
-    comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded)
+    comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded, overlap_exchange=overlap)
     if group is not None:
         bound_inside_node(sharded, hsdp, comm.watchdog)  # Gloo: torch's collectives in the node bounded, named
         sharded.set_all_reduce_hook(comm)

@@ -17,7 +17,7 @@ the recipe does, in place (the all-reduce hook's contract: torch then views the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +48,14 @@ def ring_allreduce_bytes(nbytes: int, nodes: int) -> int:
     return 2 * (nodes - 1) * nbytes // nodes
 
 
-def dense_exchange(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype | None, watchdog: Watchdog) -> Sent:
-    """``t`` <- its average over ``group``, on a ``wire`` dtype wire (``None``: ``t``'s own dtype, as torch's HSDP:
-    ``ReduceOp.AVG`` where torch uses it, so ``"none"`` reduces exactly as torch does)."""
+Finish = Callable[[], Sent]
+"""A posted exchange: called once, it waits for the messages and leaves the result in the tensor it was posted on."""
+
+
+def post_dense(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype | None, watchdog: Watchdog) -> Finish:
+    """Post ``t`` <- its average over ``group``, on a ``wire`` dtype wire (``None``: ``t``'s own dtype, as torch's
+    HSDP: ``ReduceOp.AVG`` where torch uses it, so ``"none"`` reduces exactly as torch does); the returned
+    :data:`Finish` waits for it."""
     nodes = dist.get_world_size(group)
     if wire is None or wire == t.dtype:
         if t.dtype in _AVG_DTYPES:
@@ -63,9 +68,18 @@ def dense_exchange(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype 
         on_wire = to_wire(t, wire, nodes)
         work = dist.all_reduce(on_wire, group=group, async_op=True)
     nbytes = on_wire.numel() * on_wire.element_size()
-    watchdog.wait(work, "FSDP shard all-reduce between nodes", nbytes)
-    from_wire(t, on_wire)
-    return Sent(nbytes, ring_allreduce_bytes(nbytes, nodes))
+
+    def finish() -> Sent:
+        watchdog.wait(work, "FSDP shard all-reduce between nodes", nbytes)
+        from_wire(t, on_wire)
+        return Sent(nbytes, ring_allreduce_bytes(nbytes, nodes))
+
+    return finish
+
+
+def dense_exchange(t: torch.Tensor, group: dist.ProcessGroup, wire: torch.dtype | None, watchdog: Watchdog) -> Sent:
+    """:func:`post_dense`, waited for at once."""
+    return post_dense(t, group, wire, watchdog)()
 
 
 @contextlib.contextmanager
@@ -117,10 +131,24 @@ class QuantizedShard:
         if self.sq is None:
             self.sq = error_feedback.zeros(self.err.numel(), self.err.device)
 
+    def rescale(self, scale: float | torch.Tensor) -> None:
+        """The residual (and ``q``) multiplied into units of the loss scale ``scale`` (a ``GradScaler``'s: a power
+        of two, so exact): the contribution is the scaled gradient, and the residual must be in its units."""
+        rescale_state(self.err, self.sq, scale)
+
+    def clean(self) -> None:
+        """Non-finite entries of the residual and ``q`` reset to 0 (a ``GradScaler``'s overflowing step)."""
+        clean_state(self.err, self.sq)
+
     def reduce(self, t: torch.Tensor, quantizer: Quantizer) -> Sent:
-        """``t`` <- the average over the group of every rank's ``t``, each quantised with its residual added
-        (``carry``); the quantisation error stays in :attr:`err` for the next exchange.  Nothing is lost:
-        ``sum over ranks of (t / M + err before) == result + sum over ranks of err after``, to fp32 rounding."""
+        """:meth:`post`, waited for at once."""
+        return self.post(t, quantizer)()
+
+    def post(self, t: torch.Tensor, quantizer: Quantizer) -> Finish:
+        """Post ``t`` <- the average over the group of every rank's ``t``, each quantised with its residual added
+        (``carry``); the returned :data:`Finish` waits for it, and the quantisation error stays in :attr:`err` for
+        the next exchange.  Nothing is lost: ``sum over ranks of (t / M + err before) == result + sum over ranks of
+        err after``, to fp32 rounding."""
         if t.numel() != self.err.numel():
             raise RuntimeError(
                 f"gradientflow.fsdp: the module's gradient shard has {t.numel()} elements this step, its residual "
@@ -137,9 +165,29 @@ class QuantizedShard:
             x.div_(exchange.parties)  # each node contributes t / M: the ring's sum is the average
             sq = self.sq if quantizer.precondition else None
             flight = exchange.start(x, self.err, "FSDP shard between nodes (quantised exchange)", sq=sq)
-            flight.wait()
-            flight.complete()
-            if x is not t:
-                t.copy_(x)
-        exchange.advance()
-        return Sent(flight.payload_bytes, flight.sent_bytes)
+
+        def finish() -> Sent:
+            with on_default_stream(t):
+                flight.wait()
+                flight.complete()
+                if x is not t:
+                    t.copy_(x)
+            exchange.advance()
+            return Sent(flight.payload_bytes, flight.sent_bytes)
+
+        return finish
+
+
+def rescale_state(err: torch.Tensor, sq: torch.Tensor | None, scale: float | torch.Tensor) -> None:
+    """``err`` times ``scale``, ``q`` (squared gradients) times ``scale**2``; nothing for a scale of 1."""
+    if isinstance(scale, float) and scale == 1.0:
+        return
+    err.mul_(scale)
+    if sq is not None:
+        sq.mul_(scale * scale)
+
+
+def clean_state(err: torch.Tensor, sq: torch.Tensor | None) -> None:
+    """Non-finite entries of ``err`` and ``sq`` reset to 0, in place (what DDP's residuals do after an overflow)."""
+    for buf in (err, *([sq] if sq is not None else [])):
+        torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)

@@ -6,7 +6,8 @@ the shards would stay each node's own and the replicas drift apart without an er
 are of a class of their own, torch's FSDP class of the module with :class:`GradientflowFSDPModule` before it (as
 torch puts ``FSDPModule`` before the module's class), whose ``set_all_reduce_hook`` keeps the hook for after the
 reduction: torch's HSDP calls it after its all-reduce, on the reduced shard, on no held micro-step, and refuses a
-``stream`` (the hook runs on the reduction's stream).
+``stream`` (the hook runs on the reduction's stream).  The same class carries ``register_grad_scaler``, the DDP
+wrapper's method of that name for gradientflow's modules (a torch ``GradScaler``'s loss scale, for the residuals).
 
 ``set_custom_reduce_scatter`` / ``set_custom_all_gather`` are torch's, unchanged: under torch's HSDP they replace
 the collectives inside the node, and so they do here (the module's ``shard`` group); on Gloo they replace the ones
@@ -48,6 +49,22 @@ class GradientflowFSDPModule(FSDPModule):
                 "set_all_reduce_hook(hook) without stream."
             )
         comm_of(self).set_user_hook(hook)  # the unit's ModuleComm (this module's, or its list's first)
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """Tell gradientflow's exchanges of this module and of every gradientflow module inside it about the
+        ``torch.amp.GradScaler`` scaling the loss (the DDP wrapper's ``register_grad_scaler``): the error-feedback
+        residuals are then kept in units of each step's loss scale while they are added to the scaled gradients,
+        and an overflowing step (inf / NaN gradients: the scaler skips it) leaves them finite.  Call it on the root
+        once, before the first backward; ``None`` forgets it.  Dense recipes need none (nothing is kept)."""
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"register_grad_scaler takes a torch.amp.GradScaler (or None), got {type(scaler).__name__}: pass "
+                "the scaler whose scaler.scale(loss) you call backward on."
+            )
+        for module in cast(nn.Module, self).modules():
+            comm = getattr(module, "_gf_fsdp", None)
+            if comm is not None:
+                comm.register_grad_scaler(scaler)
 
 
 def adopt(module: nn.Module) -> None:

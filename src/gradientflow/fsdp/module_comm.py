@@ -23,10 +23,12 @@ import torch
 import torch.nn as nn
 
 from .. import mechanisms
+from ..comm.precision import loss_scale
 from ..config import GradientFlowConfig
+from . import overlap
 from .bounded import mesh_watchdog
 from .checkpoint import warn_resume_without_state
-from .exchange import QuantizedShard, Sent, dense_exchange, ring_allreduce_bytes
+from .exchange import Finish, QuantizedShard, Sent, post_dense, ring_allreduce_bytes
 from .mesh import HSDPMesh
 from .mixing import check_tree
 from .stats import Counts, ExchangeCounters
@@ -36,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 ShardState = QuantizedShard | TopkShard
 """The error-feedback state a module's exchange keeps between steps (saved by :mod:`.checkpoint`)."""
-ShardExchange = Callable[[torch.Tensor], Sent]
-"""A module's exchange between nodes: the shard in, reduced in place; its bytes out."""
+ShardExchange = Callable[[torch.Tensor], Finish]
+"""A module's exchange between nodes: posted on the shard, which it reduces in place; what it returns waits for it
+and gives its bytes."""
 
 
 def shard_numel(param_group: Any) -> int:
@@ -65,6 +68,7 @@ class ModuleComm:
         device: torch.device,
         index: int,
         module: nn.Module,
+        overlap_exchange: bool = False,
     ) -> None:
         mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
         self.module = weakref.ref(module)  # weak: the module holds this object (module._gf_fsdp)
@@ -91,6 +95,8 @@ class ModuleComm:
         self.counters = ExchangeCounters()
         self.auto_reason = "no optimizer step seen yet: dense fp32" if config.compression == "auto" else ""
         self.user_hook: Callable[[torch.Tensor], None] | None = None  # the user's set_all_reduce_hook
+        self.overlap = overlap_exchange  # post in the hook, finish at the next hook or the backward's end (overlap.py)
+        self.scaler: Any = None  # the GradScaler registered (register_grad_scaler): the residual's loss scale
         self.state_loaded = False  # the recipe state was loaded (a checkpoint's), since the model's last load
         self.resume_unchecked = False  # the model was loaded; the next exchange checks its recipe state came too
         self._make_state()
@@ -115,39 +121,88 @@ class ModuleComm:
 
     def __call__(self, t: torch.Tensor) -> None:
         """The all-reduce hook: ``t`` (this rank's shard, the node's average) <- its average over the nodes; then the
-        user's hook (:meth:`set_user_hook`) on the reduced shard, where torch's HSDP calls it after its all-reduce."""
+        user's hook (:meth:`set_user_hook`) on the reduced shard, where torch's HSDP calls it after its all-reduce.
+        With ``overlap`` the exchange is posted here and finished later (:mod:`.overlap`): the previous module's,
+        still in flight, is finished first."""
         module = self.module()
         if self.checked_mixing() and module is not None:
             check_tree(module)
-        if self.reduce(t) and self.user_hook is not None:
+        overlap.finish_posted()  # one exchange in flight: the previous module's is done before this one's starts
+        step = self.begin(t)
+        if step == "held":
+            return
+        if step == "exchange" and self.overlap and overlap.deferrable(self.param_group, t, self.numel):
+            x = t.clone()  # the exchange's own buffer: torch writes t into .grad as soon as this hook returns
+            t.zero_()  # so torch views zeros as .grad, or adds zeros to it (overlap.py)
+            accumulate = overlap.accumulating(self.param_group)
+            finish = self._post(x)
+
+            def done() -> None:
+                finish()
+                if self.user_hook is not None:
+                    self.user_hook(x)
+                overlap.write_grads(self.param_group, x, accumulate)
+
+            if overlap.post(done):
+                return
+            finish()  # no backward pass to finish in: done here, into torch's own tensor
+            t.copy_(x)
+        elif step == "exchange":
+            self._post(t)()
+        if self.user_hook is not None:
             self.user_hook(t)
 
-    def reduce(self, t: torch.Tensor) -> bool:
-        """``t`` averaged over the nodes in place; False for a micro-step held (nothing reduced: torch's HSDP calls
-        no hook there either)."""
+    def begin(self, t: torch.Tensor) -> str:
+        """Before an exchange: the resume check, and what ``t`` gets: ``"exchange"`` (its average over the nodes),
+        ``"local"`` (nothing between nodes: ``t`` is the gradient), ``"held"`` (a micro-step kept for the next
+        exchange: nothing reduced, and torch's HSDP calls no hook there either)."""
         if self.resume_unchecked:
             self.resume_unchecked = False
             warn_resume_without_state(self)
         if self.mesh.nodes == 1 or self.config.sync_every > 1:
             # one node: nothing between nodes (torch's HSDP all-reduces over one rank, a no-op); fewer syncs
             # (fsdp/outer.py): the nodes meet every sync_every steps, so the node's average is the gradient
-            return True
+            return "local"
         if self.param_group is not None and not self.param_group.all_reduce_grads:
             # a micro-step under set_requires_all_reduce(False): nothing leaves the node; the shard waits here and
             # the .grad gets zeros, so that the last micro-step's exchange carries the whole sum once
             self.partial = t.clone() if self.partial is None else self.partial.add_(t)
             t.zero_()
             self.counters.held += 1
-            return False
+            return "held"
         if self.partial is not None:
             t.add_(self.partial)
             self.partial = None
+        return "exchange"
+
+    def _post(self, t: torch.Tensor) -> Callable[[], None]:
+        """Post the recipe's exchange of ``t`` (in place); the returned callable waits for it and counts it.  With a
+        ``GradScaler`` registered (:meth:`register_grad_scaler`) the residual is in units of this step's loss scale
+        while the exchange runs (``t`` is the scaled gradient) and unscaled between steps; an overflowing step's
+        non-finite entries are reset to 0."""
+        scale = loss_scale(self.scaler)
+        state = self.feedback if self.scaler is not None else None
+        if state is not None:
+            state.rescale(scale)
         t0 = time.perf_counter()
-        sent = self.exchange(t)
-        self._count(t, sent, time.perf_counter() - t0)
-        self.exchanges += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
-        self.watchdog.step = max(self.watchdog.step, self.exchanges)
-        return True
+        finish = self.exchange(t)
+        posted = time.perf_counter() - t0
+
+        def done() -> None:
+            t1 = time.perf_counter()
+            sent = finish()
+            if state is not None:
+                state.clean()
+                state.rescale(1.0 / scale)
+            self._count(t, sent, posted + time.perf_counter() - t1)
+            self.exchanges += 1  # this module's exchanges: its optimizer steps (an error names the step it failed in)
+            self.watchdog.step = max(self.watchdog.step, self.exchanges)
+
+        return done
+
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """The ``torch.amp.GradScaler`` scaling this module's gradients (``None``: none)."""
+        self.scaler = scaler
 
     def set_user_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
         """The user's ``set_all_reduce_hook``: called after this module's reduction between nodes, on the reduced
@@ -195,7 +250,7 @@ class ModuleComm:
 @mechanisms.form("dense", "fsdp")
 def _dense_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
     group, wire, watchdog = comm.mesh.replicate, comm.config.wire_dtype, comm.watchdog
-    return (lambda t: dense_exchange(t, group, wire, watchdog)), None
+    return (lambda t: post_dense(t, group, wire, watchdog)), None
 
 
 @mechanisms.form("auto", "fsdp")
@@ -218,7 +273,7 @@ def _quantized_state(comm: ModuleComm, kept: ShardState | None, precondition: bo
 def _quantized_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange, ShardState | None]:
     config = comm.config
     state = _quantized_state(comm, kept, config.quantizer().precondition)
-    return (lambda t: state.reduce(t, config.quantizer())), state
+    return (lambda t: state.post(t, config.quantizer())), state
 
 
 @mechanisms.form("topk", "fsdp")
@@ -231,8 +286,8 @@ def _topk_form(comm: ModuleComm, kept: ShardState | None) -> tuple[ShardExchange
         state = TopkShard(comm.numel, comm.device, resolved, shard_layout(comm.param_group))
     group, watchdog = comm.mesh.replicate, comm.watchdog
 
-    def exchange(t: torch.Tensor) -> Sent:
+    def exchange(t: torch.Tensor) -> Finish:
         assert isinstance(state, TopkShard)  # a module torch calls the hook for holds parameters
-        return state.reduce(t, group, watchdog)
+        return state.post(t, group, watchdog)
 
     return exchange, state

@@ -34,7 +34,7 @@ from ..diagnostics.watchdog import Watchdog
 from ..exchange import error_feedback
 from ..exchange.quantized import QuantizedExchange
 from ..exchange.selection import chunk_scores, dense_from, density_at, n_selected, select_chunks
-from .exchange import Sent, dense_exchange, on_default_stream, ring_allreduce_bytes
+from .exchange import Finish, Sent, clean_state, on_default_stream, post_dense, rescale_state, ring_allreduce_bytes
 
 
 def forced_chunks(sizes: list[tuple[int, bool]], chunk_size: int, n_chunks: int) -> torch.Tensor:
@@ -81,9 +81,23 @@ class TopkShard:
     def ensure_sq(self) -> None:
         """No preconditioner here (see the class docstring)."""
 
+    def rescale(self, scale: float | torch.Tensor) -> None:
+        """``v`` into units of the loss scale ``scale`` (:meth:`.exchange.QuantizedShard.rescale`)."""
+        rescale_state(self.err, None, scale)
+
+    def clean(self) -> None:
+        """Non-finite entries of ``v`` reset to 0 (a ``GradScaler``'s overflowing step)."""
+        clean_state(self.err, None)
+
     def reduce(self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog) -> Sent:
-        """``t`` <- the average over ``group`` of every node's ``t``, the top chunks of ``t / M + v`` sent, the rest
-        (and what the wire lost) kept in ``v`` for the next exchange (the module docstring's steps)."""
+        """:meth:`post`, waited for at once."""
+        return self.post(t, group, watchdog)()
+
+    def post(self, t: torch.Tensor, group: dist.ProcessGroup, watchdog: Watchdog) -> Finish:
+        """Post ``t`` <- the average over ``group`` of every node's ``t``, the top chunks of ``t / M + v`` sent, the
+        rest (and what the wire lost) kept in ``v`` for the next exchange (the module docstring's steps).  The chunks'
+        scores are waited for here (every node must pick the same chunks before it sends them); the chunks' own
+        exchange, the bulk of the bytes, is what the returned :data:`Finish` waits for."""
         if t.numel() != self.numel:
             raise RuntimeError(
                 f"gradientflow.fsdp: the module's gradient shard has {t.numel()} elements this step, its residual "
@@ -92,7 +106,7 @@ class TopkShard:
         density = density_at(self.step, self.density, self.warmup_steps)
         self.step += 1
         if density >= self.dense_from:  # the ramp's first steps: a dense step is no more bytes
-            return dense_exchange(t, group, self.wire, watchdog)
+            return post_dense(t, group, self.wire, watchdog)
         with on_default_stream(t):  # CUDA: every op of the exchange on one stream (see on_default_stream)
             nodes = dist.get_world_size(group)
             v = self.err
@@ -104,14 +118,11 @@ class TopkShard:
             scores[self.forced] = math.inf  # after the sum: every node forces the same chunks (the same layout)
             picked = select_chunks(scores, n_selected(density, self.n_chunks))
             sent_rows = rows.index_select(0, picked)  # a copy: v's rows are rewritten below
+            score_bytes = scores.numel() * 4
             if self.quantizer is None:
                 wire = sent_rows.to(self.wire) if self.wire is not None else sent_rows.clone()
                 rows.index_copy_(0, picked, sent_rows - wire.float())  # what fp16 rounded off stays in v
                 work = dist.all_reduce(wire, group=group, async_op=True)
-                nbytes = wire.numel() * wire.element_size()
-                watchdog.wait(work, "FSDP top-k chunks between nodes", nbytes)
-                total = wire.float()
-                payload, sent = nbytes, ring_allreduce_bytes(nbytes, nodes)
             else:
                 lost = error_feedback.zeros_like(sent_rows)
                 if self.exchange is None:  # the quantised exchange's, between the nodes (no warm-up, no carry)
@@ -122,13 +133,23 @@ class TopkShard:
                     "FSDP top-k chunks between nodes (quantised exchange)",
                     carry=False,
                 )
-                ring.wait()
-                ring.complete()
-                rows.index_copy_(0, picked, lost)  # each sent row's quantisation error stays in v
-                total = sent_rows
-                payload, sent = ring.payload_bytes, ring.sent_bytes
-            out = torch.zeros_like(rows)
-            out.index_copy_(0, picked, total)
-            t.copy_(out.view(-1)[: self.numel])
-        score_bytes = scores.numel() * 4
-        return Sent(payload + score_bytes, sent + ring_allreduce_bytes(score_bytes, nodes))
+
+        def finish() -> Sent:
+            with on_default_stream(t):
+                if self.quantizer is None:
+                    nbytes = wire.numel() * wire.element_size()
+                    watchdog.wait(work, "FSDP top-k chunks between nodes", nbytes)
+                    total = wire.float()
+                    payload, sent = nbytes, ring_allreduce_bytes(nbytes, nodes)
+                else:
+                    ring.wait()
+                    ring.complete()
+                    rows.index_copy_(0, picked, lost)  # each sent row's quantisation error stays in v
+                    total = sent_rows
+                    payload, sent = ring.payload_bytes, ring.sent_bytes
+                out = torch.zeros_like(rows)
+                out.index_copy_(0, picked, total)
+                t.copy_(out.view(-1)[: self.numel])
+            return Sent(payload + score_bytes, sent + ring_allreduce_bytes(score_bytes, nodes))
+
+        return finish
