@@ -299,3 +299,64 @@ def test_a_parameter_smaller_than_the_node(per_node: int, options: dict) -> None
         if options in ({"outer_compression": "none"}, {}):
             holds = sum(r["numel"]) > 0
             assert r["identical"] == [not holds, True, not holds, True], (rank, r)
+
+
+# ---- 4. refused on every rank: mixed outer options in one model, an optimizer over both kinds of module ----------
+def _refusals(rank: int, world: int) -> dict:
+    import gradientflow.fsdp as gff
+
+    mesh = _mesh(2, 2)
+    out: dict = {}
+    for name, blocks, root in (
+        ("other_h", {"sync_every": 2}, {"sync_every": 3}),
+        ("other_lr", {"sync_every": 2}, {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}),
+        ("every_step_blocks", {}, {"sync_every": 2}),
+    ):
+        net = _net()
+        for block in (net[0], net[2]):
+            gff.fully_shard(block, mesh=mesh, **blocks)
+        try:
+            gff.fully_shard(net, mesh=mesh, **root)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    # the advice: the same options to every call
+    net = _shard(_net(), mesh, "gf", sync_every=3)
+    _train(net, rank, 3)
+    out["advice_syncs"] = gff.comm_stats(net)["outer_syncs"]
+
+    # one optimizer over a model of sync_every=2 and one of sync_every=1
+    fewer, every = _shard(_net(), mesh, "gf", sync_every=2), _shard(_net(1), mesh, "gf", compression="none")
+    opt = torch.optim.SGD([*fewer.parameters(), *every.parameters()], lr=0.1)
+    for net in (fewer, every):
+        _loss(net, rank, 0).backward()
+    try:
+        opt.step()
+        out["mixed_optimizer"] = None
+    except ValueError as exc:
+        out["mixed_optimizer"] = str(exc)
+    # the advice: an optimizer each
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (fewer, every)]
+    for step in range(2):
+        for net, o in zip((fewer, every), opts):
+            _train(net, rank, 1, o)
+    out["advice_inner_steps"] = gff.comm_stats(fewer)["inner_steps"]
+    return out
+
+
+def test_mixed_outer_options_and_an_optimizer_over_both_kinds_are_refused_on_every_rank() -> None:
+    """A root sharded with other ``sync_every`` / outer options than its blocks (sharded before it) is refused at its
+    ``fully_shard`` call, on every rank (each call's options passed the ranks' agreement, so every rank sees the same
+    mismatch), not at the first step; the advice (the same options to every call) then trains.  One optimizer over a
+    model of ``sync_every=2`` and one of ``sync_every=1`` is refused at its first step on every rank; an optimizer
+    each (the advice) steps both."""
+    for r in run_distributed(_refusals, 4, timeout=120):
+        for name in ("other_h", "other_lr", "every_step_blocks"):
+            assert r[name] is not None and "pass the same sync_every= and outer_*= options" in r[name], (name, r)
+        assert "submodule '0' was sharded with sync_every=2" in r["other_h"], r["other_h"]
+        assert (
+            "outer_lr=0.7" in r["other_lr"] and "submodule '0' was sharded with sync_every=1" in r["every_step_blocks"]
+        )
+        assert r["advice_syncs"] == 1
+        assert r["mixed_optimizer"] is not None and "give each model its own optimizer" in r["mixed_optimizer"], r
+        assert r["advice_inner_steps"] == 2
