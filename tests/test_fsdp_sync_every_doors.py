@@ -337,9 +337,8 @@ def _refusals(rank: int, world: int) -> dict:
         out["mixed_optimizer"] = str(exc)
     # the advice: an optimizer each
     opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (fewer, every)]
-    for step in range(2):
-        for net, o in zip((fewer, every), opts):
-            _train(net, rank, 1, o)
+    for net, o in zip((fewer, every), opts):
+        _train(net, rank, 2, o)
     out["advice_inner_steps"] = gff.comm_stats(fewer)["inner_steps"]
     return out
 
