@@ -1,7 +1,10 @@
 """Peak memory per rank of torch's HSDP against ``gradientflow.fsdp.fully_shard``'s recipes, 2 nodes x 2 ranks on
-Gloo loopback (issue 58: "peak above torch HSDP's at most one fp32 shard per rank for the 3-bit recipe").
+Gloo loopback (issue 58: "peak above torch HSDP's at most one fp32 shard per rank for the 3-bit recipe"; issue 72:
+fewer syncs, "memory per rank above torch's HSDP: at most the anchor's and the momentum's shards").
 
     python experiments/fsdp_memory.py --size 512x4 --steps 6 --repeats 3 --out benchmarks/fsdp_memory
+    python experiments/fsdp_memory.py --size 256x4 --steps 4 --repeats 3 --kinds outer outer-nesterov \
+        --out benchmarks/fsdp_memory_outer
 
 Each (kind, repeat) runs in 4 fresh processes: the transformer of the quality bench (``--size`` d_model x layers)
 sharded per block and at the root, AdamW, ``--steps`` steps on random tokens.  A rank's figure is its peak resident
@@ -12,7 +15,12 @@ recipe's state and buffers hold at the step's peak.  The processes start with ``
 life, so the resident set follows the live tensors and the unsharded model built before sharding leaves nothing
 behind.  The
 medians over repeats of the largest rank's figure are compared; the recipe's state is also counted exactly
-(``comm_stats()['state_bytes']``) beside one fp32 shard of the model (its parameters over the ranks of a node).
+(``comm_stats()['state_bytes']``, plus ``outer_state_bytes`` for fewer syncs) beside one fp32 shard of the model
+(its parameters over the ranks of a node).
+
+The fewer-syncs kinds: ``fully_shard(..., sync_every=2)`` with the defaults (``"outer"``: averaging through the 3-bit
+exchange: the anchor and the residual) and DiLoCo's Nesterov (``"outer-nesterov"``: ``outer_lr=0.7``,
+``outer_momentum=0.9``, 3-bit: the anchor, the momentum and the residual); the steps include ``steps // 2`` syncs.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-KINDS = ("torch", "none", "3bit", "3bit-precond", "topk-3bit")
-"""torch's HSDP (fp32 reduce), then gradientflow's recipes."""
+KINDS = ("torch", "none", "3bit", "3bit-precond", "topk-3bit", "outer", "outer-nesterov")
+"""torch's HSDP (fp32 reduce), then gradientflow's recipes, then fewer syncs (sync_every=2)."""
+OUTER = {"outer": {"sync_every": 2}, "outer-nesterov": {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}}
+"""The fewer-syncs kinds' options."""
 BATCH, SEQ, VOCAB = 8, 64, 96
 
 
@@ -62,6 +72,8 @@ def _worker(rank: int, world: int, store: str, kind: str, size: tuple[int, int],
     for block in [*net.layers, net]:
         if kind == "torch":
             torch_fully_shard(block, mesh=mesh)
+        elif kind in OUTER:
+            gf.fully_shard(block, mesh=mesh, **OUTER[kind])
         else:
             gf.fully_shard(block, mesh=mesh, compression=kind, **({"warmup_steps": 0} if "topk" in kind else {}))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -72,8 +84,9 @@ def _worker(rank: int, world: int, store: str, kind: str, size: tuple[int, int],
             opt.step()
             opt.zero_grad()
     peak = sampled.peak
-    state = 0 if kind == "torch" else gf.comm_stats(net)["state_bytes"]
-    shard = 0 if kind == "torch" else gf.comm_stats(net)["dense_bytes"]
+    stats = {} if kind == "torch" else gf.comm_stats(net)
+    state = stats.get("state_bytes", 0) + stats.get("outer_state_bytes", 0)
+    shard = stats.get("dense_bytes", 0)
     mine = {"added_mb": peak - before, "state_bytes": state, "shard_bytes": shard, "params": params}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
@@ -126,13 +139,16 @@ def main() -> None:
         f"One fp32 shard of the model per rank: {shard_mb:.1f} MiB (the parameters over the 2 ranks of a node).",
         "",
         "| kind | peak added MiB (median of the largest rank, "
-        f"{args.repeats} launches) | above torch HSDP MiB | in fp32 shards | recipe state MiB (exact) | each launch |",
+        f"{args.repeats} launches) | above torch HSDP MiB | in fp32 shards | recipe and outer state MiB (exact) | "
+        "each launch |",
         "|---|---|---|---|---|---|",
     ]
     for kind in kinds:
         above = peak[kind] - peak["torch"]
         state = max(r["state_bytes"] for r in runs[kind][0]) / 2**20
         label = "torch HSDP (fp32 reduce)" if kind == "torch" else f"gradientflow `{kind}`"
+        if kind in OUTER:
+            label = "gradientflow " + ", ".join(f"`{k}={v}`" for k, v in OUTER[kind].items())
         each = ", ".join(f"{max(r['added_mb'] for r in launch):.0f}" for launch in runs[kind])
         lines.append(f"| {label} | {peak[kind]:.1f} | {above:+.1f} | {above / shard_mb:+.2f} | {state:.1f} | {each} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

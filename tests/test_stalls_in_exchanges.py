@@ -1,6 +1,7 @@
 """A peer stalled or killed in an exchange is a named error on every other rank: the per-step doors
 (``DistributedDataParallel(compression=...)``, flat and two-level), the FSDP door's exchange
-(``gradientflow.fsdp.fully_shard`` on a 2x2 HSDP mesh) and the outer sync of fewer syncs (``sync_every=H``).
+(``gradientflow.fsdp.fully_shard`` on a 2x2 HSDP mesh) and the outer sync of fewer syncs (``sync_every=H``, behind
+both doors).
 
 The promise (docs/diagnostics.md): a lost or hung peer is a ``gradientflow.CommunicationError`` naming it, raised
 on every rank within the ``timeout=`` option (plus the few seconds in which the ranks that gave up check in with
@@ -357,6 +358,45 @@ def test_outer_sync_peer_lost_is_named_on_every_rank(
     stall_dir = str(tmp_path)
     results = _run(_outer_worker, world, layout, compression, fault, stall_dir=stall_dir)
     _assert_named(results, list(range(world - 1)), world - 1, stall_dir)
+
+
+def _fsdp_outer_worker(
+    rank: int, world: int, compression: str, fault: str, survivors: list[int], stall_dir: str
+) -> dict[str, Any] | None:
+    import gradientflow.fsdp as gff
+
+    state = {"step": 0}
+
+    def at_fault_point(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if state["step"] == 2 * OUTER_H - 1:  # the step after which the second outer sync is due
+            _fault(stall_dir, fault) if rank == world - 1 else _meet(stall_dir, fault)
+
+    register_optimizer_step_pre_hook(at_fault_point)
+    mesh = gff.hsdp_mesh(2, 2)  # nodes {0, 1} and {2, 3}; replicate groups {0, 2} and {1, 3}
+    net = _shard(_mlp(), mesh, "gf", sync_every=OUTER_H, outer_compression=compression, timeout=TIMEOUT_S)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def train() -> None:
+        for step in range(3 * OUTER_H):
+            state["step"] = step
+            _loss(net, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return _outcome(rank, survivors, stall_dir, train)
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"], ids=["stopped", "killed"])
+def test_fsdp_outer_sync_peer_lost_is_named_on_every_rank(fault: str, tmp_path: Path) -> None:
+    """``gradientflow.fsdp.fully_shard(..., sync_every=2, outer_compression="3bit", timeout=3)`` on 2 nodes x 2
+    ranks: rank 3 stops (or is killed) before the optimizer step of the second outer sync (after one good sync).
+    Ranks 0, 1 and 2 raise ``gradientflow.CommunicationError`` naming rank 3 (its global rank, not its index 1 in the
+    replicate group {1, 3}) within the timeout plus the margin: rank 1 waits on it in the outer exchange of their
+    shards between nodes (killed: posts its messages to it), rank 2 (its node) in torch's next all-gather inside the
+    node, rank 0 in the next collective with rank 1 or 2; none hangs, none gets the backend's raw error."""
+    stall_dir = str(tmp_path)
+    results = _run(_fsdp_outer_worker, 4, "3bit", fault, stall_dir=stall_dir)
+    _assert_named(results, [0, 1, 2], 3, stall_dir)
 
 
 # ---- 3. the per-step doors: a rank stalls or dies between two steps ----------------------------------------------

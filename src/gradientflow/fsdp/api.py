@@ -210,6 +210,8 @@ def fully_shard(
         for m in modules:
             check_children(m)
         if not refused:
+            outer.check_calls(config, modules)  # one model, one outer loop: its blocks' options are this call's
+        if not refused:
             mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
     except ValueError as exc:
         refused = refused or ERROR + str(exc)
@@ -244,7 +246,6 @@ def fully_shard(
     sharded._gf_fsdp = comm
     if config.compression == "auto":
         auto.REGISTRY.add(comm)
-    if config.sync_every > 1:
-        outer.attach(sharded, comm)
+    outer.attach(sharded, comm)  # sync_every > 1: the model's outer loop; 1: known, so that no optimizer mixes them
     logger.debug("gradientflow.fsdp: %s on mesh %s, shard of %d elements", config.compression, hsdp.label, comm.numel)
     return out

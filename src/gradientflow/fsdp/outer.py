@@ -42,6 +42,7 @@ from ..outer.loop import OuterLoop
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
 
 if TYPE_CHECKING:  # module_comm imports stats, which imports this module: the type only
+    from ..config import GradientFlowConfig
     from .module_comm import ModuleComm
 
 KEY = "outer"
@@ -50,8 +51,31 @@ KEY = "outer"
 
 def _settings(comm: ModuleComm) -> tuple[Any, ...]:
     """What the modules of one loop must share: the mesh and the outer options."""
-    c = comm.config
-    return (comm.mesh.mesh, c.sync_every, *(getattr(c, k) for k in OUTER_OPTIONS))
+    return (comm.mesh.mesh, *_options(comm.config))
+
+
+def _options(config: GradientFlowConfig) -> tuple[Any, ...]:
+    return (config.sync_every, *(getattr(config, k) for k in OUTER_OPTIONS))
+
+
+def _said(config: GradientFlowConfig) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in zip(("sync_every", *OUTER_OPTIONS), _options(config)))
+
+
+def check_calls(config: GradientFlowConfig, modules: list[nn.Module]) -> None:
+    """At ``fully_shard(modules, ...)``: ``ValueError`` where a submodule sharded already (a block, sharded before the
+    root) was given other ``sync_every`` / outer options: the model runs one outer loop (the same on every rank: each
+    call's options went through the ranks' agreement).  Raised here rather than at the first optimizer step."""
+    for module in modules:
+        for name, child in module.named_modules():
+            comm = getattr(child, "_gf_fsdp", None)
+            if child is module or comm is None or _options(comm.config) == _options(config):
+                continue
+            raise ValueError(
+                f"gradientflow.fsdp.fully_shard: submodule {name!r} was sharded with {_said(comm.config)}; this call "
+                f"passes {_said(config)}. One model runs one outer loop: pass the same sync_every= and outer_*= "
+                "options to every fully_shard call of the model."
+            )
 
 
 class ShardedOuter:
@@ -131,6 +155,7 @@ class _OuterRegistry:
             weakref.WeakKeyDictionary()
         )
         self.hooks: list[RemovableHandle] = []
+        self.every_step: weakref.WeakSet[ModuleComm] = weakref.WeakSet()  # the modules of sync_every=1
 
     def add(self, comm: ModuleComm) -> None:
         self.modules.append(weakref.ref(comm))
@@ -168,6 +193,13 @@ class _OuterRegistry:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         mine = [c for c in self.alive() if c.param_ids & held]
         outer = self.outer_of(mine) if mine else None
+        if outer is not None and any(c.param_ids & held for c in self.every_step):
+            raise ValueError(
+                f"gradientflow.fsdp.fully_shard: {type(optimizer).__name__} steps modules sharded with sync_every="
+                f"{outer.loop.every} and modules sharded with sync_every=1 (every step) together: the first meet "
+                "between nodes every few steps, the others every step, so one optimizer cannot step both. Pass the "
+                "same sync_every= to every fully_shard call of the model, or give each model its own optimizer."
+            )
         if outer is not None and not outer.owned() <= held:
             raise ValueError(
                 f"gradientflow.fsdp.fully_shard(sync_every > 1): {type(optimizer).__name__} holds part of the "
@@ -192,9 +224,13 @@ REGISTRY = _OuterRegistry()
 
 
 def attach(module: nn.Module, comm: ModuleComm) -> None:
-    """``fully_shard(module, sync_every=H > 1)``: ``comm`` joins the registry, and a forward pre-hook, run before
-    torch's (its all-gather), writes a loaded checkpoint's replica back."""
+    """``fully_shard(module, sync_every=H > 1, ...)``: ``comm`` joins the registry, and a forward pre-hook, run before
+    torch's (its all-gather), writes a loaded checkpoint's replica back.  ``sync_every=1``: ``comm`` is noted, for
+    the check that no optimizer steps it with a loop's modules."""
     if comm.param_group is None:
+        return
+    if comm.config.sync_every <= 1:
+        REGISTRY.every_step.add(comm)
         return  # no parameter of its own: nothing to synchronise (its blocks' hooks run before their all-gathers)
     REGISTRY.add(comm)
     ref = weakref.ref(comm)

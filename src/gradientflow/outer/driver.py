@@ -6,6 +6,10 @@ The hook point: torch's global optimizer step pre- and post-hooks, for the optim
 ``optimizer.step()`` call: the next forward, an evaluation and a checkpoint written after the step see the
 synchronised parameters.  The pre-hook of the first step takes the starting parameters as the first anchor.
 One optimizer only: a second one stepping the same parameters would count steps twice (refused when it steps).
+Torch's ``get_state_dict`` / ``get_optimizer_state_dict`` step a fresh optimizer once with zero gradients at lr 0
+to create its state (``_init_optim_state`` in torch/distributed/checkpoint/state_dict.py): that step trains nothing
+and is not counted (:func:`is_state_init_step`), or every later sync would come one step early (and the first
+anchor would be taken from the parameters before a checkpoint's were loaded into them).
 
 Between syncs every replica has its own parameters and its own inner optimizer state (moments of its own
 gradients), while a checkpoint written the usual way holds one replica's (torch DDP's: rank 0's model and
@@ -16,6 +20,7 @@ resume whichever replica's state the framework loaded.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,19 +42,27 @@ class InnerSteps:
         self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self.inner_state: dict[int, Any] | None = None  # a loaded checkpoint's inner optimizer state, this rank's
         self.hooks: list[Any] = []
+        self.skipping = False  # the step between before() and after() is torch's state-creating one: not counted
 
     def ours(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in self.own for group in optimizer.param_groups for p in group["params"])
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a step of ``optimizer`` (one of ours): the one-optimizer check, a loaded inner state written back,
-        the first anchor."""
+        the first anchor; nothing for torch's state-creating step (:func:`is_state_init_step`), which
+        :meth:`after` then does not count."""
+        self.skipping = is_state_init_step(optimizer)
+        if self.skipping:
+            return
         self._check_one_optimizer(optimizer)
         self._restore_inner_state(optimizer)
         self.loop.start()
 
     def after(self) -> list[int]:
         """After a step of ours: the fragments the outer loop synchronised (or merged) now."""
+        if self.skipping:
+            self.skipping = False
+            return []
         return self.loop.after_step()
 
     def hook(self, owner: object, after_sync: Callable[[Any], None]) -> None:
@@ -129,6 +142,26 @@ class InnerSteps:
                 {"state": self.inner_state, "param_groups": optimizer.state_dict()["param_groups"]}
             )
         self.inner_state = None
+
+
+_STATE_INIT = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
+"""Where torch takes its state-creating step: the module and the function."""
+
+
+def is_state_init_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the step ``optimizer`` is about to take is the one torch's ``_init_optim_state`` takes: the optimizer
+    has no state, every learning rate is 0, and that function is on the call stack.  Each of the three is the same on
+    every rank (the gradients are not: a rank's shard may be all zeros, or empty, while a real step's are not on
+    another rank; a warm-up's first real step may have lr 0), so every rank counts alike.  The stack is read only
+    for a step at lr 0 on an optimizer without state."""
+    if optimizer.state or any(float(g.get("lr", 1.0)) != 0.0 for g in optimizer.param_groups):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _STATE_INIT:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,8 @@ def decode_sum(gathered: torch.Tensor, n: int, density: float, q: Quantizer, out
     """Step 4: ``out`` (``n`` fp32) := the sum of every replica's decoded chunks, rank by rank from zeros."""
     k, length = message_layout(n, density, q)
     out.zero_()
+    if not length:  # an empty shard (a rank of the node holding no row of the fragment's parameters): no message
+        return out
     rows = out.view(-1, q.block)
     for r in range(gathered.numel() // length):
         message = gathered[r * length : (r + 1) * length]
