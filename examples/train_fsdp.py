@@ -1,8 +1,9 @@
 """An FSDP2 (HSDP) training script as torch's tutorials write it; gradientflow is one import away.
 
     torchrun --nnodes 2 --nproc-per-node 4 ... examples/train_fsdp.py                     # 2 machines of 4 ranks
-    torchrun --nproc-per-node 4 examples/train_fsdp.py --nodes 2                          # one machine as 2 x 2
-    torchrun --nproc-per-node 4 examples/train_fsdp.py --nodes 2 --backend torch          # torch's own HSDP
+    # one machine as 2 nodes of 2 ranks: one torchrun per node, as on two machines
+    for n in 0 1; do torchrun --nnodes 2 --node-rank $n --nproc-per-node 2 --master-addr 127.0.0.1 \
+        --master-port 29500 examples/train_fsdp.py & done; wait                           # (--backend torch: torch's)
 
 HSDP: the model is sharded inside each node (torch's reduce-scatter and all-gather, the fast link) and replicated
 between nodes, where each gradient shard is averaged over the nodes: torch all-reduces it in fp32, gradientflow's
@@ -32,12 +33,6 @@ from gradientflow.bench.data import load_digits  # the digits data, shipped with
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=["torch", "gradientflow"], default="gradientflow")
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=None,
-        help="nodes of the mesh (default: torchrun's, WORLD_SIZE / LOCAL_WORLD_SIZE); on one machine, 2 emulates 2",
-    )
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -66,10 +61,10 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    nodes = args.nodes or world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if nodes < 1 or world % nodes:
-        raise SystemExit(f"--nodes {nodes} does not divide the {world} ranks into nodes of equal size")
-    # The 2-D mesh: between nodes first (replicate), inside a node second (shard); ranks node-contiguous.
+    # The 2-D mesh of torchrun's layout: between nodes first (replicate), inside a node second (shard); ranks
+    # node-contiguous. (gradientflow refuses a mesh that contradicts the launch: its "nodes" would not be the
+    # machines, and what it compresses would not be what crosses the link.)
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
     mesh = init_device_mesh(device.type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)  # every rank builds the same model; fully_shard keeps each rank's shard of it
 

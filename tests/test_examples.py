@@ -16,9 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def _as_a_pip_user(tmp: Path, script: str, nproc: int, *args: str, tag: str = "", timeout: float = 240) -> dict:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_a_pip_user(
+    tmp: Path, script: str, nproc: int, *args: str, tag: str = "", timeout: float = 240, nodes: int = 1
+) -> dict:
     """``torchrun --standalone --nproc-per-node N SCRIPT ARGS --out result.json`` on a copy of ``examples/SCRIPT``
-    in ``tmp``, from ``tmp``; rank 0's json, with its stdout."""
+    in ``tmp``, from ``tmp``; rank 0's json, with its stdout.  ``nodes`` > 1: one torchrun per node on this machine
+    (``--nnodes``, ``--node-rank``, a free port on 127.0.0.1), as the script's docstring says to launch it."""
     user = tmp / "user"
     user.mkdir(exist_ok=True)
     copy = Path(shutil.copy(EXAMPLES / script, user / script))
@@ -28,13 +39,40 @@ def _as_a_pip_user(tmp: Path, script: str, nproc: int, *args: str, tag: str = ""
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     assert all(Path(p).resolve() not in (ROOT, EXAMPLES, ROOT / "tests") for p in path), path
     out = user / f"result{tag}.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*argv, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env, cwd=user
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {**json.loads(out.read_text()), "stdout": proc.stdout}
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        launches = [[*run, "--standalone", "--nproc-per-node", str(nproc), script]]
+    else:
+        port = str(_free_port())
+        launches = [
+            [*run, "--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node", str(nproc // nodes)]
+            + ["--master-addr", "127.0.0.1", "--master-port", port, script]
+            for n in range(nodes)
+        ]
+    procs = [
+        subprocess.Popen(
+            [*argv, *args, "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=user,
+        )
+        for argv in launches
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:  # a launch that outlived the timeout (or its peer's failure) is stopped, never left behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return {**json.loads(out.read_text()), "stdout": outputs[0][0]}
 
 
 DIGITS_MLP_PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
@@ -49,21 +87,22 @@ def test_the_ddp_example_with_fewer_syncs(tmp_path: Path) -> None:
     stats = r["comm_stats"]
     assert r["steps"] == 56 and stats["sync_every"] == 10 and stats["outer_syncs"] == 5
     assert stats["outer_payload_bytes"] == 5 * 76 * (128 * 3 // 8 + 2) and -(-DIGITS_MLP_PARAMETERS // 128) == 76
-    assert stats["payload_bytes"] == 0 and stats["steps"] == 0
+    # what crossed between the replicas is the outer syncs' bytes (comm_stats' payload_bytes, as for every recipe)
+    assert stats["payload_bytes"] == stats["outer_payload_bytes"] and stats["steps"] == 56
     assert r["loss"] < 0.5 * 2.303, r["loss"]  # learnt: chance is ln 10 = 2.303 (every step ends near 0.2 here)
 
 
 def test_the_fsdp_example_beside_torchs_hsdp(tmp_path: Path) -> None:
-    """``examples/train_fsdp.py --nodes 2`` on 4 ranks (a 2 x 2 mesh), one epoch (1,792 digits / (4 x 32) = 14
-    steps), SGD: gradientflow's ``"auto"`` runs ``"4bit"`` between nodes after its dense step 0 (the policy's
+    """``examples/train_fsdp.py`` on 2 nodes of 2 ranks (one torchrun each: a 2 x 2 mesh), one epoch (1,792
+    digits / (4 x 32) = 14 steps), SGD: gradientflow's ``"auto"`` runs ``"4bit"`` between nodes after its dense step 0 (the policy's
     FSDP_SGD_RECIPE), handing over 4 bits and a bf16 scale per block of 128 of each shard: 4/32 + 16/(128 * 32) =
     0.1289 of fp32's bytes, more where a shard's last block is padded (the 5-element shards of the 10-element
     bias). torch's HSDP, the same script with torch's import, ends at the same loss to within 1e-3 (measured over
     200 steps, 3 seeds: 0.9995-1.0000x; docs/results/fsdp.md)."""
     from gradientflow.policy.auto_choice import FSDP_SGD_RECIPE
 
-    ours = _as_a_pip_user(tmp_path, "train_fsdp.py", 4, "--nodes", "2", "--epochs", "1", tag="-gf")
-    torch_ = _as_a_pip_user(tmp_path, "train_fsdp.py", 4, "--nodes", "2", "--epochs", "1", "--backend", "torch")
+    ours = _as_a_pip_user(tmp_path, "train_fsdp.py", 4, "--epochs", "1", tag="-gf", nodes=2)
+    torch_ = _as_a_pip_user(tmp_path, "train_fsdp.py", 4, "--epochs", "1", "--backend", "torch", nodes=2)
     assert ours["steps"] == torch_["steps"] == 14
     assert "on a 2x2 mesh" in ours["stdout"] and torch_["comm_stats"] is None
     last, total = ours["comm_stats"]["last"], ours["comm_stats"]["total"]
