@@ -93,10 +93,10 @@ def test_the_ddp_example_with_fewer_syncs(tmp_path: Path) -> None:
 
 
 def test_the_fsdp_example_beside_torchs_hsdp(tmp_path: Path) -> None:
-    """``examples/train_fsdp.py`` on 2 nodes of 2 ranks (one torchrun each: a 2 x 2 mesh), one epoch (1,792
-    digits / (4 x 32) = 14 steps), SGD: gradientflow's ``"auto"`` runs ``"4bit"`` between nodes after its dense
-    step 0 (the policy's FSDP_SGD_RECIPE), handing over 4 bits and a bf16 scale per block of 128 of each shard: 4/32 + 16/(128 * 32) =
-    0.1289 of fp32's bytes, more where a shard's last block is padded (the 5-element shards of the 10-element
+    """``examples/train_fsdp.py`` on 2 nodes of 2 ranks (one torchrun each: a 2 x 2 mesh), one epoch (1,792 digits / (4
+    x 32) = 14 steps), SGD: gradientflow's ``"auto"`` runs ``"4bit"`` between nodes after its dense step 0 (the
+    policy's FSDP_SGD_RECIPE), handing over 4 bits and a bf16 scale per block of 128 of each shard: 4/32 + 16/(128 *
+    32) = 0.1289 of fp32's bytes, more where a shard's last block is padded (the 5-element shards of the 10-element
     bias). torch's HSDP, the same script with torch's import, ends at the same loss to within 1e-3 (measured over
     200 steps, 3 seeds: 0.9995-1.0000x; docs/results/fsdp.md)."""
     from gradientflow.policy.auto_choice import FSDP_SGD_RECIPE
