@@ -10,6 +10,8 @@ fp32 rounding (the same sum in a possibly different order of the backend's reduc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,10 +59,15 @@ def _register() -> None:
     def _fsdp(comm, kept):  # noqa: ANN001, ANN202
         group = comm.mesh.replicate
 
-        def exchange(t: torch.Tensor) -> Sent:
+        def exchange(t: torch.Tensor) -> Callable[[], Sent]:  # posted on the shard; what it returns finishes it
             t.div_(dist.get_world_size(group))
-            dist.all_reduce(t, group=group)
-            return Sent(t.numel() * 4, t.numel() * 4)
+            work = dist.all_reduce(t, group=group, async_op=True)
+
+            def finish() -> Sent:
+                work.wait()
+                return Sent(t.numel() * 4, t.numel() * 4)
+
+            return finish
 
         return exchange, None
 

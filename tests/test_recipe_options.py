@@ -43,7 +43,9 @@ def test_the_config_is_the_recipe_options_and_the_wrappers_own() -> None:
         for n, p in inspect.signature(gf.DistributedDataParallel.__init__).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    assert sorted(keywords) == sorted(set(config) - {"broadcast_buffers"})  # torch's name: forward_sync_buffers
+    # every keyword but the membership engine is a config field: replicas= is an object the wrapper holds (a torchft
+    # Manager, outer/membership.py), not a value of the recipe; broadcast_buffers is torch's forward_sync_buffers
+    assert sorted(k for k in keywords if k != "replicas") == sorted(set(config) - {"broadcast_buffers"})
 
 
 class _Stop(Exception):
@@ -77,7 +79,11 @@ def test_the_wrapper_hands_every_argument_on(monkeypatch: pytest.MonkeyPatch) ->
     no_effect = {"check_reduction", "skip_all_reduce_unused_params", "batched_grad_copy"}  # accepted, no effect
     torch_args = [n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][2:]
     assert to_torch == {n: given[n] for n in [*torch_args, "fusion_threshold_mb"] if n not in no_effect}
-    own = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "fusion_threshold_mb"]
+    own = [
+        n
+        for n, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in ("fusion_threshold_mb", "replicas")  # replicas: held
+    ]
     assert to_config == {
         **{n: given[n] for n in own},
         "fusion_threshold_mb": resolved.fusion_threshold_mb,

@@ -146,8 +146,11 @@ def test_fsdp2_options_are_checked_before_accelerate_sets_up() -> None:
     from gradientflow.integrations.accelerate_fsdp import check_parallelism
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    with pytest.raises(ValueError, match=r"\['sync_every'\] are options of the DDP wrapper"):
-        GradientFlowAccelerator(fsdp_plugin=plugin, sync_every=4)
+    with pytest.raises(ValueError, match=r"\['topology'\] are options of the DDP wrapper"):
+        GradientFlowAccelerator(fsdp_plugin=plugin, topology="2x2")  # the mesh is accelerate's ParallelismConfig
+    GradientFlowAccelerator(fsdp_plugin=plugin, sync_every=4)  # fully_shard's fewer syncs: its options pass
+    with pytest.raises(ValueError, match="outer_lr applies only with sync_every > 1"):
+        GradientFlowAccelerator(fsdp_plugin=plugin, outer_lr=0.7)
     with pytest.raises(ValueError, match="did you mean"):
         GradientFlowAccelerator(fsdp_plugin=plugin, compression="3bits")
     with pytest.raises(ValueError, match="dp_replicate_size=1, dp_shard_size=4"):

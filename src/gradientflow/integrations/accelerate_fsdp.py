@@ -27,9 +27,9 @@ from typing import Any
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import GradientFlowConfig
 from ..fsdp import fully_shard as gf_fully_shard
 from ..fsdp import hsdp_mesh
+from ..fsdp.api import recipe_config
 
 FSDP_OPTIONS = tuple(
     name
@@ -50,8 +50,8 @@ def check_fsdp_options(options: dict[str, Any]) -> dict[str, Any]:
             f"gradientflow under accelerate's FSDP2: {other} are options of the DDP wrapper, which FSDP2 does not "
             f"use; drop them. gradientflow.fsdp.fully_shard reads {list(FSDP_OPTIONS)}."
         )
-    # the recipe rule fully_shard itself applies, before accelerate sets anything up (its default: "auto")
-    GradientFlowConfig(**{"compression": "auto", **options})
+    # the rule fully_shard itself applies (its default "auto"; "none" under sync_every), before accelerate sets up
+    recipe_config(**{"compression": "auto", **options})
     return dict(options)
 
 
