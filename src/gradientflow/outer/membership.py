@@ -57,7 +57,7 @@ STATE_KEY = "gradientflow_outer"
 """The key of the outer state among the Manager's registered state dicts (beside the user's ``"default"``)."""
 
 _SUM = dist.AllreduceOptions()
-_SUM.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs type it as ReduceOp; the enum converts
+_SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)  # a ReduceOp on torch 2.13 and 2.14 alike (their stubs differ)
 
 
 def check_manager(manager: Any) -> None:
