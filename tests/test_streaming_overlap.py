@@ -103,6 +103,9 @@ def _replicas_worker(rank: int, world: int, options: dict) -> object:
         assert loop.anchor is not None
         anchors.append(torch.cat(loop.anchor).clone())
         inner.append(seen["inner"])
+    # the last sync's exchange may still be in flight (its merge is after the last step): finish it on every rank
+    # (a checkpoint does) before returning, so no rank leaves and closes its sockets while its peer still posts
+    model.comm_state_dict()
     return _lists([params, anchors, inner, model.comm_stats(total=True), loop.runs])
 
 
