@@ -196,7 +196,9 @@ def _assert_named(
             why.append("raised before the victim stopped")
         elif rep["after_stall"] > timeout_s + MARGIN_S:
             why.append(f"later than timeout {timeout_s:g} s + {MARGIN_S:g} s after the stall")
-        if rep["communication_error"] and rep["missing"] != [victim]:
+        # the victim named; a survivor still on its way to its own failing wait past the 3 s the report waits (a
+        # loaded machine) may be named beside it (ci-local, 2x2 killed: [0, 3])
+        if rep["communication_error"] and victim not in rep["missing"]:
             why.append(f"missing_ranks {rep['missing']}, not [{victim}] (the stalled rank's global rank)")
         if not _names(rep["message"], victim):
             why.append(f"the message does not name rank {victim}")
