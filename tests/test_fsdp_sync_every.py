@@ -18,8 +18,8 @@ from _dist import run_distributed
 
 def _outer(net):
     """The model's one outer loop (built at the first optimizer step; here read, or built, for the test)."""
+    from gradientflow.fsdp.counters import comms
     from gradientflow.fsdp.outer import outer_of
-    from gradientflow.fsdp.stats import comms
 
     found = outer_of([c for _, c in comms(net)])
     assert found is not None

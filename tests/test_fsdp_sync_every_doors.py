@@ -35,8 +35,8 @@ def _train(net, rank: int, steps: int, opt=None) -> torch.optim.Optimizer:
 
 
 def _outer(net):
+    from gradientflow.fsdp.counters import comms
     from gradientflow.fsdp.outer import outer_of
-    from gradientflow.fsdp.stats import comms
 
     found = outer_of([c for _, c in comms(net)])
     assert found is not None

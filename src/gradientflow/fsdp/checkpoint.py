@@ -24,17 +24,15 @@ Usage::
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import outer
-from .stats import comms
+from .counters import comms
 
 KEY = "gradientflow"
 """The key :func:`check_checkpoint` looks for the state under (the one the usage above saves it as)."""
@@ -83,30 +81,6 @@ class CommState(Stateful):
             if comm.feedback is not None and f"{name}.step" in state_dict:
                 comm.feedback.resume(int(state_dict[f"{name}.step"]))
         outer.load_items([comm for _, comm in comms(self.model)], state_dict)
-
-
-_WARNED: list[str] = []  # the resume warning, said once per process
-
-
-def warn_resume_without_state(comm: Any) -> None:
-    """Rank 0's warning, once per process: ``comm``'s module (a ``ModuleComm``) was loaded by ``load_state_dict``
-    (torch's ``set_state_dict``, the user's own DCP code) and its recipe state was not.
-
-    Why a warning and not the state inside the model's state dict, where torch's ``get_state_dict`` would carry it
-    with no new line: see docs/fsdp.md (Checkpoints).  The state is per rank and per mesh; a model state dict is
-    loaded into plain torch models, onto other meshes, consolidated to one file: each would break or gather it."""
-    if _WARNED or not dist.is_initialized() or dist.get_rank() != 0:
-        return
-    _WARNED.append(comm.recipe)
-    warnings.warn(
-        "gradientflow.fsdp: the model was loaded (load_state_dict, torch's set_state_dict) without gradientflow's "
-        f"recipe state: the error-feedback residuals of compression={comm.recipe!r} (what each rank has not sent "
-        "yet) restart at zero and the step counts with them, so a resumed run drifts from the uninterrupted one. "
-        "If this resumes a gradientflow run, save and load the state beside the model and optimizer: "
-        'state["gradientflow"] = gradientflow.fsdp.comm_state(model), in dcp.save and dcp.load alike '
-        "(docs/fsdp.md, Checkpoints). Loading weights to start a new run (fine-tuning) needs nothing.",
-        stacklevel=2,
-    )
 
 
 def comm_state(model: nn.Module) -> CommState:

@@ -27,11 +27,11 @@ from ..comm.precision import loss_scale
 from ..config import GradientFlowConfig
 from . import overlap
 from .bounded import mesh_watchdog
-from .checkpoint import warn_resume_without_state
+from .counters import Counts, ExchangeCounters
 from .exchange import Finish, QuantizedShard, Sent, post_dense, ring_allreduce_bytes
 from .mesh import HSDPMesh
 from .mixing import check_tree
-from .stats import Counts, ExchangeCounters
+from .resume import warn_resume_without_state
 from .topk import TopkShard
 
 logger = logging.getLogger(__name__)

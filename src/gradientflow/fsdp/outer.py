@@ -28,7 +28,7 @@ from __future__ import annotations
 import io
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,14 +36,12 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ..config import GradientFlowConfig
 from ..outer.driver import InnerSteps
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
-
-if TYPE_CHECKING:  # module_comm imports stats, which imports this module: the type only
-    from ..config import GradientFlowConfig
-    from .module_comm import ModuleComm
+from .module_comm import ModuleComm
 
 KEY = "outer"
 """The prefix of the outer state's items in ``comm_state`` (``outer.rank<r>@<mesh>``)."""

@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..fsdp import check_checkpoint, comm_state, hsdp_mesh
 from ..fsdp.checkpoint import KEY
-from ..fsdp.stats import comms
+from ..fsdp.counters import comms
 from .lightning import NAMESPACE
 
 logger = logging.getLogger(__name__)

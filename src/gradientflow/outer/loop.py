@@ -32,7 +32,7 @@ top-k exchange keeps none between syncs).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,8 +41,12 @@ from .exchange import Average, Flight, Sent
 from .fragments import check_cut, cut, due
 from .nesterov import nesterov_step
 
-if TYPE_CHECKING:
-    from .membership import Membership
+
+class Syncs(Protocol):
+    """Who synchronises the due fragments, where not the loop itself: replicas that come and go
+    (:class:`.membership.Membership`, which holds the loop; the loop knows it only by this contract)."""
+
+    def sync(self, loop: OuterLoop, fragments: list[int]) -> list[int]: ...
 
 
 class Pending:
@@ -116,7 +120,7 @@ class OuterLoop:
         # a loaded checkpoint's own parameters of this replica, written back before the next forward or step
         self.replica: list[torch.Tensor] | None = None
         # replicas that come and go (``replicas=``, a torchft Manager): the syncs run among the live replicas
-        self.membership: Membership | None = None
+        self.membership: Syncs | None = None
 
     # ---- the state ---------------------------------------------------------------------
     def _flat(self, f: int) -> torch.Tensor:
