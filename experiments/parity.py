@@ -401,7 +401,7 @@ def _table(runs: dict[str, dict[str, Any]]) -> str:
 def _canonical(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with each recipe by its row's name: an earlier name (an alias) means exactly its row, so a run
     that passed it is the same case as one passing the row's name (the same config, the same bits promised)."""
-    from gradientflow.config import lookup
+    from gradientflow.option_values import lookup
     from gradientflow.outer_options import outer_exchange_of
 
     out = dict(options)

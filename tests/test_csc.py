@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 import gradientflow as gf
-from gradientflow.config import auto_chunk_size
 from gradientflow.exchange.selection import (
     chunk_scores,
     dense_from,
@@ -22,6 +21,7 @@ from gradientflow.exchange.selection import (
     score_scratch,
     select_chunks,
 )
+from gradientflow.option_values import auto_chunk_size
 from gradientflow.strategies.slices import Slice, SliceQueue
 
 from _dist import run_distributed

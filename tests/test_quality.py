@@ -21,8 +21,8 @@ from gradientflow.bench.quality_recipes import parse_recipe
 from gradientflow.bench.quality_report import is_sparse_step, markdown, plot, summarize, time_to_target
 from gradientflow.bench.quality_spec import Job
 from gradientflow.cli import main
-from gradientflow.config import auto_chunk_size
 from gradientflow.exchange.selection import dense_from, density_at
+from gradientflow.option_values import auto_chunk_size
 
 CLI = [sys.executable, "-m", "gradientflow.cli"]
 

@@ -106,7 +106,7 @@ def test_unknown_levels_are_refused() -> None:
 
 
 def test_compression_names_of_the_low_bit_options() -> None:
-    from gradientflow.config import ZEROLESS_BITS
+    from gradientflow.option_values import ZEROLESS_BITS
 
     assert tuple(ZEROLESS) == ZEROLESS_BITS  # the config validates against the tables that exist
     c = GradientFlowConfig(compression="q2n")

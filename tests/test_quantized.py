@@ -363,7 +363,7 @@ def test_named_recipes_set_todays_keywords():
 
 def _theta_worker(rank: int, world: int) -> dict:
     import gradientflow
-    from gradientflow.config import QUANT_THETA_MB
+    from gradientflow.option_values import QUANT_THETA_MB
 
     out = {}
     for label, kw in (

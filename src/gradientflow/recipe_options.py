@@ -37,7 +37,7 @@ class RecipeOptions:
     density: float | None = None
     """CSC: the fraction of chunks sent each step; ``None`` = dense."""
     chunk_size: int | str = "auto"
-    """CSC: gradients per chunk: an int, or "auto" (:func:`gradientflow.config.auto_chunk_size`;
+    """CSC: gradients per chunk: an int, or "auto" (:func:`gradientflow.option_values.auto_chunk_size`;
     :meth:`gradientflow.config.GradientFlowConfig.resolved` replaces it)."""
     warmup_steps: int = 100
     """CSC: length of the density ramp: step t < warmup_steps sends ``density ** (t / warmup_steps)`` of the

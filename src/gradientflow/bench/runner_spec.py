@@ -22,7 +22,7 @@ from gradientflow.bench.mode_names import (
 )
 from gradientflow.bench.report import ALONE_SUFFIX
 from gradientflow.bench.sharded import SHARDED_MODES, is_sharded
-from gradientflow.config import check_topology_value
+from gradientflow.option_values import check_topology_value
 from gradientflow.recipes import BY_NAME, PER_STEP_NAMES
 
 RECIPE_MODES = tuple(f"{GF_PREFIX}{name}" for name in PER_STEP_NAMES)

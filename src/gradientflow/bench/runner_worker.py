@@ -45,8 +45,8 @@ from gradientflow.bench.runner_spec import (
     topology_kwargs,
 )
 from gradientflow.comm.collectives import as_member
-from gradientflow.config import auto_chunk_size, lookup, mechanism_of
 from gradientflow.diagnostics.stats import PHASES
+from gradientflow.option_values import auto_chunk_size, lookup, mechanism_of
 
 logger = logging.getLogger(__name__)
 

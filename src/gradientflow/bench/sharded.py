@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradientflow.config import lookup
+from gradientflow.option_values import lookup
 from gradientflow.recipes import PER_STEP_NAMES
 
 HSDP_MODES = ("hsdp", "hsdp-bf16")

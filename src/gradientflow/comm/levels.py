@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from ..config import QUANT_LEVELS
+from ..option_values import QUANT_LEVELS
 
 
 def max_code(bits: int) -> int:

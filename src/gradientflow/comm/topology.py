@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import TOPOLOGY_PATTERN as _NAMED
-from ..config import check_topology_value
+from ..option_values import TOPOLOGY_PATTERN as _NAMED
+from ..option_values import check_topology_value
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import codec_native
-from ..config import DEFAULT_QUANT
 from ..diagnostics.watchdog import Watchdog
+from ..option_values import DEFAULT_QUANT
 from ..options_base import Quantizer
 from .precondition import Root, ema_update
 from .ring import Ring, start_ring

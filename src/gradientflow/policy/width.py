@@ -32,9 +32,10 @@ import torch
 from ..comm import codec_native
 from ..comm import quantize as qz
 from ..comm.quantized_ring import encode_share, sum_shares
-from ..config import DEFAULT_QUANT, GradientFlowConfig
+from ..config import GradientFlowConfig
 from ..exchange import error_feedback
 from ..exchange.precondition import Root
+from ..option_values import DEFAULT_QUANT
 
 FEWER_BITS = "2bit-precond"
 """The 2-bit recipe ``"auto"`` may pick (docs/recipes.md#2bit-precond)."""

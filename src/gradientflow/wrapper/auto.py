@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import DEFAULT_QUANT, lookup
 from ..engine import comm_state
 from ..engine.schedule import measure as measure_link
+from ..option_values import DEFAULT_QUANT, lookup
 from ..policy import width
 from ..policy.auto_choice import (
     ADAM_RECIPE,

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import QUANT_THETA_MB, GradientFlowConfig, check_theta
+from ..config import GradientFlowConfig
+from ..option_values import QUANT_THETA_MB, check_theta
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -51,7 +52,7 @@ class DDPSettings:
 
 
 def recipe_theta(config: GradientFlowConfig, theta_given: bool) -> GradientFlowConfig:
-    """``config`` with its recipe's own θ where the user gave none: :data:`~gradientflow.config.QUANT_THETA_MB`
+    """``config`` with its recipe's own θ where the user gave none: :data:`~gradientflow.option_values.QUANT_THETA_MB`
     for the quantised recipe (``schedule="auto"`` derives θ itself and keeps it)."""
     if theta_given or not config.quantized or config.schedule != "fixed":
         return config
