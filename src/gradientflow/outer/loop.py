@@ -40,6 +40,7 @@ from ..diagnostics.watchdog import Watchdog
 from .exchange import Average, Flight, Sent
 from .fragments import check_cut, cut, due
 from .nesterov import nesterov_step
+from .saved import check_saved
 
 
 class Syncs(Protocol):
@@ -334,50 +335,9 @@ class OuterLoop:
         }
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
-        """``ValueError`` (nothing changed) unless ``state`` fits this model and these options."""
-        missing = {"sync_every", "fragments", "steps", "anchor", "momentum", "residuals", "exchange"} - set(state)
-        if missing:
-            raise ValueError(f"gradientflow sync_every: the outer state lacks {sorted(missing)} (truncated?)")
-        saved = (
-            state["sync_every"],
-            [list(r) for r in state["fragments"]],
-            state["exchange"],
-            state.get("sync_delay", 0),  # saved before streaming's overlap existed: 0
-        )
-        mine = (self.every, [list(r) for r in self.runs], self.exchange.spec.name, self.delay)
-        if saved != mine:
-            raise ValueError(
-                f"gradientflow sync_every: the outer state was saved with sync_every, fragments, outer_compression, "
-                f"sync_delay = {saved[0]}, {saved[1]}, {saved[2]!r}, {saved[3]}; this model has {mine[0]}, {mine[1]}, "
-                f"{mine[2]!r}, {mine[3]}. Resume with the same options."
-            )
-        replica = state.get("replica")
-        if replica is not None and [t.numel() for t in replica] != self.sizes:
-            raise ValueError(
-                f"gradientflow sync_every: the outer state's replica holds {[t.numel() for t in replica]} elements per "
-                f"fragment, this model {self.sizes}: load it into the model it was saved from."
-            )
-        for flight in state.get("flights", []):
-            f = flight["fragment"]
-            if not 0 <= f < len(self.sizes) or flight["then"].numel() != self.sizes[f]:
-                raise ValueError(
-                    "gradientflow sync_every: the outer state's exchange in flight does not fit this model's "
-                    "fragments: load it into the model it was saved from."
-                )
-        for key in ("anchor", "momentum"):
-            ts = state[key]
-            if ts is not None and [t.numel() for t in ts] != self.sizes:
-                raise ValueError(
-                    f"gradientflow sync_every: the outer state's {key} holds {[t.numel() for t in ts]} elements per "
-                    f"fragment, this model {self.sizes}: load it into the model it was saved from."
-                )
-        res = state["residuals"]
-        shards = [self.exchange.shard(n) for n in self.sizes]
-        if len(res) != len(shards) or any(r is not None and r.numel() != s for r, s in zip(res, shards)):
-            raise ValueError(
-                "gradientflow sync_every: the outer state's residuals do not fit this rank's shards (saved on "
-                "another node layout or model?). Resume on the same layout."
-            )
+        """``ValueError`` (nothing changed) unless ``state`` fits this model and these options (:mod:`.saved`)."""
+        options = (self.every, [list(r) for r in self.runs], self.exchange.spec.name, self.delay)
+        check_saved(state, options, self.sizes, [self.exchange.shard(n) for n in self.sizes])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.validate_state_dict(state)
