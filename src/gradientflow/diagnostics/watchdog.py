@@ -25,8 +25,8 @@ The store may itself be unreachable (its host process is the stalled one), so st
 daemon thread joined with a deadline: the error is raised in time either way, just without names.
 
 Nothing waits silently: a wait still going after ``min(60 s, timeout / 2)`` is logged once (WARNING) by one
-monitor thread per process, naming what is waited on and the ranks that have not reported a long wait of this
-step themselves (the same store, a key per rank).  With ``timeout=None`` the waits of a run with exchanges between
+monitor thread per process (:mod:`.long_waits`), naming what is waited on and the ranks that have not reported a
+long wait of this step themselves (the same store, a key per rank).  With ``timeout=None`` the waits of a run with exchanges between
 nodes are bounded by :data:`BETWEEN_NODES_TIMEOUT` (5 minutes), not the process group's 30 minutes on Gloo.
 """
 
@@ -37,7 +37,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RESTART_ADVICE, CommunicationError
+from .long_waits import MONITOR
 
 if TYPE_CHECKING:
     from .trace import TraceRecorder
@@ -151,8 +151,8 @@ class Watchdog:
         self._prefix = base + "stuck/"
         self._slow_prefix = base + "slow/"
         self.warn_after_s = min(WARN_AFTER_S, timeout.total_seconds() / 2)
-        # The wait in progress (its start, what, bytes), read by the monitor thread (:class:`_Monitor`) to log a
-        # long one; set and cleared by the outermost wait only (a pipeline's drain waits on its rings inside).
+        # The wait in progress (its start, what, bytes), read by the monitor thread (:class:`.long_waits.Monitor`)
+        # to log a long one; set and cleared by the outermost wait only (a pipeline's drain waits on its rings inside).
         self.waiting: tuple[float, str, int | None] | None = None
 
     # ---- 0. a long wait is logged ---------------------------------------------------------
@@ -163,7 +163,7 @@ class Watchdog:
             yield
             return
         self.waiting = (time.monotonic(), what, nbytes)
-        _MONITOR.watch(self)
+        MONITOR.watch(self)
         try:
             yield
         finally:
@@ -323,73 +323,3 @@ class Watchdog:
         missing = [r for r in range(self.world_size) if r != self.rank and r not in found]
         elsewhere = {r: w for r, w in found.items() if w != where}
         return missing, elsewhere
-
-
-class _Monitor:
-    """One daemon thread per process that logs the long waits of every watchdog (:meth:`Watchdog.watched`): it
-    looks once a second, so a wait costs the training thread two attribute writes and a set lookup.  It ends, and
-    is joined, when the last watchdog it watched is freed (a wrapper deleted leaves no thread of ours behind, as
-    torch DDP leaves none: tests/compat/test_compat_module.py); the next wait starts another."""
-
-    PERIOD_S = 1.0
-
-    def __init__(self) -> None:
-        self._watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
-        self._warned: dict[int, tuple[float, str, int | None]] = {}  # id(watchdog) -> the wait it logged
-        # re-entrant: a watchdog freed by a collection while watch() holds the lock runs _gone() on this thread
-        self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def watch(self, watchdog: Watchdog) -> None:
-        if watchdog in self._watched and self._thread is not None:  # the common case: no lock
-            return
-        with self._lock:
-            if watchdog not in self._watched:
-                self._watched.add(watchdog)
-                weakref.finalize(watchdog, self._gone)
-            if self._thread is None:
-                self._stop = threading.Event()  # the new thread's own: an earlier stop does not end it
-                self._thread = threading.Thread(
-                    target=self._run, args=(self._stop,), name="gradientflow-wait-monitor", daemon=True
-                )
-                self._thread.start()
-
-    def _gone(self) -> None:
-        """A watchdog was freed: with none left, stop the thread and wait for it to end."""
-        with self._lock:
-            if any(True for _ in self._watched) or self._thread is None:
-                return
-            thread, self._thread = self._thread, None
-            self._stop.set()
-        if thread is not threading.current_thread():
-            thread.join(timeout=5.0)
-
-    def _run(self, stop: threading.Event) -> None:
-        while not stop.wait(self.PERIOD_S) and self._look():
-            pass
-        with self._lock:
-            if self._thread is threading.current_thread():
-                self._thread = None
-
-    def _look(self) -> bool:
-        """One look at every watched wait; False once none is left.  Its own frame: the strong references it takes
-        to the watchdogs end when it returns, never held through the wait for the next look."""
-        with self._lock:
-            watched = list(self._watched)
-        if not watched:
-            return False
-        now = time.monotonic()
-        for w in watched:
-            waiting = w.waiting
-            if waiting is None or now - waiting[0] < w.warn_after_s or self._warned.get(id(w)) == waiting:
-                continue
-            self._warned[id(w)] = waiting  # once per wait
-            try:
-                w.warn_long_wait(*waiting)
-            except Exception as exc:  # noqa: BLE001 — a log line must never end the monitor
-                logger.debug("gradientflow: long-wait warning failed: %s", exc)
-        return True
-
-
-_MONITOR = _Monitor()
