@@ -26,8 +26,9 @@ daemon thread joined with a deadline: the error is raised in time either way, ju
 
 Nothing waits silently: a wait still going after ``min(60 s, timeout / 2)`` is logged once (WARNING) by one
 monitor thread per process (:mod:`.long_waits`), naming what is waited on and the ranks that have not reported a
-long wait of this step themselves (the same store, a key per rank).  With ``timeout=None`` the waits of a run with exchanges between
-nodes are bounded by :data:`BETWEEN_NODES_TIMEOUT` (5 minutes), not the process group's 30 minutes on Gloo.
+long wait of this step themselves (the same store, a key per rank).  With ``timeout=None`` the waits of a run with
+exchanges between nodes are bounded by :data:`BETWEEN_NODES_TIMEOUT` (5 minutes), not the process group's 30
+minutes on Gloo.
 """
 
 from __future__ import annotations
