@@ -145,7 +145,11 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
     )
     for bad, says in [
         ("gf-x", "unknown recipe 'gf-x'"),
-        ("ddp:density=0.1", "only gradientflow's DDP recipes"),
+        ("ddp:density=0.1", "only gradientflow's recipes (gf-*, fsdp-*)"),
+        ("hsdp:sync_every=30", "hsdp is torch's FSDP2 / HSDP"),
+        ("fsdp-none:steps=2", "steps=F is the DDP recipes' (gf-*) only"),
+        # fully_shard's own validation: with sync_every only the outer exchange crosses, so no per-step recipe
+        ("fsdp-3bit:sync_every=30", "compression='3bit' cannot apply"),
         ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"),
         ("gf-paper:density", "is not OPTION=VALUE"),
         ("gf-paper:density=2", "density must be None (dense) or a number in (0, 1]"),
@@ -154,6 +158,11 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
     ]:
         with pytest.raises(ValueError, match=re.escape(says)):
             parse_recipe(bad)
+    # fully_shard's variants: its fewer syncs beside torch's HSDP in one launch
+    assert parse_recipe("fsdp-none:sync_every=30,outer_lr=0.7,outer_compression='topk-2bit'") == (
+        "fsdp-none",
+        {"sync_every": 30, "outer_lr": 0.7, "outer_compression": "topk-2bit"},
+    )
     with pytest.raises(SystemExit) as exc:  # the command refuses it before any rank starts
         main(["bench", "--quality", "--recipes", "gf-recommended:density=2"])
     assert exc.value.code == 2
@@ -162,6 +171,8 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
         QualityOptions(recipes=["gf-paper:momentum=0.5", "gf-recommended", "gf-paper:momentum=0.5"], bandwidth="none")
     )
     assert [j.recipes for j in jobs] == [["ddp", "gf-recommended", "gf-paper:momentum=0.5"]] * 2
+    jobs, _ = plan_jobs(QualityOptions(workloads=["transformer"], recipes=["hsdp", "fsdp-none:sync_every=30"]))
+    assert jobs[0].recipes == ["ddp", "hsdp", "fsdp-none:sync_every=30"]
 
 
 def _run(recipe, step_s, losses, stats):

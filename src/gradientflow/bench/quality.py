@@ -139,7 +139,7 @@ def plan_jobs(opts: QualityOptions) -> tuple[list[Job], list[Job]]:
         plain = [r for r in default if opts.recipes is None or r in opts.recipes]
         named = (*TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS)  # the table's, FSDP2 / HSDP, torchft's: when named
         plain += [r for r in dict.fromkeys(opts.recipes or []) if r in named]
-        applies = (*default, *TABLE_RECIPES, *TORCHFT_PEERS)
+        applies = (*default, *TABLE_RECIPES, *SHARDED_MODES, *TORCHFT_PEERS)
         variants = [r for r in opts.recipes or [] if ":" in r and parse_recipe(r)[0] in applies]
         return plain + list(dict.fromkeys(variants))  # a variant named twice is trained once
 

@@ -21,7 +21,7 @@ from torch import nn
 from gradientflow.bench.quality_peers import POSTLOCAL_PERIOD, TORCH_PEER_WARMUP, TORCH_PEERS, register_torch_hook
 from gradientflow.bench.quality_spec import Job
 from gradientflow.bench.quality_torchft import DEFAULT_SYNC_EVERY, TORCHFT_PEERS, TorchftDiLoCo, parse_options
-from gradientflow.bench.sharded import SHARDED_MODES, is_sharded, shard
+from gradientflow.bench.sharded import FSDP_PREFIX, OVERLAP, SHARDED_MODES, is_sharded, shard
 from gradientflow.recipes import BY_NAME
 from gradientflow.recipes import RECIPES as RECIPE_TABLE
 
@@ -59,6 +59,9 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
     variant forced flat beside the layout torchrun gives).  Raises ``ValueError`` for an unknown recipe or
     option or a bad value.
 
+    ``fsdp-<recipe>`` takes ``gradientflow.fsdp.fully_shard``'s keywords the same way (``fsdp-none:sync_every=100``:
+    its fewer syncs beside torch's ``hsdp`` in one launch), validated as ``fully_shard`` validates them.
+
     torchft's DiLoCo peers (:data:`TORCHFT_PEERS`) take ``sync_every=H`` (a whole number >= 1) and the outer SGD's
     ``outer_lr`` and ``outer_momentum`` (:func:`~gradientflow.bench.quality_torchft.parse_options`).
     """
@@ -72,10 +75,10 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         return base, {}
     if base in TORCHFT_PEERS:
         return base, parse_options(recipe, rest)
-    if not base.startswith("gf-"):  # torch DDP and its peers
-        what = "an FSDP2 / HSDP mode" if is_sharded(base) else "torch DDP"
+    if not base.startswith(("gf-", FSDP_PREFIX)):  # torch DDP, its peers, torch's HSDP
+        what = "torch's FSDP2 / HSDP" if is_sharded(base) else "torch DDP"
         raise ValueError(
-            f"{recipe!r}: only gradientflow's DDP recipes (gf-*) and torchft's (sync_every=H) take options; "
+            f"{recipe!r}: only gradientflow's recipes (gf-*, fsdp-*) and torchft's (sync_every=H) take options; "
             f"{base} is {what}"
         )
     fields = {f.name for f in dataclasses.fields(GradientFlowConfig)}
@@ -89,11 +92,18 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
             overrides[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             overrides[key] = text
+    if base.startswith(FSDP_PREFIX) and "steps" in overrides:
+        raise ValueError(f"{recipe!r}: steps=F is the DDP recipes' (gf-*) only")
     factor = overrides.get("steps", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
-    try:  # the wrapper's validation
-        GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
+    try:  # the wrapper's validation (fully_shard's for fsdp-*: its recipe with the variant's options)
+        if base.startswith(FSDP_PREFIX):
+            from gradientflow.fsdp.api import recipe_config
+
+            recipe_config(compression=base.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP), **overrides)
+        else:
+            GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
     except ValueError as exc:
         raise ValueError(f"{recipe!r}: {exc}") from None
     return base, overrides
@@ -110,8 +120,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     options: dict[str, Any]
     wrapped: nn.Module
     if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
-        wrapped = shard(model, recipe)
-        options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node"}
+        wrapped = shard(model, recipe, **overrides)  # fsdp-*: fully_shard's options of the variant, if any
+        options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node", **overrides}
     elif recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
         # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket

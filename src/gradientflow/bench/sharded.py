@@ -32,8 +32,8 @@ _MESH: list[Any] = []  # one mesh per process: every sharded mode of a launch on
 
 
 def is_sharded(mode: str) -> bool:
-    """Whether ``mode`` is one of the FSDP2 / HSDP modes."""
-    return mode in SHARDED_MODES
+    """Whether ``mode`` (or a variant of it, ``fsdp-none:sync_every=100``) is one of the FSDP2 / HSDP modes."""
+    return mode.partition(":")[0] in SHARDED_MODES
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -54,8 +54,9 @@ def mesh() -> Any:
     return _MESH[0]
 
 
-def shard(model: nn.Module, mode: str) -> nn.Module:
-    """``model`` sharded by ``mode``'s ``fully_shard`` (each of :func:`blocks`, then the root), in place."""
+def shard(model: nn.Module, mode: str, **options: Any) -> nn.Module:
+    """``model`` sharded by ``mode``'s ``fully_shard`` (each of :func:`blocks`, then the root), in place; ``options``:
+    gradientflow's ``fully_shard`` keywords of a variant (``fsdp-3bit:sync_every=100`` -> ``sync_every=100``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -70,11 +71,10 @@ def shard(model: nn.Module, mode: str) -> nn.Module:
         else:
             recipe = mode.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP)
             overlap = mode.endswith(OVERLAP)
-            if lookup(recipe).recipe.mechanism.startswith("topk"):
+            if lookup(recipe).recipe.mechanism.startswith("topk") and "warmup_steps" not in options:
                 # the top-k recipes' sparse steps are timed, as the DDP modes' are: no density ramp
-                gf.fully_shard(module, mesh=on, compression=recipe, warmup_steps=0, overlap=overlap)
-            else:
-                gf.fully_shard(module, mesh=on, compression=recipe, overlap=overlap)
+                options = {**options, "warmup_steps": 0}
+            gf.fully_shard(module, mesh=on, compression=recipe, overlap=overlap, **options)
     return model
 
 
