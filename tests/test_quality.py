@@ -147,7 +147,6 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
         ("gf-x", "unknown recipe 'gf-x'"),
         ("ddp:density=0.1", "only gradientflow's recipes (gf-*, fsdp-*)"),
         ("hsdp:sync_every=30", "hsdp is torch's FSDP2 / HSDP"),
-        ("fsdp-none:steps=2", "steps=F is the DDP recipes' (gf-*) only"),
         # fully_shard's own validation: with sync_every only the outer exchange crosses, so no per-step recipe
         ("fsdp-3bit:sync_every=30", "compression='3bit' cannot apply"),
         ("gf-paper:foo=1", "'foo=1' is not OPTION=VALUE"),
@@ -163,6 +162,7 @@ def test_recipe_variants_change_wrapper_options_and_are_validated_up_front():
         "fsdp-none",
         {"sync_every": 30, "outer_lr": 0.7, "outer_compression": "topk-2bit"},
     )
+    assert parse_recipe("fsdp-none:sync_every=30,steps=1.5")[1] == {"sync_every": 30, "steps": 1.5}
     with pytest.raises(SystemExit) as exc:  # the command refuses it before any rank starts
         main(["bench", "--quality", "--recipes", "gf-recommended:density=2"])
     assert exc.value.code == 2

@@ -92,8 +92,6 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
             overrides[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             overrides[key] = text
-    if base.startswith(FSDP_PREFIX) and "steps" in overrides:
-        raise ValueError(f"{recipe!r}: steps=F is the DDP recipes' (gf-*) only")
     factor = overrides.get("steps", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"{recipe!r}: steps must be a factor > 0 of the job's steps (e.g. steps=1.2)")
@@ -101,7 +99,8 @@ def parse_recipe(recipe: str) -> tuple[str, dict[str, Any]]:
         if base.startswith(FSDP_PREFIX):
             from gradientflow.fsdp.api import recipe_config
 
-            recipe_config(compression=base.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP), **overrides)
+            keywords = {k: v for k, v in overrides.items() if k != "steps"}
+            recipe_config(compression=base.removeprefix(FSDP_PREFIX).removesuffix(OVERLAP), **keywords)
         else:
             GradientFlowConfig(**{k: v for k, v in overrides.items() if k in fields})
     except ValueError as exc:
@@ -120,8 +119,11 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     options: dict[str, Any]
     wrapped: nn.Module
     if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
+        factor = overrides.pop("steps", 1.0)
         wrapped = shard(model, recipe, **overrides)  # fsdp-*: fully_shard's options of the variant, if any
         options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node", **overrides}
+        if factor != 1.0:
+            options["steps_factor"] = factor  # the bench's, not fully_shard's: read by the worker
     elif recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
         # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
