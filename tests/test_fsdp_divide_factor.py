@@ -9,6 +9,7 @@ r's input ``r + 1``, so rank r's weight gradient is ``r + 1`` everywhere and the
 from __future__ import annotations
 
 import torch
+
 from _dist import run_distributed
 
 

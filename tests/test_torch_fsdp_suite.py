@@ -11,7 +11,7 @@ from gradientflow.bench.torch_suite.fsdp_selection import hsdp_tests, select
 from gradientflow.bench.torch_suite.fsdp_substitute import routes_to_gradientflow, substitute
 
 SOURCE = textwrap.dedent(
-    '''
+    """
     class TestA(FSDPTest):
         def test_fsdp_only(self):
             fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
@@ -44,7 +44,7 @@ SOURCE = textwrap.dedent(
     class TestB(TestA):
         def test_own(self):
             pass
-    '''
+    """
 )
 
 
@@ -59,7 +59,11 @@ def test_select_reads_a_checkout_directory_and_narrows_by_name(tmp_path):
     (tmp_path / "test_other.py").write_text(SOURCE)  # not an FSDP2 test file: not read
     assert fsdp_selection.test_files(str(tmp_path)) == [str(tmp_path / "test_fully_shard_x.py")]
     picked = select(fsdp_selection.test_files(str(tmp_path)), ["TestA.test_hsdp_direct", "test_sliced_from_3d"])
-    assert [t for _, t in picked] == ["TestA.test_hsdp_direct", "TestA.test_sliced_from_3d", "TestB.test_sliced_from_3d"]
+    assert [t for _, t in picked] == [
+        "TestA.test_hsdp_direct",
+        "TestA.test_sliced_from_3d",
+        "TestB.test_sliced_from_3d",
+    ]
     with pytest.raises(ValueError, match="test/distributed/_composable/fsdp"):
         fsdp_selection.test_files(str(tmp_path / "missing"))
 
@@ -74,7 +78,9 @@ def test_only_a_2d_mesh_goes_to_gradientflow(monkeypatch):
 
     monkeypatch.setattr(fsdp_substitute, "DeviceMesh", _Mesh)
     calls = []
-    fs = substitute(lambda m, **k: calls.append(("torch", k)), lambda m, **k: calls.append(("gf", k)), compression="none")
+    fs = substitute(
+        lambda m, **k: calls.append(("torch", k)), lambda m, **k: calls.append(("gf", k)), compression="none"
+    )
     assert fs.__name__ == "fully_shard"  # torch's compiled_fsdp_test swaps the test's global of this name
     fs("m")
     fs("m", mesh=_Mesh(1))
