@@ -43,11 +43,15 @@ class GradientflowFSDPModule(FSDPModule):
         exchange (not on a micro-step held under ``set_requires_all_reduce(False)``).  ``stream``: refused, as
         torch refuses it under HSDP (the hook runs on the stream of the reduction before it)."""
         if stream is not None:
-            raise ValueError(
-                "stream cannot be set when using native HSDP: gradientflow.fsdp runs the hook after its reduction "
-                "between nodes, on that reduction's stream, as torch's HSDP runs it after its all-reduce. Call "
-                "set_all_reduce_hook(hook) without stream."
-            )
+            # torch's own words, exactly (its tests compare the message); the advice rides as a note, which a
+            # traceback prints below it (Python 3.11+)
+            error = ValueError("stream cannot be set when using native HSDP")
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    "gradientflow.fsdp runs the hook after its reduction between nodes, on that reduction's stream, as "
+                    "torch's HSDP runs it after its all-reduce: call set_all_reduce_hook(hook) without stream."
+                )
+            raise error
         comm_of(self).set_user_hook(hook)  # the unit's ModuleComm (this module's, or its list's first)
 
     def register_grad_scaler(self, scaler: Any) -> None:

@@ -191,6 +191,11 @@ class ModuleComm:
         def done() -> None:
             t1 = time.perf_counter()
             sent = finish()
+            if self.param_group is not None and self.param_group.gradient_divide_factor is not None:
+                # set_gradient_divide_factor(F): torch's HSDP reduce-scatters with 1/F and then *sums* over the
+                # replicas (the world's sum over F); the recipe averaged over the nodes, so times the nodes (exact
+                # for a power of two)
+                t.mul_(self.mesh.nodes)
             if state is not None:
                 state.clean()
                 state.rescale(1.0 / scale)

@@ -7,6 +7,8 @@ ranks on the CPU (CUDA mapped onto it, see :mod:`.harness`), once on torch's
     python -m gradientflow.bench.torch_suite [--all | --ci | TEST ...] [--out DIR]
     gradientflow torch-suite [--all | --ci | TEST ...] [--out DIR]        # the same, from the CLI
 
+    gradientflow torch-suite --fsdp PATH [TEST ...] [--out DIR]  # torch's FSDP2 tests from a pytorch checkout
+
 Default selection: :data:`DEFAULT`, the DDP tests torch DDP itself passes here; ``--all``: every
 DDP test of the module (``test_DistributedDataParallel*``, ``test_ddp_*`` and the others that
 construct DDP).
@@ -25,14 +27,28 @@ if TYPE_CHECKING:
 
 __all__ = ["CI", "DEFAULT", "add_arguments", "main", "run"]
 
+DEFAULT_OUT = "results/torch_suite"  # --fsdp: results/torch_fsdp_suite
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The runner's options (also ``gradientflow torch-suite``'s)."""
     parser.add_argument("tests", nargs="*", help="test names (default: the default selection)")
     parser.add_argument("--all", action="store_true", help="every DDP test of torch's distributed_test.py")
     parser.add_argument("--ci", action="store_true", help="the CI-sized selection tests/compat runs")
-    parser.add_argument("--out", default="results/torch_suite", help="where table.md and results.json go")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="where table.md and results.json go")
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout per test (s)")
+    parser.add_argument(
+        "--fsdp",
+        metavar="PATH",
+        help="torch's FSDP2 tests instead: a pytorch checkout's test/distributed/_composable/fsdp (or one of its "
+        "test_fully_shard*.py); the tests reaching a 2-D mesh, on torch's fully_shard and on gradientflow's",
+    )
+    parser.add_argument(
+        "--compression", default="none", help="--fsdp: gradientflow's recipe (default none: torch's HSDP reduction)"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=900.0, help="--fsdp: seconds one test may run (per implementation)"
+    )
     parser.add_argument(
         "--only",
         choices=("torch", "gradientflow"),
@@ -45,6 +61,13 @@ def run(args: argparse.Namespace, command: str) -> int:
     it was invoked, recorded in the table)."""
     from gradientflow.diagnostics.extras import require
 
+    if args.fsdp is not None:  # torch's FSDP2 tests from the user's checkout (bench/torch_suite/fsdp.py)
+        require("expecttest", "running torch's own FSDP2 tests")
+        from .fsdp import run as run_fsdp
+
+        if args.out == DEFAULT_OUT:
+            args.out = "results/torch_fsdp_suite"
+        return run_fsdp(args, command)
     # torch's test modules (torch.testing._internal.common_utils) import expecttest, a test-only package
     require("expecttest", "running torch's own DDP tests")
     from .harness import all_ddp_tests

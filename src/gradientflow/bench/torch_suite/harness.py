@@ -43,19 +43,9 @@ if "TEMP_DIR" not in os.environ:  # set by the runner; the module-level reads in
 
 from torch.testing._internal import common_distributed as _cd  # noqa: E402
 
-_orig_skip_if_lt_x_gpu = _cd.skip_if_lt_x_gpu
+from .cuda_on_cpu import allow_cpu_skips, map_cuda_to_cpu, patch  # noqa: E402
 
-
-def _skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Any:
-    return _orig_skip_if_lt_x_gpu(x, allow_cpu=True)
-
-
-def _pass_through(func: Any) -> Any:
-    return func
-
-
-_cd.skip_if_lt_x_gpu = _skip_if_lt_x_gpu
-_cd.skip_if_no_gpu = _pass_through
+allow_cpu_skips()
 _cd.TIMEOUT_OVERRIDE.update({k: 150 for k in _cd.TIMEOUT_OVERRIDE})
 
 from torch.testing._internal import common_utils as _cu  # noqa: E402
@@ -64,12 +54,6 @@ from torch.testing._internal.distributed import distributed_test as _dt  # noqa:
 
 def _multigpu_helper(world_size: int, backend: str) -> dict[int, list[int]]:
     return {r: [r] for r in range(world_size)}
-
-
-def _patch(owner: object, name: str, value: object) -> None:
-    """Replace ``owner.name`` at run time (torch's test modules, ``torch.cuda``): a patch, which the type
-    checker would read as an assignment to a method or a class of another type."""
-    setattr(owner, name, value)
 
 
 _dt.init_multigpu_helper = _multigpu_helper
@@ -82,42 +66,7 @@ def _patient_barrier(cls: type, wait_for: int | None = None, timeout: float = 10
     _barrier_sync(cls, wait_for, max(timeout, 120))
 
 
-_patch(_dt.Barrier, "sync", classmethod(_patient_barrier))
-
-
-def _cpu_device(d: Any) -> Any:
-    """A CUDA device (as a device, a string or a bare index) becomes the CPU; anything else stays."""
-    if isinstance(d, torch.device):
-        return torch.device("cpu") if d.type == "cuda" else d
-    if isinstance(d, str) and d.startswith("cuda"):
-        return "cpu"
-    if isinstance(d, int) and not isinstance(d, bool):
-        return "cpu"
-    return d
-
-
-class CudaOnCpu(torch.overrides.TorchFunctionMode):
-    """Every tensor a test puts on CUDA lives on the CPU instead."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], *map(_cpu_device, args[1:]))
-        elif func is torch._C._nn._parse_to:  # nn.Module.to(...)'s arguments
-            args = tuple(map(_cpu_device, args))
-        return func(*args, **kwargs)
-
-
-def _map_cuda_to_cpu() -> None:
-    torch.cuda.set_device = lambda *a, **k: None
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: 0
-    _patch(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
-    CudaOnCpu().__enter__()  # for the rest of this rank's life
+patch(_dt.Barrier, "sync", classmethod(_patient_barrier))
 
 
 class TorchDDPOnCpu(torch.nn.parallel.DistributedDataParallel):
@@ -128,8 +77,8 @@ class TorchDDPOnCpu(torch.nn.parallel.DistributedDataParallel):
 
 
 def _substitute(cls: type) -> None:
-    _patch(_dt, "DistributedDataParallel", cls)
-    _patch(torch.nn.parallel, "DistributedDataParallel", cls)
+    patch(_dt, "DistributedDataParallel", cls)
+    patch(torch.nn.parallel, "DistributedDataParallel", cls)
 
 
 class _Base(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
@@ -141,7 +90,7 @@ class _Base(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
 
     @classmethod
     def _prepare_rank(cls) -> None:
-        _map_cuda_to_cpu()
+        map_cuda_to_cpu()
         _substitute(TorchDDPOnCpu)
 
     @classmethod
@@ -161,7 +110,7 @@ class Gradientflow(_Base):
 
     @classmethod
     def _prepare_rank(cls) -> None:
-        _map_cuda_to_cpu()
+        map_cuda_to_cpu()
         from .gf_on_cpu import GradientflowOnCpu
 
         _substitute(GradientflowOnCpu)

@@ -122,18 +122,18 @@ def run_tests(impl: str, names: list[str], pg_timeout: float = 60.0, progress: b
     return results
 
 
-def table(names: list[str], by_impl: dict[str, list[Outcome]]) -> str:
-    """Markdown: totals, then one row per test."""
+def table(names: list[str], by_impl: dict[str, list[Outcome]], oracle: str = "torch DDP") -> str:
+    """Markdown: totals, then one row per test (``oracle``: what the torch column ran)."""
     got = {impl: {o.test: o for o in outs} for impl, outs in by_impl.items()}
     torch_pass = [n for n in names if got["torch"][n].outcome == "pass"]
     gf_on_torch_pass = [n for n in torch_pass if got["gradientflow"][n].outcome == "pass"]
     lines = [
         f"- tests: {len(names)}",
-        f"- torch DDP passes: {len(torch_pass)}/{len(names)}",
+        f"- {oracle} passes: {len(torch_pass)}/{len(names)}",
         f"- gradientflow passes: {sum(got['gradientflow'][n].outcome == 'pass' for n in names)}/{len(names)}",
-        f"- gradientflow passes {len(gf_on_torch_pass)} of the {len(torch_pass)} tests torch DDP passes",
+        f"- gradientflow passes {len(gf_on_torch_pass)} of the {len(torch_pass)} tests {oracle} passes",
         "",
-        "| test | torch DDP | gradientflow | gradientflow's failure (last line) |",
+        f"| test | {oracle} | gradientflow | gradientflow's failure (last line) |",
         "|---|---|---|---|",
     ]
     for n in names:
@@ -164,10 +164,18 @@ def read_other(out_dir: str, ran: str, names: list[str]) -> tuple[dict[str, list
     return {other: [earlier[n] for n in names]}, source
 
 
-def write(out_dir: str, names: list[str], by_impl: dict[str, list[Outcome]], command: str, note: str = "") -> str:
+def write(
+    out_dir: str,
+    names: list[str],
+    by_impl: dict[str, list[Outcome]],
+    command: str,
+    note: str = "",
+    oracle: str = "torch DDP",
+) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    text = f"torch DDP test suite, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{command}`{note}\n\n"
-    text += table(names, by_impl)
+    suite = "torch DDP" if oracle == "torch DDP" else "torch FSDP2"
+    text = f"{suite} test suite, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{command}`{note}\n\n"
+    text += table(names, by_impl, oracle)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
