@@ -21,7 +21,7 @@ def _grads(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
-    for kind in ("torch", "none", "none-default", "none-deprecated"):
+    for kind in ("torch", "none", "none-default", "none-deprecated", "3bit", "3bit-default"):
         net = torch.nn.Linear(1, 4, bias=False)
         if kind == "torch":
             torch_fully_shard(net, mesh=mesh)
@@ -29,7 +29,7 @@ def _grads(rank: int, world: int) -> dict:
             fully_shard(net, mesh=mesh, compression=kind.split("-")[0])
         if kind == "none-deprecated":
             net.set_reduce_scatter_divide_factor(2.0)  # torch's deprecated name for the same setting
-        elif kind != "none-default":
+        elif not kind.endswith("-default"):
             net.set_gradient_divide_factor(2.0)
         net(torch.full((1, 1), float(rank + 1))).sum().backward()
         out[kind] = net.weight.grad.to_local().flatten().tolist()
@@ -42,3 +42,6 @@ def test_a_divide_factor_gives_torch_hsdps_gradients() -> None:
         assert r["none"] == r["torch"]  # gradientflow's dense reduction between nodes: torch's, bit for bit
         assert r["none-deprecated"] == r["torch"]
         assert r["none-default"] == [2.5, 2.5]  # no factor: the world's average, 10 / 4
+        # a compressed recipe: the factor scales what the recipe delivers (here the quantised average of the node
+        # averages 1.5 and 3.5 on its first step, its residual kept) by the node count, exactly (a power of two)
+        assert r["3bit"] == [2 * v for v in r["3bit-default"]] and r["3bit"] != r["3bit-default"]
