@@ -154,9 +154,9 @@ COMMON = ["--steps", str(STEPS), "--every", str(EVERY), "--sleep", "0.1"]
 @pytest.mark.parametrize("door", ["fsdp", "ddp"])
 def test_replica_of_two_ranks_killed_mid_interval_the_others_go_on(lighthouse: str, tmp_path: Path, door: str) -> None:
     launches = run(lighthouse, door, tmp_path, {0: COMMON, 1: COMMON, 2: [*COMMON, "--kill-at", "6"]})
+    found = anchors(launches, [0, 1], door, STEPS)
     for rank in range(RANKS):
         assert max(records(launches.out(2, rank))) == 4  # it synchronised once, then died (both ranks)
-    found = anchors(launches, [0, 1], door, STEPS)
     check_identical(found, door, list(range(EVERY, STEPS + 1, EVERY)))
     live = {s: rec["live"] for s, rec in records(launches.out(0, 0)).items()}
     assert live[4] == 3 and live[STEPS] == 2, live  # the syncs after the kill ran among the two survivors
@@ -176,3 +176,70 @@ def test_replica_of_two_ranks_restarted_joins_with_the_others_anchor(
     live = {s: rec["live"] for s, rec in records(launches.out(0, 0)).items()}
     assert any(live[s] == 2 for s in live if 6 < s < joined[0]), live  # the survivors synced without it first
     check_identical({k: v for k, v in found.items() if k[0] != 2}, door, list(range(EVERY, 61, EVERY)))
+
+
+# ---- what replicas= still refuses, with what to pass: checked before anything is built, on every rank ------------
+def _refusals(rank: int, world: int, lighthouse: str) -> dict:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from test_fsdp import _mesh
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    import gradientflow.fsdp as gf
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port] if store is not None else [0]
+    dist.broadcast_object_list(port, src=0)
+
+    def manager(as_rank: int) -> Manager:  # this launch is one replica of 2 ranks
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=20)),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            rank=as_rank,
+            world_size=world,
+            store_addr="127.0.0.1",
+            store_port=port[0],
+            lighthouse_addr=lighthouse,
+            replica_id="replica_0",
+            hostname="127.0.0.1",
+            init_sync=False,
+        )
+
+    ours = manager(rank)
+    out = {}
+
+    def refused(name: str, build) -> None:
+        try:
+            build()
+            out[name] = "built"
+        except ValueError as exc:
+            out[name] = str(exc)
+
+    refused(
+        "replicas in the mesh",
+        lambda: gf.fully_shard(torch.nn.Linear(4, 4), mesh=_mesh(2, 1), sync_every=4, replicas=ours),
+    )
+    refused("every step", lambda: gf.fully_shard(torch.nn.Linear(4, 4), mesh=_mesh(1, 2), replicas=ours))
+    refused(
+        "overlap",
+        lambda: gf.fully_shard(torch.nn.Linear(4, 4), mesh=_mesh(1, 2), sync_every=4, sync_delay=1, replicas=ours),
+    )
+    ours.shutdown(wait=False)
+    dist.barrier()
+    return out
+
+
+def test_what_replicas_still_refuses_says_what_to_pass(lighthouse: str) -> None:
+    from _dist import run_distributed
+
+    for r in run_distributed(_refusals, 2, lighthouse, timeout=120):
+        assert "replicas= takes the launch as one replica" in r["replicas in the mesh"]
+        assert "gradientflow.fsdp.hsdp_mesh()" in r["replicas in the mesh"]
+        assert "pass sync_every > 1" in r["every step"]
+        assert "Pass sync_delay=0." in r["overlap"]
