@@ -138,6 +138,7 @@ def fully_shard(
     sync_fragments: int | None = None,
     sync_delay: int | None = None,
     outer_state_device: str | None = None,
+    replicas: Any = None,  # a torchft Manager per rank: replicas that come and go (outer/membership.py)
     # gradientflow.fsdp's own
     overlap: bool = False,
 ) -> Any:
@@ -164,6 +165,10 @@ def fully_shard(
     (:mod:`gradientflow.fsdp.overlap`; the same gradients bit for bit); the default ``False`` waits in the hook
     (measured on the emulated 2 x 2 CPU cluster: overlap hid most of a dense exchange's wait but made the 3-bit
     recipe's step no faster: docs/results/fsdp.md).
+    ``replicas`` (with ``sync_every > 1``): a ``torchft.Manager`` of this rank (docs/fault-tolerance.md): the launch
+    is one replica, ``mesh`` its own ranks (``(1, ranks)``: :func:`gradientflow.fsdp.hsdp_mesh` under a torchrun of
+    the replica), and each outer sync runs among the replicas alive at it, each rank's shard over its Manager's
+    group (:mod:`gradientflow.outer.membership`); the same Manager to every ``fully_shard`` call of the model.
     Every option is checked before anything changes, the same on every rank (``ValueError`` saying what to pass).
     """
     modules = module if isinstance(module, list) else [module]
@@ -210,12 +215,15 @@ def fully_shard(
         for m in modules:
             check_children(m)
         if not refused:
-            outer.check_calls(config, modules)  # one model, one outer loop: its blocks' options are this call's
+            outer.check_replicas(replicas, config, hsdp)
+            # one model, one outer loop: its blocks' options (and Manager) are this call's
+            outer.check_calls(config, modules, replicas)
         if not refused:
             mechanisms.check_door(config.mechanism, "fsdp", f"compression={config.compression!r}")
     except ValueError as exc:
         refused = refused or ERROR + str(exc)
     settings = refused or _settings(config, hsdp, modules, ignored_params) + f" overlap {overlap}"
+    settings += " replicas" if replicas is not None and not refused else ""
     first = modules[0]
     device = _device(hsdp)
     check_same(settings, [hsdp.replicate, hsdp.shard.get_group()], device)  # raises on every rank, or none
@@ -233,6 +241,7 @@ def fully_shard(
     group = groups[0] if groups else None
     device = group.device if group is not None else device  # the module's own (torch's choice of index)
     comm = ModuleComm(config, hsdp, group, device, index=next(_ORDER), module=sharded, overlap_exchange=overlap)
+    comm.replicas = replicas
     if group is not None:
         bound_inside_node(sharded, hsdp, comm.watchdog)  # Gloo: torch's collectives in the node bounded, named
         sharded.set_all_reduce_hook(comm)

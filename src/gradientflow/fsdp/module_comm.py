@@ -99,6 +99,7 @@ class ModuleComm:
         self.scaler: Any = None  # the GradScaler registered (register_grad_scaler): the residual's loss scale
         self.state_loaded = False  # the recipe state was loaded (a checkpoint's), since the model's last load
         self.resume_unchecked = False  # the model was loaded; the next exchange checks its recipe state came too
+        self.replicas: Any = None  # a torchft Manager (fully_shard's replicas=): the outer syncs among live replicas
         self._make_state()
 
     @property

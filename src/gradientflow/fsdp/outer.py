@@ -17,6 +17,13 @@ every rank), built at that optimizer's first step (or earlier, by :func:`outer_o
 ``comm_stats``, over the model's modules).  Streaming's fragments are cut by the whole parameters' sizes, so every
 rank cuts alike however its shards fall.
 
+Replicas that come and go (``replicas=``, a torchft Manager per rank): the launch is one replica, its mesh
+``(1, ranks)``; the loop's syncs run through :class:`gradientflow.outer.membership.Membership`, each rank's shard
+over its Manager's group (rank r of every live replica holds the same shard), a replica behind healed rank by rank
+from rank r of a live peer (its shards of the anchor and the momentum).  The loop is then built, and the first
+quorum asked for, at the model's first forward (before any all-gather: a joining replica's shards are the peer's
+anchor when its first forward gathers them), over every module given that Manager.
+
 Between syncs the replicas differ while DCP saves one copy of each shard (whichever replica wrote it): this rank's
 loop state, its replica's shards and its inner optimizer state travel in ``comm_state`` as one item per rank
 (:func:`state_items`), written back before the next forward (the parameters) and the next optimizer step (the
@@ -40,7 +47,9 @@ from ..config import GradientFlowConfig
 from ..outer.driver import InnerSteps
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
+from ..outer.membership import Membership, check_manager, check_replica_ranks
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
+from .mesh import HSDPMesh
 from .module_comm import ModuleComm
 
 KEY = "outer"
@@ -48,8 +57,8 @@ KEY = "outer"
 
 
 def _settings(comm: ModuleComm) -> tuple[Any, ...]:
-    """What the modules of one loop must share: the mesh and the outer options."""
-    return (comm.mesh.mesh, *_options(comm.config))
+    """What the modules of one loop must share: the mesh, the outer options and the Manager (by identity)."""
+    return (comm.mesh.mesh, id(comm.replicas), *_options(comm.config))
 
 
 def _options(config: GradientFlowConfig) -> tuple[Any, ...]:
@@ -60,14 +69,50 @@ def _said(config: GradientFlowConfig) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in zip(("sync_every", *OUTER_OPTIONS), _options(config)))
 
 
-def check_calls(config: GradientFlowConfig, modules: list[nn.Module]) -> None:
+def check_replicas(replicas: Any, config: GradientFlowConfig, hsdp: HSDPMesh) -> None:
+    """At ``fully_shard(..., replicas=manager)``: ``ValueError`` saying what to pass unless the launch is one replica
+    (the mesh ``(1, ranks)``) with fewer syncs, no streaming overlap, and a Manager built for this rank of it."""
+    if replicas is None:
+        return
+    if config.sync_every <= 1:
+        raise ValueError(
+            "gradientflow.fsdp.fully_shard: replicas= (a torchft Manager) drives the outer syncs of fewer syncs; pass "
+            "sync_every > 1 (e.g. sync_every=100), or leave replicas out."
+        )
+    if config.sync_delay:
+        raise ValueError(
+            f"gradientflow.fsdp.fully_shard: replicas= runs each outer sync among the replicas alive at it, which "
+            f"streaming's overlap (sync_delay={config.sync_delay}) cannot (its exchange spans inner steps). Pass "
+            "sync_delay=0."
+        )
+    if hsdp.nodes != 1:
+        raise ValueError(
+            f"gradientflow.fsdp.fully_shard: replicas= takes the launch as one replica, its mesh the replica's own "
+            f"ranks, but the mesh is {hsdp.label} (replicas inside the launch). Launch each replica (a node) alone "
+            "(torchrun --nnodes 1 --nproc-per-node <GPUs>, each rank with its own torchft Manager) and pass "
+            "mesh=gradientflow.fsdp.hsdp_mesh() there (1 x <GPUs>), or init_device_mesh(device, (1, ranks), "
+            "mesh_dim_names=('replicate', 'shard'))."
+        )
+    check_manager(replicas)
+    check_replica_ranks(replicas, hsdp.shard.get_local_rank(), hsdp.per_node, "the mesh's replica")
+
+
+def check_calls(config: GradientFlowConfig, modules: list[nn.Module], replicas: Any = None) -> None:
     """At ``fully_shard(modules, ...)``: ``ValueError`` where a submodule sharded already (a block, sharded before the
     root) was given other ``sync_every`` / outer options: the model runs one outer loop (the same on every rank: each
     call's options went through the ranks' agreement).  Raised here rather than at the first optimizer step."""
     for module in modules:
         for name, child in module.named_modules():
             comm = getattr(child, "_gf_fsdp", None)
-            if child is module or comm is None or _options(comm.config) == _options(config):
+            if child is module or comm is None:
+                continue
+            if _options(comm.config) == _options(config) and comm.replicas is not replicas:
+                raise ValueError(
+                    f"gradientflow.fsdp.fully_shard: submodule {name!r} was sharded with replicas="
+                    f"{type(comm.replicas).__name__}; this call passes replicas={type(replicas).__name__}. One model "
+                    "is one replica: pass the same torchft Manager as replicas= to every fully_shard call of the model."
+                )
+            if _options(comm.config) == _options(config):
                 continue
             raise ValueError(
                 f"gradientflow.fsdp.fully_shard: submodule {name!r} was sharded with {_said(comm.config)}; this call "
@@ -86,9 +131,9 @@ class ShardedOuter:
             if _settings(comm) != _settings(first):
                 raise ValueError(
                     "gradientflow.fsdp.fully_shard: the modules one optimizer steps run one outer loop, but module "
-                    f"{comm.index} was sharded with other sync_every / outer options or another mesh than module "
-                    f"{first.index}. Pass the same sync_every=, outer_*= and mesh= to every fully_shard call of the "
-                    "model."
+                    f"{comm.index} was sharded with other sync_every / outer options, another mesh or another "
+                    f"replicas= than module {first.index}. Pass the same sync_every=, outer_*=, mesh= and replicas= to "
+                    "every fully_shard call of the model."
                 )
         config, mesh = first.config, first.mesh
         self.comms = [weakref.ref(c) for c in comms]
@@ -113,6 +158,10 @@ class ShardedOuter:
         )
         self.steps = InnerSteps(self.loop, [fp.sharded_param for fp in fsdp_params])
         self.dense_bytes = sum(c.numel for c in comms) * 4  # torch HSDP's fp32 shard between nodes, per step
+        if first.replicas is not None:  # each sync among the live replicas; the first quorum now (a joiner healed)
+            membership = Membership(first.replicas, spec, first.watchdog.timeout)
+            membership.attach(self.loop)
+            membership.join()
 
     def _live(self) -> list[ModuleComm]:
         comms = [r() for r in self.comms]
@@ -236,10 +285,18 @@ def attach(module: nn.Module, comm: ModuleComm) -> None:
     def restore(mod: nn.Module, args: Any) -> None:
         found = ref()
         outer = REGISTRY.loops.get(found) if found is not None else None
+        if outer is None and found is not None and found.replicas is not None:  # the first forward: the first quorum
+            outer = _of_manager(found.replicas)
         if outer is not None:
             outer.before_forward()
 
     module.register_forward_pre_hook(restore, prepend=True)
+
+
+def _of_manager(manager: Any) -> ShardedOuter:
+    """The loop of the model given ``manager`` as ``replicas=`` (every module given it, in construction order)."""
+    mine = sorted((c for c in REGISTRY.alive() if c.replicas is manager), key=lambda c: c.index)
+    return REGISTRY.outer_of(mine)
 
 
 def outer_of(comms: list[ModuleComm]) -> ShardedOuter | None:

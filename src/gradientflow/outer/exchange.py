@@ -148,6 +148,13 @@ class Flight:
         """Wait for the exchange, then the all-gather inside the node; ``x`` is then the mean.  Returns the bytes and
         the new residual (top-k: what this replica did not deliver, :meth:`Average.average`)."""
         self.complete()
+        return self.gathered()
+
+    def gathered(self) -> tuple[Sent, torch.Tensor | None]:
+        """After :meth:`complete`: the all-gather inside the node, ``x`` the mean; what :meth:`finish` returns.  Apart
+        from it for replicas that come and go (:mod:`.membership`): every rank of a replica of several ranks decides
+        whether the sync is applied (torchft's ``should_commit``) between the two, so that none of them waits in the
+        all-gather for a rank whose exchange between replicas failed."""
         n, sent = self.x.numel(), self.sent
         full = self.full if self.avg.node is None else self._gather(self.mine, "the mean", sent)
         if full is not self.x:
@@ -231,14 +238,18 @@ class TopkFlight(Flight):
             scaled = torch.div(self.mine, avg.parties, out=self.pair[1])
         self.topk: TopChunks | None = TopChunks(scaled, density, q, avg.group, avg.parties)
 
-    def finish(self) -> tuple[Sent, torch.Tensor | None]:
+    def complete(self) -> None:
         avg, sent, topk = self.avg, self.sent, self.topk
         assert topk is not None
-        n = self.x.numel()
         topk.finish(self.mine if self.pair is None else self.pair[0], avg.watchdog, self.what)
         sent.payload += topk.payload_bytes if avg.parties > 1 else 0
         sent.inter += (avg.parties - 1) * topk.payload_bytes  # its message to each other replica
         topk.kept.mul_(avg.parties)  # what stays, in the parameters' units (on a node: the pair's row 1)
+
+    def gathered(self) -> tuple[Sent, torch.Tensor | None]:
+        avg, sent, topk = self.avg, self.sent, self.topk
+        assert topk is not None
+        n = self.x.numel()
         if self.pair is None:
             kept = topk.kept
         else:  # the mean and what stays, gathered inside the node: rank l's at [l, 0], [l, 1]

@@ -1,8 +1,13 @@
 """Replicas that come and go: every outer sync among the replicas alive at it, membership from torchft's Manager.
 
 ``sync_every=H, replicas=manager`` (a ``torchft.Manager``, torchft 0.2.0; docs/fault-tolerance.md says why torchft
-and not torchrun's elastic rendezvous).  Each replica is its own launch (one rank here; torchrun per replica) with
-its own Manager; torchft's Lighthouse says who is alive.  At every sync of a fragment:
+and not torchrun's elastic rendezvous).  Each replica is its own launch (torchrun per replica) of one rank or
+several, each rank with its own Manager (torchft's replica group: ``rank`` the rank inside the replica,
+``world_size`` the replica's ranks), the Manager's process group joining rank r of every replica; torchft's
+Lighthouse says who is alive.  Each rank exchanges its own part over its Manager's group: its shard of the
+pseudo-gradient (the DDP door: shard r of the fragment, the replica's ranks all-gathering the means inside the
+replica after the step is committed; ``fully_shard``: its FSDP shard, nothing to gather).  At every sync of a
+fragment:
 
 1. ``manager.start_quorum()`` (synchronous: the Manager needs ``use_async_quorum=False``, as torchft's DiLoCo does):
    the Lighthouse's quorum of the replicas that asked for one, every replica still heartbeating waited for (a
@@ -17,9 +22,11 @@ its own Manager; torchft's Lighthouse says who is alive.  At every sync of a fra
 3. the outer exchange (:class:`.exchange.Average`, any ``outer_compression``: dense allreduce, the quantised
    exchange's point-to-point rounds, the top-k all-gather) over the quorum's group, divided by that count;
 4. ``manager.should_commit()``: the step is applied (:meth:`.loop.OuterLoop.apply`) only where the exchange completed
-   on this replica; otherwise nothing changed (the exchange writes scratch only) and the sync is redone from 1 among
-   the replicas then alive, ``max_retries`` times at most (the Manager's).  The lost replicas are logged (WARNING) on
-   every survivor by number.
+   on this replica (torchft decides it for all the replica's ranks together: applied only where every one of them
+   completed its part); otherwise nothing changed (the exchange writes scratch only) and the sync is redone from 1
+   among the replicas then alive, ``max_retries`` times at most (the Manager's).  Only then do the ranks of a
+   replica of several ranks all-gather their averaged shards inside it: none of them waits in that all-gather for
+   a rank whose exchange failed.  The lost replicas are logged (WARNING) on every survivor by number.
 
 A replica's quantised residual is its own undelivered mass: a healed replica starts with none (a peer's copy would
 deliver that peer's mass twice).  Its inner optimizer state is what the user registered with the Manager
@@ -28,8 +35,9 @@ deliver that peer's mass twice).  Its inner optimizer state is what the user reg
 torchft's quorum group is not registered with torch.distributed (it changes at every quorum), so the exchanges call
 the group's own methods there (:func:`gradientflow.comm.quantized_ring.post_p2p`), and the watchdog names the
 replicas by torchft's numbers (the trailing digits of each ``replica_id``).  Private torchft attributes read here
-(torchft 0.2.0): ``Manager._pg`` (the process group the user passed), ``_use_async_quorum``, and the wrapper's
-``_global_ranks`` (the quorum's replica numbers).
+(torchft 0.2.0): ``Manager._pg`` (the process group the user passed), ``_use_async_quorum``, ``_group_rank`` and
+``_group_world_size`` (the rank inside the replica, the replica's ranks), and the wrapper's ``_global_ranks``
+(``replica number * world_size + rank`` of each member of the quorum's group).
 """
 
 from __future__ import annotations
@@ -101,11 +109,25 @@ class _QuorumWatchdog(Watchdog):
 
 
 class Membership:
-    """The outer syncs of one replica among the live ones, through ``manager`` (a ``torchft.Manager``)."""
+    """The outer syncs of one replica among the live ones, through ``manager`` (a ``torchft.Manager``).
 
-    def __init__(self, manager: Any, spec: OuterExchange, timeout: timedelta) -> None:
+    ``node``: the replica's own group where the DDP door's replica has several ranks (``local`` this rank in it, of
+    ``per_node``): each rank exchanges shard ``local`` of the fragment and the means are all-gathered over ``node``
+    (:class:`.exchange.Average`'s two-level form); ``None`` where each rank's part is its own (one rank, or
+    ``fully_shard``'s shards)."""
+
+    def __init__(
+        self,
+        manager: Any,
+        spec: OuterExchange,
+        timeout: timedelta,
+        node: dist.ProcessGroup | None = None,
+        local: int = 0,
+        per_node: int = 1,
+    ) -> None:
         check_manager(manager)
         self.manager, self.spec, self.timeout = manager, spec, timeout
+        self.node, self.local, self.per_node = node, local, per_node
         self.loop: OuterLoop | None = None
         self.group: Any = None  # the quorum's c10d group (the Manager's process group, reconfigured)
         self.replicas: list[int] = []  # the quorum's replicas, by torchft's numbers
@@ -162,7 +184,9 @@ class Membership:
         if self.manager.errored() is not None:  # the group could not be configured: no exchange this round
             return
         self.group = pg.parent
-        self.replicas = list(pg._global_ranks or range(self.group.size()))
+        # torchft numbers rank r of replica n as n * world_size + r: the replica's number is what a user reads
+        per_replica = self.manager._group_world_size
+        self.replicas = [g // per_replica for g in (pg._global_ranks or range(self.group.size()))]
         gone = [r for r in before if r not in self.replicas]
         if gone:
             self.lost = gone
@@ -212,7 +236,7 @@ class Membership:
         assert loop.anchor is not None
         t0 = time.perf_counter()
         what = f"outer exchange of fragment {f} after step {loop.steps} (replicas {self.replicas})"
-        sent, residual, buffers, exchange = None, None, None, None
+        flight, buffers, exchange = None, None, None
         contributes = not self.fresh
         if self.manager.errored() is None:
             watchdog = _QuorumWatchdog(self.group, self.timeout, global_ranks=self.replicas)
@@ -222,13 +246,23 @@ class Membership:
                 watchdog.wait(self.group.allreduce([count], _SUM), f"{what}: contributors", 4)
                 # every replica of the quorum was healed (a fresh start's quorum): nobody has drift to average
                 parties = max(int(count.item()), 1)
-                exchange = Average(self.spec, self.group, watchdog, len(loop.runs), parties=parties)
+                exchange = Average(
+                    self.spec,
+                    self.group,
+                    watchdog,
+                    len(loop.runs),
+                    node=self.node,
+                    local=self.local,
+                    per_node=self.per_node,
+                    parties=parties,
+                )
                 exchange.residuals = loop.exchange.residuals
                 delta = loop._flat(f).neg_().add_(loop.anchor[f])  # anchor - now: exactly 0 on a healed replica
                 wire = delta.to(loop.params[0].device)  # where the backend sends from, as OuterLoop.sync
                 buffers = [delta, wire]
                 del delta, wire
-                sent, residual = exchange.average(buffers[1], f, what)
+                flight = exchange.start(buffers[1], f, what)
+                flight.complete()  # between replicas only: the gather inside the replica waits for the commit
             except (CommunicationError, RuntimeError) as exc:
                 self.manager.report_error(exc)
         if not self.manager.should_commit():
@@ -239,7 +273,23 @@ class Membership:
                 self.manager.errored() or "too few replicas in the quorum",
             )
             return False
-        assert sent is not None and buffers is not None and exchange is not None
+        assert flight is not None and buffers is not None and exchange is not None
+        # committed on every rank of this replica alike: its ranks all-gather their shards' means inside it (a
+        # failure here is this replica's own rank lost: the replica is gone, and rejoins healed when restarted)
+        sent, residual = flight.gathered()
         loop.exchange = exchange
         loop.apply(f, buffers, sent, residual, t0)
         return True
+
+
+def check_replica_ranks(manager: Any, rank: int, ranks: int, door: str) -> None:
+    """``ValueError`` unless ``manager`` was built for rank ``rank`` of a replica of ``ranks`` ranks (torchft's
+    replica group: one Manager per rank, its ``rank`` and ``world_size`` the replica's own), as ``door`` counts
+    them."""
+    if (manager._group_rank, manager._group_world_size) != (rank, ranks):
+        raise ValueError(
+            f"gradientflow: replicas= got a Manager built for rank {manager._group_rank} of a replica of "
+            f"{manager._group_world_size} rank(s), but this is rank {rank} of the {ranks} rank(s) of {door}. Build "
+            "each rank's Manager with rank=torch.distributed.get_rank(), world_size=torch.distributed."
+            "get_world_size() of the replica's own launch (docs/fault-tolerance.md)."
+        )

@@ -5,6 +5,10 @@ steps, the engine on the node's ranks only, and no gradient exchange at all on a
   each rank steps on its own gradient; every H steps the outer sync.
 - **Nodes of several ranks** (``topology="MxG"`` or torchrun's layout): the engine runs on the node's group,
   flat, dense, every step (the fast link); the outer exchange goes between nodes only, one shard per local rank.
+- **Replicas that come and go** (``replicas=``, a torchft Manager per rank): the process group is one replica.
+  Of one rank: the flat form.  Of several (torchrun per replica): the replica is the node, its ranks average
+  densely every step on a group of the wrapper's own over them, and rank r's shard goes over its Manager's group
+  to rank r of the other replicas (:mod:`gradientflow.outer.membership`).
 
 The inner optimizer's steps drive the loop through :class:`gradientflow.outer.driver.InnerSteps` (torch's global
 optimizer step hooks, one optimizer only, this rank's inner optimizer state in checkpoints), the code
@@ -25,7 +29,7 @@ from ..options_base import advise
 from ..outer.driver import InnerSteps
 from ..outer.exchange import Average
 from ..outer.loop import OuterLoop
-from ..outer.membership import Membership, check_manager
+from ..outer.membership import Membership, check_manager, check_replica_ranks
 from ..outer_options import OUTER_OPTIONS, outer_exchange_of
 from .groups import exchange_group, node_groups, resolve_layout
 
@@ -39,13 +43,31 @@ class FewerSyncs:
     def __init__(self, model: DistributedDataParallel) -> None:
         config: GradientFlowConfig = model.config
         topo = resolve_layout(config, model.process_group)
-        self.two_level = topo.two_level
-        self.per_node = topo.per_node
-        self.local_steps = not topo.two_level  # flat: no forward synchronises
+        world = dist.get_world_size(model.process_group)
+        # replicas= over several ranks: the process group is one replica, the node of the two-level form
+        replica_node = model._gf_replicas is not None and world > 1
+        self.two_level = topo.two_level or replica_node
+        self.per_node = world if replica_node else topo.per_node
+        self.local_steps = not self.two_level  # flat: no forward synchronises
         spec = outer_exchange_of(config.outer_compression, config.outer_density)
         self.node_watchdog: Watchdog | None = None
         self.node_group: Any = None
-        if self.two_level:
+        local = dist.get_rank(model.process_group)
+        if replica_node:
+            # one group of the wrapper's own over the replica: the engine's dense allreduce in the backward, and the
+            # all-gather of the outer means in the optimizer step (after the backward: never both at once)
+            self.node_group = exchange_group(model)
+            self.node_watchdog = Watchdog(self.node_group, model._gf_watchdog.timeout)
+            exchange = Average(
+                spec,
+                self.node_group,  # stands until the first sync: each sync's exchange is over its quorum
+                model._gf_watchdog,
+                int(config.sync_fragments or 1),
+                node=self.node_group,
+                local=local,
+                per_node=world,
+            )
+        elif self.two_level:
             nodes = node_groups(model)
             assert nodes is not None
             self.node_group = nodes.reduce_scatter  # the engine's dense allreduce inside the node
@@ -65,7 +87,8 @@ class FewerSyncs:
         self.membership: Membership | None = None
         if model._gf_replicas is not None:  # replicas that come and go: the exchange is over each sync's quorum
             timeout = resolve_timeout(config.timeout, model.process_group, between_nodes=True)
-            self.membership = Membership(model._gf_replicas, spec, timeout)
+            node = (self.node_group, local, world) if replica_node else (None, 0, 1)
+            self.membership = Membership(model._gf_replicas, spec, timeout, *node)
         self.loop = OuterLoop(
             model._gf_params,
             every=config.sync_every,
@@ -147,14 +170,17 @@ def check(model: DistributedDataParallel) -> None:
                 f"gradientflow: replicas= runs each outer sync among the replicas alive at it, which streaming's "
                 f"overlap (sync_delay={config.sync_delay}) cannot (its exchange spans inner steps). Pass sync_delay=0."
             )
-        if dist.get_world_size(model.process_group) != 1:
+        if resolve_layout(config, model.process_group).two_level:
             raise ValueError(
-                f"gradientflow: replicas= takes one rank per replica, each replica its own launch, but this process "
-                f"group has {dist.get_world_size(model.process_group)} ranks. Launch each replica alone (torchrun "
-                "--nnodes 1 --nproc-per-node 1, or init_process_group with world_size=1) with its own torchft "
-                "Manager (docs/fault-tolerance.md)."
+                f"gradientflow: replicas= takes the process group as one replica, its ranks averaging densely every "
+                f"step, but topology={config.topology!r} splits it into nodes (a replica's launch of several nodes). "
+                "Launch each node as its own replica (torchrun --nnodes 1 --nproc-per-node <GPUs> per node, each "
+                "rank with its own torchft Manager), or pass topology='flat' to average densely across the replica's "
+                "nodes every step (docs/fault-tolerance.md)."
             )
         check_manager(replicas)
+        group = model.process_group
+        check_replica_ranks(replicas, dist.get_rank(group), dist.get_world_size(group), "this process group")
     frags = model.config.sync_fragments
     if frags is not None and frags > len(model._gf_params):
         raise ValueError(
