@@ -161,19 +161,29 @@ def main() -> None:
         exchange.Average.start = dying_start  # type: ignore[method-assign]
     completed: list[dict[str, Any]] = []
     if args.dump:
-        average = exchange.Average.average
+        # an exchange's input at its start, its result once gathered (the replicas' membership completes the exchange
+        # between replicas, votes, then gathers: outer/membership.py); a try that failed never reaches the gather
+        start, gathered = exchange.Average.start, exchange.Flight.gathered
+        handed_in: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
 
-        def recorded(self: exchange.Average, x: torch.Tensor, f: int, what: str) -> Any:
-            given, before = x.clone(), self.residuals[f]
-            before = None if before is None else before.clone()
-            sent, residual = average(self, x, f, what)
+        def recorded_start(self: exchange.Average, x: torch.Tensor, f: int, what: str) -> Any:
+            before = self.residuals[f]
+            given = (x.clone(), None if before is None else before.clone(), self.parties)
+            flight = start(self, x, f, what)
+            handed_in[id(flight)] = given
+            return flight
+
+        def recorded_gathered(self: exchange.Flight) -> Any:
+            sent, residual = gathered(self)
+            given, before, parties = handed_in.pop(id(self))
             after = None if residual is None else residual.clone()
             completed.append(
-                {"steps": loop.steps, "parties": self.parties, "x": given, "before": before, "after": after, "mean": x}
+                {"steps": loop.steps, "parties": parties, "x": given, "before": before, "after": after, "mean": self.x}
             )
             return sent, residual
 
-        exchange.Average.average = recorded  # type: ignore[method-assign]
+        exchange.Average.start = recorded_start  # type: ignore[method-assign]
+        exchange.Flight.gathered = recorded_gathered  # type: ignore[method-assign]
 
     while loop.steps < args.steps:
         g = torch.Generator().manual_seed(1000 * args.replica + loop.steps)  # this replica's own data

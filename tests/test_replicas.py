@@ -149,6 +149,11 @@ def check_named(outs: dict[int, Path], survivors: list[int], redone: bool) -> No
                 "WARNING gradientflow.outer.membership: gradientflow: outer exchange of fragment 0 after step 8" in log
             )
             assert "not applied (try 1)" in log
+        # a long wait's WARNING says why it cannot name the replica waited on (no store among replicas), not a
+        # store that "did not answer"
+        assert "rendezvous store did not answer" not in log, log[-3000:]
+        if redone:  # its advice is what happens next among replicas, not torch DDP's "restart the job"
+            assert "the sync is redone among the replicas alive" in log and "restart the job" not in log, log[-3000:]
 
 
 def test_replica_killed_mid_interval_the_others_go_on(lighthouse: str, tmp_path: Path) -> None:

@@ -122,6 +122,11 @@ class Watchdog:
     their launch and completion to it).
     """
 
+    # a subclass's own words where its group is not one job's ranks (the replicas' quorums, outer/membership.py):
+    unknown_why = "the rendezvous store did not answer"  # why the ranks waited on can be unknown
+    missing_hint: str | None = UNEVEN_INPUTS_HINT  # the commonest cause of a missing rank, or None
+    after_failure = RESTART_ADVICE  # what the user does once the error is raised
+
     def __init__(
         self,
         group: dist.ProcessGroup,
@@ -182,7 +187,7 @@ class Watchdog:
         ]
         reports = self._report_slow(f"{self.step}|{what}")
         if reports is None:
-            parts.append("Which ranks it waits on is unknown (the rendezvous store did not answer).")
+            parts.append(f"Which ranks it waits on is unknown ({self.unknown_why}).")
         else:
             silent = [self.global_ranks[r] for r in range(self.world_size) if r != self.rank and r not in reports]
             if silent:
@@ -225,7 +230,7 @@ class Watchdog:
             raise CommunicationError(
                 f"gradientflow: step {self.step}: {what} not attempted: an earlier collective failed (step "
                 f"{self.failed.step}: {self.failed.collective}, missing ranks {self.failed.missing_ranks}). "
-                + RESTART_ADVICE,
+                + self.after_failure,
                 step=self.step,
                 collective=what,
                 nbytes=nbytes,
@@ -257,7 +262,7 @@ class Watchdog:
         parts = [f"gradientflow: step {self.step}: {what} ({format_bytes(nbytes)}) {cause} on rank {me} {among}."]
         if missing is None:
             parts.append(
-                "Which ranks were missing is unknown (the rendezvous store did not answer): a peer may "
+                f"Which ranks were missing is unknown ({self.unknown_why}): a peer may "
                 "have died or stalled, or ranks issued different collectives."
             )
         elif missing:
@@ -266,10 +271,10 @@ class Watchdog:
                 "or it is stalled (stopped, deadlocked, slow data loading) or not synchronising this step (e.g. "
                 "inside no_sync() while the others synchronise)."
             )
-        if missing is None or missing:
+        if (missing is None or missing) and self.missing_hint:
             # The commonest cause in a first run: one rank's shard had fewer batches (uneven inputs), so it left
             # the loop and closed its connections while the others still synchronise.
-            parts.append(UNEVEN_INPUTS_HINT)
+            parts.append(self.missing_hint)
         elif elsewhere:
             parts.append(
                 "Every rank checked in, but not all at this collective: ranks issued collectives in a "
@@ -282,7 +287,7 @@ class Watchdog:
         for r, w in sorted(elsewhere.items()):
             step, _, coll = w.partition("|")
             parts.append(f"Rank {r} was waiting on {coll} of step {step} instead.")
-        parts.append(RESTART_ADVICE)
+        parts.append(self.after_failure)
         err = CommunicationError(" ".join(parts), step=self.step, collective=what, nbytes=nbytes, missing_ranks=missing)
         self.failed = err
         logger.debug("gradientflow: %s", err)  # raised, not logged: the caller decides what to print

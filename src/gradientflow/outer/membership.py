@@ -101,6 +101,10 @@ class _QuorumWatchdog(Watchdog):
     numbers.  No check-in through a store (the quorum's store is torchft's): which replica was lost is told by the
     next quorum (:meth:`Membership.sync` logs it)."""
 
+    unknown_why = "replicas share no store: the next quorum names a replica lost"
+    missing_hint = None  # a replica does not run out of data: it dies, hangs or is cut off
+    after_failure = "Nothing of this try is applied; the sync is redone among the replicas alive at the next quorum."
+
     def _check_in(self, where: str) -> tuple[list[int] | None, dict[int, str]]:
         return None, {}
 
