@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _loopback_manager import loopback_manager
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import gradientflow
 import gradientflow.fsdp as gf
@@ -83,24 +82,8 @@ def main() -> None:
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("replica", store), rank=args.rank, world_size=args.ranks, timeout=timeout
     )
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=60),
-        connect_timeout=timeout,
-        rank=args.rank,  # torchft's replica group: this rank of the replica's ranks
-        world_size=args.ranks,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname="127.0.0.1",
-        init_sync=False,  # the same seed on every replica: the same initial model
-        max_retries=20,
+    manager = loopback_manager(
+        args.lighthouse, args.replica, store.port, timeout, rank=args.rank, world_size=args.ranks
     )
     if args.ready:  # the first launch: every process up before the first quorum, so all replicas are in it
         Path(args.ready, f"{args.replica}.{args.rank}").touch()

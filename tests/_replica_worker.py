@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _loopback_manager import loopback_manager
 from torch import nn
-from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import gradientflow
 from gradientflow.comm import quantized_ring
@@ -71,25 +70,7 @@ def main() -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)  # this replica
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=60),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname="127.0.0.1",
-        init_sync=False,  # the same seed on every replica: the same initial model
-        max_retries=20,
-    )
+    manager = loopback_manager(args.lighthouse, args.replica, store.port, timeout)
     if args.ready:  # the first launch: every replica heartbeating before the first quorum, so all three are in it
         Path(args.ready, str(args.replica)).touch()
         while len(os.listdir(args.ready)) < args.world:
