@@ -189,6 +189,32 @@ def launch_workers(
     module: str = "gradientflow.bench.runner",
     nproc_per_node: int = 1,
 ) -> tuple[str | None, Path, float]:
+    """:func:`_launch_once`, once more where a loopback launch lost its port: :func:`free_port` closes the port it
+    found before torchrun binds it, and another program (a parallel test, another bench) can take it in between
+    (``EADDRINUSE``); the first try's log is kept as ``launch-<name>.port-taken.log``."""
+    reason, log_path, seconds = _launch_once(
+        name, spec_path, out, nproc, cluster, timeout, threads, module, nproc_per_node
+    )
+    if reason is not None and cluster is None and "EADDRINUSE" in log_path.read_text(errors="replace"):
+        log_path.replace(log_path.with_suffix(".port-taken.log"))
+        reason, log_path, again = _launch_once(
+            name, spec_path, out, nproc, cluster, timeout, threads, module, nproc_per_node
+        )
+        seconds += again
+    return reason, log_path, seconds
+
+
+def _launch_once(
+    name: str,
+    spec_path: Path,
+    out: Path,
+    nproc: int,
+    cluster: Any,
+    timeout: float,
+    threads: int,
+    module: str = "gradientflow.bench.runner",
+    nproc_per_node: int = 1,
+) -> tuple[str | None, Path, float]:
     """Run ``python -m module SPEC`` on ``nproc`` ranks, ``nproc_per_node`` per node: one torchrun on
     loopback (``cluster`` None and one rank per node: every rank in it, as always), one torchrun per node
     of an emulated cluster, or (nodes of several ranks, no cluster) one torchrun per node on loopback;
