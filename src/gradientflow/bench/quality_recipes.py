@@ -115,15 +115,13 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
     import gradientflow as gf
 
     recipe, overrides = parse_recipe(recipe)
+    factor = overrides.pop("steps", 1.0)  # the bench's own option (gf-*, fsdp-*), not the wrapper's
     paper_sgd = recipe in ("gf-paper", "ddp-sgd")
     options: dict[str, Any]
     wrapped: nn.Module
     if is_sharded(recipe):  # FSDP2 / HSDP on the launch's mesh (bench.sharded)
-        factor = overrides.pop("steps", 1.0)
         wrapped = shard(model, recipe, **overrides)  # fsdp-*: fully_shard's options of the variant, if any
         options = {"wrapper": "fully_shard", "mesh": "nodes x ranks per node", **overrides}
-        if factor != 1.0:
-            options["steps_factor"] = factor  # the bench's, not fully_shard's: read by the worker
     elif recipe in ("ddp", "ddp-sgd", *TORCH_PEERS):
         # PowerSGD issues its second allreduce (Q) from a future callback: with two buckets in flight
         # Gloo ranks issue them in different orders and Gloo aborts ("collective mismatch"); one bucket
@@ -152,11 +150,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
             }
         else:  # gf-fp16-dense
             options = {"comm_dtype": "fp16"}
-        factor = overrides.pop("steps", 1.0)
         options.update(overrides)
         wrapped = gf.DistributedDataParallel(model, **options)
-        if factor != 1.0:
-            options["steps_factor"] = factor  # the bench's, not the wrapper's: read by the worker
     params = wrapped.parameters()
     if paper_sgd:
         # gf-paper: momentum lives in CSC's momentum correction, so the optimizer applies none;
@@ -179,6 +174,8 @@ def build_recipe(recipe: str, model: nn.Module, job: Job) -> tuple[nn.Module, to
 
         averager = PeriodicModelAverager(period=POSTLOCAL_PERIOD, warmup_steps=TORCH_PEER_WARMUP)
         opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
+    if factor != 1.0:
+        options["steps_factor"] = factor  # read by the worker: this recipe trains factor x the job's steps
     if isinstance(wrapped, TorchftDiLoCo):  # torchft is imported here, by the recipes that use it only
         options.update(wrapped.attach(opt))
     return wrapped, opt, options
