@@ -326,7 +326,8 @@ def one_run(args: argparse.Namespace, system: str, faults: list[dict[str, Any]],
         server.send_signal(signal.SIGTERM)
         stop(server)
     lines = [json.loads(x) for n in range(args.nodes) for x in _read(run / f"node{n}.jsonl").splitlines()]
-    for n in range(args.nodes):
+    for n in range(args.nodes):  # each node's events (every sync, fault, start and end) and its launcher's tail
+        (Path(args.out) / f"{name}-node{n}.jsonl").write_text(_read(run / f"node{n}.jsonl"))
         (Path(args.out) / f"{name}-launcher{n}.log").write_text(_read(run / f"launcher{n}.log")[-20000:])
     return summarize(name, lines, faults, hang, t0)
 
