@@ -34,13 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _study import evaluate, save_stdlib_windows
+
 MODES = ("fresh", "copied")
-
-
-def evaluate(model: torch.nn.Module, val: tuple[torch.Tensor, torch.Tensor]) -> float:
-    with torch.no_grad():
-        logits = model(val[0])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), val[1].reshape(-1)).item()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -224,25 +220,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from gradientflow.bench.quality_data import corpus_ids
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        train, val, _ = corpus_ids("stdlib")
-        n = (len(val) - 1) // 64
-        starts = torch.linspace(0, n - 1, min(n, 64)).long() * 64  # 64 windows spread over the validation files
-        offs = torch.arange(64)
         data = tmp / "data.pt"  # loaded once here: each restart reads it in a second, not the sources again
-        torch.save(
-            {
-                "train": train,
-                "val_x": val[starts[:, None] + offs].long(),
-                "val_y": val[starts[:, None] + offs + 1].long(),
-            },
-            data,
-        )
+        save_stdlib_windows(data, 64)
         results = {}
         for seed in args.seeds:
             for mode in args.modes:

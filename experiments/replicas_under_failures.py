@@ -27,8 +27,14 @@ anchor.  Recorded per run: wall seconds from the first step to the last replica'
 replicas' anchor) at every sync, the final validation loss of each replica that ended (the anchor after the last
 sync: the same bits on every replica that ended with the others; digests compared), the launchers' restarts per
 node (a node never failed is never restarted), and whether the run ended by itself (no hang) within ``--limit``.
-Goodput: the run's progress per second over the unfailed run's; seconds lost per failure: the difference in wall
-time over the number of failures.
+Goodput: the run's progress per second over the unfailed run's.  Seconds lost per failure, two ways: how long the
+failed replica was out (from the fault to its next sync with the others: the replica-seconds of work missing from
+the averages; median over the faults that fired), and what the survivors paid (the seconds every node spent in sync
+steps beyond the unfailed run's, over the faults that fired: waits on a lost peer up to ``--timeout``, redone
+exchanges, healing a rejoiner).  The difference in wall time says little on a machine with fewer cores than
+replicas: a missing replica frees a core for the others.
+
+``--from-logs DIR`` writes the table again from DIR's saved node logs and ``results.json``, without running.
 
     PYTHONPATH=src python experiments/replicas_under_failures.py --steps 4000 --failures 12 \\
         --out benchmarks/replicas_under_failures
@@ -45,6 +51,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +62,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from _study import evaluate, save_stdlib_windows
 
 SYSTEMS = ("gradientflow", "torchft")
 KINDS = (("kill", "mid"), ("kill", "sync"), ("stop", "mid"), ("stop", "sync"))
@@ -80,12 +89,6 @@ def schedule(n: int, steps: int, every: int, nodes: int, seed: int) -> list[dict
 
 
 # ---- one replica (runs under torchrun in its node's namespace) ---------------------------------------------------
-def evaluate(model: torch.nn.Module, val: tuple[torch.Tensor, torch.Tensor]) -> float:
-    with torch.no_grad():
-        logits = model(val[0])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), val[1].reshape(-1)).item()
-
-
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -361,15 +364,24 @@ def summarize(name: str, lines: list[dict], faults: list[dict], hang: bool, t0: 
         },
         "syncs_not_committed": sum(1 for r in lines if r["event"] == "sync_failed"),
         "fault_times": [r["t"] - begin for r in lines if r["event"] == "fault"],
+        "out_seconds": [_out(r, lines, end) for r in lines if r["event"] == "fault"],
         "syncs": [(r["node"], r["life"], r["progress"], r["t"] - begin) for r in lines if r["event"] == "sync"],
     }
 
 
-def table(results: dict[str, dict], n_faults: int) -> str:
+def _out(fault: dict, lines: list[dict], end: float) -> float:
+    """Seconds the replica that ``fault`` struck was out of the averages: until its next sync (in any life), or the
+    run's end where it never synced again."""
+    back = [r["t"] for r in lines if r["event"] == "sync" and r["node"] == fault["node"] and r["t"] > fault["t"]]
+    return min(back, default=end) - fault["t"]
+
+
+def table(results: dict[str, dict]) -> str:
     rows = [
-        "| system | run | wall s | final val loss (per replica that ended) | / unfailed | goodput | s lost per "
-        "failure | s in sync steps per node | syncs not committed | restarts per node | identical | ended by itself |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | run | wall s | final val loss (per replica that ended) | / unfailed | goodput | s a failed "
+        "replica was out (median) | survivors' extra s in syncs per failure | s in sync steps per node | syncs not "
+        "committed | restarts per node | identical | ended by itself |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system in SYSTEMS:
         base, failed = results.get(f"{system}-unfailed"), results.get(f"{system}-failed")
@@ -378,17 +390,20 @@ def table(results: dict[str, dict], n_faults: int) -> str:
                 continue
             vals = list(res["final_val"].values())
             loss = sum(vals) / len(vals) if vals else float("nan")
-            ratio = goodput = lost = "—"
+            ratio = goodput = out = paid = "—"
             if res is failed and base is not None and base["final_val"]:
                 ref = sum(base["final_val"].values()) / len(base["final_val"])
                 ratio = f"{loss / ref:.4f}"
                 goodput = f"{res['steps_per_second'] / base['steps_per_second']:.2f}"
-                lost = f"{(res['seconds'] - base['seconds']) / max(n_faults, 1):.1f}"
+                fired = max(res["faults_fired"], 1)
+                out = f"{statistics.median(res['out_seconds']):.1f}" if res["out_seconds"] else "—"
+                extra = sum(res["sync_seconds"].values()) - sum(base["sync_seconds"].values())
+                paid = f"{extra / fired:.1f}"
             same = "yes" if len(set(res["digests"].values())) == 1 else "no"
             ended = "no: hang" if res["hang"] else "yes"
             rows.append(
                 f"| {system} | {res['run'].split('-')[1]} | {res['seconds']:.0f} | "
-                f"{' '.join(f'{v:.4f}' for v in vals)} | {ratio} | {goodput} | {lost} | "
+                f"{' '.join(f'{v:.4f}' for v in vals)} | {ratio} | {goodput} | {out} | {paid} | "
                 f"{' '.join(f'{v:.0f}' for v in res['sync_seconds'].values())} | {res['syncs_not_committed']} | "
                 f"{' '.join(str(v) for v in res['restarts'].values())} | {same} | {ended} |"
             )
@@ -419,6 +434,25 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def retable(out: Path) -> None:
+    """The table of a finished launch (``out``: its ``results.json`` and node logs), summarised again."""
+    saved = json.loads((out / "results.json").read_text())
+    results = {}
+    for name, res in saved["results"].items():
+        if not (out / f"{name}-node0.jsonl").exists():
+            raise SystemExit(f"{out}: no node logs for {name} (--from-logs needs the logs a launch saves beside it)")
+        lines = [
+            json.loads(line)
+            for n in range(saved["config"]["nodes"])
+            for line in _read(out / f"{name}-node{n}.jsonl").splitlines()
+            if line.strip()
+        ]
+        results[name] = summarize(name, lines, res["faults"], res["hang"], 0.0)
+    (out / "results.json").write_text(json.dumps({"config": saved["config"], "results": results}, indent=1))
+    (out / "table.md").write_text(table(results))
+    print(table(results))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -444,14 +478,17 @@ def main() -> None:
     ap.add_argument("--grace", type=float, default=90.0, help="seconds the last replica has after the first ended")
     ap.add_argument("--limit", type=float, default=3600.0, help="seconds one run may take: past it, a hang")
     ap.add_argument("--out", default="benchmarks/replicas_under_failures")
+    ap.add_argument("--from-logs", default="", help="write DIR's table again from its saved logs, without running")
     args = ap.parse_args()
+    if args.from_logs:
+        retable(Path(args.from_logs))
+        return
     if args.worker:
         worker(args)
         return
     if args.lighthouse_serve:
         lighthouse(args)
         return
-    from gradientflow.bench.quality_data import corpus_ids
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -460,28 +497,17 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        train, val, _ = corpus_ids("stdlib")
-        n = (len(val) - 1) // 64
-        starts = torch.linspace(0, n - 1, min(n, 256)).long() * 64  # 256 windows spread over the held-out files
-        offs = torch.arange(64)
         data = tmp / "data.pt"  # loaded once here: a restarted replica reads it in a second
-        torch.save(
-            {
-                "train": train,
-                "val_x": val[starts[:, None] + offs].long(),
-                "val_y": val[starts[:, None] + offs + 1].long(),
-            },
-            data,
-        )
+        save_stdlib_windows(data, 256)
         for system in args.systems:
             for plan in ([], faults):
                 res = one_run(args, system, plan, data, tmp)
                 results[res["run"]] = res
                 print(json.dumps({k: v for k, v in res.items() if k not in ("syncs", "faults")}), flush=True)
                 (out / "results.json").write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
-    (out / "table.md").write_text(table(results, len(faults)))
+    (out / "table.md").write_text(table(results))
     plot(results, out / "progress.png")
-    print(table(results, len(faults)))
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -40,20 +40,30 @@ def _lines(final_t: float, lives: dict[int, int], digests: dict[int, str]) -> li
 
 def test_summary_goodput_restarts_and_identical_anchors() -> None:
     base = summarize("gradientflow-unfailed", _lines(70.0, {}, {0: "a", 1: "a", 2: "a"}), [], False, 0.0)
-    failed = summarize("gradientflow-failed", _lines(130.0, {2: 2}, {0: "a", 1: "a", 2: "a"}), [{}, {}], False, 0.0)
+    lines = _lines(130.0, {2: 2}, {0: "a", 1: "a", 2: "a"})
+    # node 2 killed at t = 20 and back in a sync at t = 62 (its last life); node 1 stopped at t = 45, never back
+    lines += [
+        {"node": 2, "life": 0, "t": 20.0, "event": "fault", "id": 0, "step": 15, "kind": "kill", "where": "mid"},
+        {"node": 2, "life": 2, "t": 62.0, "event": "sync", "progress": 60, "dt": 7.0},
+        {"node": 1, "life": 0, "t": 45.0, "event": "fault", "id": 1, "step": 45, "kind": "stop", "where": "mid"},
+    ]
+    failed = summarize("gradientflow-failed", lines, [{}, {}], False, 0.0)
     # from the last first-life start (t = 10) to the last end: 120 steps in 60 s, then in 120 s
     assert base["seconds"] == pytest.approx(60.0) and base["steps_per_second"] == pytest.approx(2.0)
     assert failed["seconds"] == pytest.approx(120.0)
     assert failed["restarts"] == {"0": 0, "1": 0, "2": 2}  # the lives of the one node that failed
-    assert failed["sync_seconds"]["0"] == pytest.approx(2.0)
-    text = table({"gradientflow-unfailed": base, "gradientflow-failed": failed}, 2)
+    assert failed["sync_seconds"] == {"0": pytest.approx(2.0), "1": 0, "2": pytest.approx(7.0)}
+    # out: node 2 from 20 to its sync at 62; node 1 from 45 to the run's end (its last final, t = 130)
+    assert failed["out_seconds"] == [pytest.approx(42.0), pytest.approx(85.0)]
+    text = table({"gradientflow-unfailed": base, "gradientflow-failed": failed})
     row = [r for r in text.splitlines() if "| failed |" in r][0]
-    # goodput 1 / 2; (120 - 60) s over 2 failures; the same digest on every replica that ended
-    assert "| 0.50 | 30.0 |" in row and "| 0 0 2 | yes | yes |" in row
+    # goodput 1 / 2; median out (42 + 85) / 2; the survivors' extra sync seconds (9 - 2) over 2 faults; the same
+    # digest on every replica that ended
+    assert "| 0.50 | 63.5 | 3.5 |" in row and "| 0 0 2 | yes | yes |" in row
 
 
 def test_a_replica_that_ends_apart_from_the_others_is_reported() -> None:
     res = summarize("torchft-failed", _lines(130.0, {1: 1}, {0: "a", 1: "b"}), [{}], True, 0.0)
     assert res["ended"] == [0, 1] and res["hang"]
-    row = [r for r in table({"torchft-failed": res}, 1).splitlines() if "| failed |" in r][0]
+    row = [r for r in table({"torchft-failed": res}).splitlines() if "| failed |" in r][0]
     assert "| no | no: hang |" in row
