@@ -39,7 +39,9 @@ def _as_a_pip_user(
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     assert all(Path(p).resolve() not in (ROOT, EXAMPLES, ROOT / "tests") for p in path), path
     out = user / f"result{tag}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: a rank that aborts (an exit that once ended in "terminate called without an active exception",
+    # intermittently, after the FSDP example's destroy_process_group) prints every thread's stack into the report
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         launches = [[*run, "--standalone", "--nproc-per-node", str(nproc), script]]
