@@ -73,7 +73,7 @@ def _as_a_pip_user(
                 proc.kill()
                 proc.communicate()
     for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-10000:]  # torchrun's summary follows the rank's stacks
     return {**json.loads(out.read_text()), "stdout": outputs[0][0]}
 
 
