@@ -6,5 +6,5 @@ cd /work/main
 for S in 1 2; do
   PYTHONPATH=src .venv/bin/python experiments/replicas_under_failures.py --steps 4000 --every 30 --failures 12 \
     --timeout 20 --stop-seconds 30 --grace 120 --limit 3600 --seed $S --systems gradientflow \
-    --out benchmarks/replicas_under_failures_seed$S > benchmarks/replicas_under_failures_seed$S.log 2>&1
+    --out benchmarks/replicas_under_failures_seed$S
 done
