@@ -33,8 +33,8 @@ def start_transformer_study(steps: int) -> tuple[Job, WorkloadData]:
     return job, WorkloadData(job, 0, dist.get_rank(), dist.get_world_size())
 
 
-WINDOW = 64
-"""Tokens per validation window, the quality bench's transformer's context."""
+WINDOW = Job.seq_len
+"""Tokens per validation window: the quality bench's transformer's context (64)."""
 
 
 def save_stdlib_windows(path: Path, windows: int) -> None:

@@ -29,10 +29,10 @@ sync: the same bits on every replica that ended with the others; digests compare
 node (a node never failed is never restarted), and whether the run ended by itself (no hang) within ``--limit``.
 Goodput: the run's progress per second over the unfailed run's.  Seconds lost per failure, two ways: how long the
 failed replica was out (from the fault to its next sync with the others: the replica-seconds of work missing from
-the averages; median over the faults that fired), and what the survivors paid (the seconds every node spent in sync
-steps beyond the unfailed run's, over the faults that fired: waits on a lost peer up to ``--timeout``, redone
-exchanges, healing a rejoiner).  The difference in wall time says little on a machine with fewer cores than
-replicas: a missing replica frees a core for the others.
+the averages; median over the faults that fired), and what the syncs paid (the seconds every node, survivors and
+rejoiners alike, spent in sync steps beyond the unfailed run's, over the faults that fired: the survivors' waits on
+a lost peer up to ``--timeout``, redone exchanges, healing a rejoiner).  The difference in wall time says little on
+a machine with fewer cores than replicas: a missing replica frees a core for the others.
 
 ``--from-logs DIR`` writes the table again from DIR's saved node logs and ``results.json``, without running.
 
@@ -379,8 +379,8 @@ def _out(fault: dict, lines: list[dict], end: float) -> float:
 def table(results: dict[str, dict]) -> str:
     rows = [
         "| system | run | wall s | final val loss (per replica that ended) | / unfailed | goodput | s a failed "
-        "replica was out (median) | survivors' extra s in syncs per failure | s in sync steps per node | syncs not "
-        "committed | restarts per node | identical | ended by itself |",
+        "replica was out (median) | extra s in sync steps per failure (every node) | s in sync steps per node | "
+        "syncs not committed | restarts per node | identical | ended by itself |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system in SYSTEMS:

@@ -57,7 +57,7 @@ def test_summary_goodput_restarts_and_identical_anchors() -> None:
     assert failed["out_seconds"] == [pytest.approx(42.0), pytest.approx(85.0)]
     text = table({"gradientflow-unfailed": base, "gradientflow-failed": failed})
     row = [r for r in text.splitlines() if "| failed |" in r][0]
-    # goodput 1 / 2; median out (42 + 85) / 2; the survivors' extra sync seconds (9 - 2) over 2 faults; the same
+    # goodput 1 / 2; median out (42 + 85) / 2; every node's extra sync seconds (9 - 2) over 2 faults; the same
     # digest on every replica that ended
     assert "| 0.50 | 63.5 | 3.5 |" in row and "| 0 0 2 | yes | yes |" in row
 
