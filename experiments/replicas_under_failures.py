@@ -117,7 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     train, val = data["train"], (data["val_x"], data["val_y"])
     dist.init_process_group("gloo", timeout=timeout)  # this replica's own group (torchrun's store), one rank
     torch.manual_seed(args.seed)  # every replica and life builds the same initial model
-    model = tiny_transformer(256, d_model=128, n_layers=2, n_heads=4, seq_len=64)
+    d_model, n_layers = (int(v) for v in args.size.split("x"))
+    model = tiny_transformer(256, d_model=d_model, n_layers=n_layers, n_heads=4, seq_len=64)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     ip = args.ip
     store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -300,7 +301,7 @@ def one_run(args: argparse.Namespace, system: str, faults: list[dict[str, Any]],
             cmd += ["--monitor-interval", "0.5", os.path.abspath(__file__), "--worker", "--system", system]
             cmd += ["--at-node", str(node), "--nodes", str(args.nodes), "--ip", cluster.addresses[node]]
             cmd += ["--lighthouse", address, "--data", str(data), "--workdir", str(run), "--schedule", str(plan)]
-            cmd += ["--steps", str(args.steps), "--every", str(args.every), "--lr", str(args.lr)]
+            cmd += ["--steps", str(args.steps), "--every", str(args.every), "--lr", str(args.lr), "--size", args.size]
             cmd += ["--seed", str(args.seed), "--timeout", str(args.timeout)]
             with open(run / f"launcher{node}.log", "w") as out:
                 launchers.append(cluster.popen(node, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -467,6 +468,12 @@ def main() -> None:
     ap.add_argument("--schedule", default="")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--rate", default="1gbit", help="each node's link to the switch, each way")
+    ap.add_argument(
+        "--size",
+        default="128x2",
+        help="the transformer's d_model x layers: 128x2 steps about 12 times a second on 3 replicas of this 2-core "
+        "machine, 256x4 about 3 times (a step's seconds set how many steps a fault's seconds cost)",
+    )
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--every", type=int, default=30, help="sync_every (H) of both systems")
     ap.add_argument("--lr", type=float, default=2e-3)

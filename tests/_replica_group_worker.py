@@ -11,6 +11,9 @@ world_size = its ranks: torchft's replica group), the model behind ``--door``:
 After every outer sync it appends one JSON line to ``--out``: the inner step count, a digest of this rank's anchor
 and the number of live replicas.  ``--kill-at K``: SIGKILLs itself after inner step K (every rank of the replica
 passes it: the ranks step in lockstep, so the whole replica dies there, as torchrun takes a replica down).
+``--kill-in-sync K``: SIGKILLs itself inside the outer sync after step K, between the quantised ring's rounds (the
+test passes it to one rank of the replica: the others are taken down by the harness, as torchrun's agent does).
+Warnings are logged to stderr (the launch's log), as a user's ``logging.basicConfig`` would.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -32,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import gradientflow
 import gradientflow.fsdp as gf
+from gradientflow.comm import quantized_ring
 from gradientflow.fsdp.counters import comms
 from gradientflow.fsdp.outer import outer_of
 
@@ -72,10 +77,12 @@ def main() -> None:
     ap.add_argument("--compression", default="3bit")
     ap.add_argument("--sleep", type=float, default=0.1)
     ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--kill-in-sync", type=int, default=0)
     ap.add_argument("--ready", default="")  # a folder: wait until --world processes are ready before the first quorum
     ap.add_argument("--world", type=int, default=6)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     timeout = timedelta(seconds=20)
 
     store = replica_store(Path(args.rdv), args.rank, timeout)
@@ -120,6 +127,15 @@ def main() -> None:
 
     if loop.syncs:  # joined a running job: its first sync is already done
         record()
+    if args.kill_in_sync:
+        advance = quantized_ring.QuantizedRing._advance
+
+        def dying(self: quantized_ring.QuantizedRing) -> None:  # between the ring's rounds: its peers wait on it
+            if loop.steps == args.kill_in_sync:
+                os.kill(os.getpid(), signal.SIGKILL)
+            advance(self)
+
+        quantized_ring.QuantizedRing._advance = dying  # type: ignore[method-assign]
     while True:
         opt.zero_grad()
         loss.backward()

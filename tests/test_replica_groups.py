@@ -12,6 +12,11 @@ every step), the anchor the whole model on both ranks.  Specifications, for each
   after the kill among the two; restarted (a new launch of both ranks), it joins at a later sync healed rank by rank
   from a live peer, and from there to the end holds the survivors' anchor, bit for bit (one test: the kill and the
   rejoin in one run).
+- a replica killed inside an outer sync, one of its ranks dying between the quantised ring's rounds while its other
+  rank goes on in that sync until the harness takes the replica down (torchrun's agent does the same): the sync is
+  redone among the two survivors by both their ranks (a rank whose own ring had completed too: a replica's ranks
+  commit a sync together or not at all), so rank r's anchor stays the same bits in both survivors
+  and, for ``ddp``, on both ranks, after every sync; the dying replica never committed that sync on any rank.
 
 Before this, ``fully_shard`` took no ``replicas=`` and the DDP door refused a process group of several ranks: each
 replica failed at construction.  Every process has a timeout and is killed at the end.
@@ -50,7 +55,7 @@ class Launches:
     def out(self, replica: int, rank: int) -> Path:
         return self.tmp / f"replica{replica}.rank{rank}.jsonl"
 
-    def start(self, replica: int, extra: list[str], ready: Path | None = None) -> None:
+    def start(self, replica: int, extra: list[str], ready: Path | None = None, rank0: list[str] = ()) -> None:
         self.launches += 1
         rdv = self.tmp / f"launch{self.launches}.port"  # a fresh rendezvous per launch (a restart's own)
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -59,7 +64,7 @@ class Launches:
             out = self.out(replica, rank)
             cmd = [sys.executable, str(WORKER), "--lighthouse", self.lighthouse, "--door", self.door]
             cmd += ["--replica", str(replica), "--rank", str(rank), "--ranks", str(RANKS), "--rdv", str(rdv)]
-            cmd += ["--out", str(out), "--world", str(REPLICAS * RANKS), *extra]
+            cmd += ["--out", str(out), "--world", str(REPLICAS * RANKS), *extra, *(rank0 if rank == 0 else [])]
             if ready is not None:
                 cmd += ["--ready", str(ready)]
             log = open(out.with_suffix(f".{self.launches}.log"), "w")
@@ -95,12 +100,19 @@ def lighthouse():
     server.shutdown()
 
 
-def run(lighthouse: str, door: str, tmp: Path, per_replica: dict[int, list[str]], restart: int | None = None):
+def run(
+    lighthouse: str,
+    door: str,
+    tmp: Path,
+    per_replica: dict[int, list[str]],
+    restart: int | None = None,
+    rank0: dict[int, list[str]] | None = None,
+):
     ready = tmp / "ready"
     ready.mkdir()
     launches = Launches(lighthouse, door, tmp)
     for r in range(REPLICAS):
-        launches.start(r, per_replica[r], ready=ready)
+        launches.start(r, per_replica[r], ready=ready, rank0=(rank0 or {}).get(r, []))
     deadline = time.monotonic() + LIMIT_S
     restarted = False
     try:
@@ -168,6 +180,24 @@ def test_replica_of_two_ranks_restarted_joins_with_the_others_anchor(
     live = {s: rec["live"] for s, rec in records(launches.out(0, 0)).items()}
     assert any(live[s] == 2 for s in live if 6 < s < joined[0]), live  # the survivors synced without it first
     check_identical({k: v for k, v in found.items() if k[0] != 2}, door, list(range(EVERY, 61, EVERY)))
+
+
+@pytest.mark.parametrize("door", ["fsdp", "ddp"])
+def test_replica_of_two_ranks_killed_inside_a_sync_both_survivors_ranks_redo_it(
+    lighthouse: str, tmp_path: Path, door: str
+) -> None:
+    launches = run(lighthouse, door, tmp_path, {r: COMMON for r in range(REPLICAS)}, rank0={2: ["--kill-in-sync", "8"]})
+    found = anchors(launches, [0, 1], door, STEPS)
+    check_identical(found, door, list(range(EVERY, STEPS + 1, EVERY)))
+    for rank in range(RANKS):  # it synchronised once; the sync it died in was committed by none of its ranks
+        assert max(records(launches.out(2, rank)), default=0) == EVERY, launches.logs(2)
+        live = {s: rec["live"] for s, rec in records(launches.out(0, rank)).items()}
+        assert live[EVERY] == REPLICAS and all(live[s] == 2 for s in live if s > EVERY), live
+    for r in (0, 1):  # every rank of both survivors redid the sync after step 8, naming the replica that left
+        for rank in range(RANKS):
+            log = launches.out(r, rank).with_suffix(f".{r + 1}.log").read_text()  # its launch, the (r+1)-th
+            assert "replica(s) [2] left" in log, log[-3000:]
+            assert "after step 8" in log and "not applied (try 1)" in log, log[-3000:]
 
 
 # ---- what replicas= still refuses, with what to pass: checked before anything is built, on every rank ------------
