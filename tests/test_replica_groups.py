@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ class Launches:
     def out(self, replica: int, rank: int) -> Path:
         return self.tmp / f"replica{replica}.rank{rank}.jsonl"
 
-    def start(self, replica: int, extra: list[str], ready: Path | None = None, rank0: list[str] = ()) -> None:
+    def start(self, replica: int, extra: list[str], ready: Path | None = None, rank0: Sequence[str] = ()) -> None:
         self.launches += 1
         rdv = self.tmp / f"launch{self.launches}.port"  # a fresh rendezvous per launch (a restart's own)
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
